@@ -1,0 +1,62 @@
+// Host-side interface of the CUDA sources: kernel launches and the IPC workspace. Plain CUDA runtime types
+// only (no torch), so csrc/*.cu compiles with nvcc alone; torch_bindings.cpp adapts it to torch ops.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ar_types.h"
+
+namespace sgl_sm120 {
+
+// Values are part of the Python API (sgl_kernel_sm120/variants.py): keep them in step.
+enum class Variant : int { kOneShot = 0, kTwoShot = 1, kIsland = 2 };
+enum class ElemType : int { kBFloat16 = 0, kFloat16 = 1 };
+
+struct LaunchShape {
+  int threads;     // plain kernels: threads per CTA
+  int max_blocks;  // at most this many CTAs (<= SM count, I8)
+};
+
+cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp, void* out,
+                              long long numel, const LaunchShape& shape, cudaStream_t stream);
+
+cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp,
+                                          const void* residual, const void* weight, void* norm_out,
+                                          void* residual_out, int rows, int hidden, float eps,
+                                          const LaunchShape& shape, cudaStream_t stream);
+
+// One rank's share of the IPC workspace: its slab (plain cudaMalloc, so legacy IPC export works whatever the
+// torch allocator settings), the peers' slabs once opened, and the host-mapped error record.
+struct Workspace {
+  int device = -1;
+  int sm_count = 0;
+  long long slab_bytes = 0;
+  char* local = nullptr;
+  bool peer_opened[kMaxWorld] = {};
+  ErrorRecord* error_host = nullptr;
+  WorkspaceView view{};
+};
+
+struct WorkspaceConfig {
+  int device;
+  int rank;
+  int world;
+  long long max_numel;  // elements of 2 bytes
+  long long timeout_ns;
+  Topology flat;
+  Topology islands;  // num_islands == 0: none
+};
+
+// Each returns an empty string on success, else what failed (the binding raises it).
+std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out);
+std::string workspace_ipc_handle(const Workspace* ws, cudaIpcMemHandle_t* handle);
+std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handles);
+std::string workspace_destroy(Workspace* ws);
+// Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
+std::string workspace_dirty_halves(const Workspace* ws, long long* count);
+std::string workspace_sequence(const Workspace* ws, unsigned long long* seq);
+
+}  // namespace sgl_sm120

@@ -1,0 +1,179 @@
+// The push protocol shared by every all-reduce variant: workspace layout, readiness carried in the data
+// (sentinel half-words), bounded spin-waits, the device-side call sequence, and the timeout report.
+//
+// Protocol invariants (each one is relied on by code in ar_kernels.cu; the line that relies on it says so):
+//
+//  I1  Scratch is "empty" when every 16-bit half-word holds kEmptyHalf (0x8000, the bit pattern of -0.0 in
+//      bf16 and fp16). The host fills the whole slab with it once, at creation, and never again.
+//  I2  A producer never writes kEmptyHalf: it remaps a real -0.0 to +0.0 before the store (remap_half_pack).
+//      fp32 partials are written as 32-bit words and never equal kEmptyWord (remap_word_pack maps that one
+//      denormal pattern, -2^-134, to -0.0; sums of bf16/fp16 inputs cannot produce it).
+//      Because the remap changes what peers see, the producer also uses the remapped value itself, so every
+//      rank reduces bit-identical operands.
+//  I3  A consumer treats a 16-byte pack as ready only when none of its half-words (or, for fp32 packs, none
+//      of its words) is empty. Each lane is checked on its own, so a pack that lands in pieces is not read
+//      early, whatever the granularity at which the link splits the store.
+//  I4  Every consumed pack is written back to empty by its consumer, in the same kernel. So when a call
+//      ends on every rank, all scratch it used is empty again, whatever variant or size the next call has.
+//  I5  Scratch is double-buffered by the parity of the call sequence number `seq`, which lives in device
+//      memory and is advanced by the last CTA of each call (never by the host, so a captured graph replays
+//      correctly). A rank in call s writes into parity s&1 of its peers. A peer can still be in call s-1
+//      (reading parity (s-1)&1, a different buffer) but not in call s-2: our call s-1 needed that peer's
+//      pushes of call s-1, which it issues only after its call s-2 has completed (same stream). So the
+//      buffer we write was emptied (I4) by a kernel that has finished.
+//  I6  One workspace is used from one stream at a time: seq and the arrival counter assume the calls of a
+//      rank are totally ordered. Capture on one stream and replay on another is fine; concurrent use is not.
+//  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank records rank,
+//      peer, phase, seq and the time waited in host-mapped memory, then the kernel traps, so the process
+//      gets a CUDA error rather than a hang and the Python side can name the peer that never arrived.
+//  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
+//      a launch are co-resident (grid <= SM count), so no CTA waits on a peer CTA that cannot be scheduled.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "ar_types.h"
+
+namespace sgl_sm120 {
+
+__device__ __forceinline__ uint4 load_volatile(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_volatile(void* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool word_has_empty_half(uint32_t w) {
+  return (w & 0xFFFFu) == kEmptyHalf || (w >> 16) == kEmptyHalf;
+}
+
+// I3 for packs of 16-bit elements.
+__device__ __forceinline__ bool half_pack_has_empty(uint4 v) {
+  return word_has_empty_half(v.x) || word_has_empty_half(v.y) || word_has_empty_half(v.z) ||
+         word_has_empty_half(v.w);
+}
+
+// I3 for packs of fp32 partials.
+__device__ __forceinline__ bool word_pack_has_empty(uint4 v) {
+  return v.x == kEmptyWord || v.y == kEmptyWord || v.z == kEmptyWord || v.w == kEmptyWord;
+}
+
+__device__ __forceinline__ uint32_t remap_half_word(uint32_t w) {
+  uint32_t lo = w & 0xFFFFu;
+  uint32_t hi = w >> 16;
+  lo = lo == kEmptyHalf ? 0u : lo;
+  hi = hi == kEmptyHalf ? 0u : hi;
+  return lo | (hi << 16);
+}
+
+// I2: -0.0 -> +0.0 so that no real value reads as empty.
+__device__ __forceinline__ uint4 remap_half_pack(uint4 v) {
+  return make_uint4(remap_half_word(v.x), remap_half_word(v.y), remap_half_word(v.z), remap_half_word(v.w));
+}
+
+__device__ __forceinline__ uint32_t remap_word(uint32_t w) { return w == kEmptyWord ? 0x80000000u : w; }
+
+__device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord); }
+
+// I7: record the first timeout of this rank where the host can read it, then abort the kernel.
+__device__ __noinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
+                                                     unsigned long long seq, unsigned long long waited) {
+  if (atomicCAS(&ws.ctrl->report_claim, 0u, 1u) == 0u) {
+    volatile ErrorRecord* rec = ws.error;
+    rec->rank = ws.rank;
+    rec->peer = peer;
+    rec->phase = phase;
+    rec->seq = static_cast<long long>(seq);
+    rec->waited_ns = static_cast<long long>(waited);
+    __threadfence_system();
+    rec->flag = 1;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// Spin until the pack at `addr` (local scratch written by `peer`) is ready (I3), bounded by I7.
+template <bool kWordPack>
+__device__ __forceinline__ uint4 wait_for_pack(const WorkspaceView& ws, const void* addr, int peer, int phase,
+                                               unsigned long long seq) {
+  uint4 v = load_volatile(addr);
+  bool empty = kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
+  if (!empty) return v;
+  const unsigned long long start = global_timer_ns();
+  unsigned int spins = 0;
+  while (true) {
+    v = load_volatile(addr);
+    empty = kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
+    if (!empty) return v;
+    if ((++spins & 255u) == 0u) {
+      const unsigned long long waited = global_timer_ns() - start;
+      if (waited > static_cast<unsigned long long>(ws.timeout_ns)) report_timeout_and_trap(ws, peer, phase, seq, waited);
+    }
+  }
+}
+
+// Take a ready pack and leave the slot empty for a later call (I4). SGL_SM120_DEBUG_NO_CLEAR breaks I4 on
+// purpose: the tests must then see stale data or dirty scratch.
+template <bool kWordPack>
+__device__ __forceinline__ uint4 consume_pack(const WorkspaceView& ws, void* addr, int peer, int phase,
+                                              unsigned long long seq) {
+  const uint4 v = wait_for_pack<kWordPack>(ws, addr, peer, phase, seq);
+#ifndef SGL_SM120_DEBUG_NO_CLEAR
+  store_volatile(addr, empty_pack());
+#endif
+  return v;
+}
+
+// I5. SGL_SM120_DEBUG_SINGLE_BUFFER breaks it on purpose: a fast rank then overwrites scratch that a slow
+// peer has not read yet.
+__device__ __forceinline__ int parity_of(unsigned long long seq) {
+#ifdef SGL_SM120_DEBUG_SINGLE_BUFFER
+  (void)seq;
+  return 0;
+#else
+  return static_cast<int>(seq & 1ull);
+#endif
+}
+
+__device__ __forceinline__ char* region_of(const WorkspaceView& ws, int rank, int parity) {
+  return ws.bases[rank] + kCtrlBytes + static_cast<long long>(parity) * ws.region_bytes;
+}
+
+// Read seq once per CTA at entry (I5). Must be followed by __syncthreads before use.
+__device__ __forceinline__ void load_sequence(const WorkspaceView& ws, unsigned long long* shared_seq) {
+  if (threadIdx.x == 0) *shared_seq = *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq);
+}
+
+// The last CTA to finish advances seq (I5). Every CTA read seq before arriving, so none sees the new value.
+__device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned int prev = atomicAdd(&ws.ctrl->arrive, 1u);
+    if (prev == gridDim.x - 1) {
+      ws.ctrl->arrive = 0u;
+      *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq) = seq + 1ull;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace sgl_sm120

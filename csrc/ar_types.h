@@ -1,0 +1,62 @@
+// Plain data shared by host and device code: constants, the workspace view passed to every kernel, and the
+// records the kernels keep in device and host-mapped memory. Host-compilable (no device code).
+#pragma once
+
+#include <cstdint>
+
+namespace sgl_sm120 {
+
+
+constexpr int kMaxWorld = 8;
+constexpr int kPackBytes = 16;      // one vector store: 8 x 16-bit elements
+constexpr int kElemsPerPack = 8;
+constexpr long long kCtrlBytes = 4096;  // head of the slab: Ctrl, never IPC-written by peers
+constexpr uint32_t kEmptyHalf = 0x8000u;
+constexpr uint32_t kEmptyWord = 0x80008000u;
+
+// Local-only control block at the start of each rank's slab.
+struct Ctrl {
+  unsigned long long seq;     // number of calls completed on this workspace (I5)
+  unsigned int arrive;        // CTAs that finished the current call
+  unsigned int report_claim;  // first timed-out thread claims the report (I7)
+};
+
+// Host-mapped (cudaHostAllocMapped) so the CPU can read it after the kernel traps and the context is gone.
+struct ErrorRecord {
+  int flag;  // 1 once written
+  int rank;
+  int peer;
+  int phase;
+  long long seq;
+  long long waited_ns;
+};
+
+enum Phase : int { kPhaseOneShot = 1, kPhaseReduceScatter = 2, kPhaseCrossIsland = 3, kPhaseAllGather = 4 };
+
+// Rank placement for the hierarchical schedule: `num_islands` islands of `island_size` ranks each.
+// The flat two-shot schedule is the special case of one island holding every rank.
+struct Topology {
+  int island_size;
+  int num_islands;
+  int my_island;
+  int my_index;                    // position of this rank inside its island
+  int island_ranks[kMaxWorld];     // ranks of this rank's island, by position
+  int twin_ranks[kMaxWorld];       // rank at this rank's position in island g, by g
+};
+
+// Everything a kernel needs to find scratch; passed by value, identical for every call of a workspace.
+struct WorkspaceView {
+  char* bases[kMaxWorld];  // slab base of each rank, mapped into this process (own slab included)
+  int rank;
+  int world;
+  long long region_bytes;      // bytes of one parity region
+  long long oneshot_slot_bytes;  // one-shot: one slot per sender, max payload each
+  long long chunk_slot_bytes;    // hierarchical: one slot per sender, one owner's share of the max payload
+  Ctrl* ctrl;
+  ErrorRecord* error;  // device pointer of the host-mapped record
+  long long timeout_ns;
+  Topology flat;
+  Topology islands;
+};
+
+}  // namespace sgl_sm120

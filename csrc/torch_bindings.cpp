@@ -1,0 +1,192 @@
+// torch ops of sgl_kernel_sm120: a workspace is an opaque int64 handle owned by the Python class
+// IpcAllReduce, which does the collective steps (handle exchange, joint error checks) over its process group.
+// Argument checks that decide correctness (dtype, contiguity, sizes) are repeated here so a direct call of
+// an op cannot write out of bounds; the Python side checks first and explains.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ar_launch.h"
+
+namespace sgl_sm120 {
+namespace {
+
+Workspace* as_workspace(int64_t handle) {
+  TORCH_CHECK(handle != 0, "sgl_kernel_sm120: workspace handle is null (closed?)");
+  return reinterpret_cast<Workspace*>(handle);
+}
+
+void check_ok(const std::string& err) { TORCH_CHECK(err.empty(), "sgl_kernel_sm120: ", err); }
+
+Topology make_topology(const std::vector<int64_t>& island_ranks, const std::vector<int64_t>& twin_ranks,
+                       int64_t my_island, int64_t my_index) {
+  Topology t{};
+  t.island_size = static_cast<int>(island_ranks.size());
+  t.num_islands = static_cast<int>(twin_ranks.size());
+  TORCH_CHECK(t.island_size <= kMaxWorld && t.num_islands <= kMaxWorld, "topology larger than 8 ranks");
+  t.my_island = static_cast<int>(my_island);
+  t.my_index = static_cast<int>(my_index);
+  for (int i = 0; i < t.island_size; ++i) t.island_ranks[i] = static_cast<int>(island_ranks[i]);
+  for (int i = 0; i < t.num_islands; ++i) t.twin_ranks[i] = static_cast<int>(twin_ranks[i]);
+  return t;
+}
+
+// flat_* describe the one-island (two-shot) placement; isl_* the island placement (empty lists: none).
+int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, double timeout_s,
+                  std::vector<int64_t> flat_island_ranks, std::vector<int64_t> flat_twin_ranks,
+                  int64_t flat_my_island, int64_t flat_my_index, std::vector<int64_t> isl_island_ranks,
+                  std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island, int64_t isl_my_index) {
+  WorkspaceConfig cfg{};
+  cfg.device = static_cast<int>(device);
+  cfg.rank = static_cast<int>(rank);
+  cfg.world = static_cast<int>(world);
+  cfg.max_numel = max_numel;
+  cfg.timeout_ns = static_cast<long long>(timeout_s * 1e9);
+  cfg.flat = make_topology(flat_island_ranks, flat_twin_ranks, flat_my_island, flat_my_index);
+  cfg.islands = make_topology(isl_island_ranks, isl_twin_ranks, isl_my_island, isl_my_index);
+  Workspace* ws = nullptr;
+  check_ok(workspace_create(cfg, &ws));
+  return reinterpret_cast<int64_t>(ws);
+}
+
+at::Tensor ws_ipc_handle(int64_t handle) {
+  cudaIpcMemHandle_t h;
+  check_ok(workspace_ipc_handle(as_workspace(handle), &h));
+  at::Tensor out = at::empty({static_cast<int64_t>(sizeof(h))}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(out.data_ptr(), &h, sizeof(h));
+  return out;
+}
+
+void ws_open_peers(int64_t handle, const at::Tensor& handles) {
+  Workspace* ws = as_workspace(handle);
+  TORCH_CHECK(handles.device().is_cpu() && handles.scalar_type() == at::kByte && handles.dim() == 2 &&
+                  handles.size(0) == ws->view.world &&
+                  handles.size(1) == static_cast<int64_t>(sizeof(cudaIpcMemHandle_t)),
+              "handles must be a CPU uint8 tensor [world, 64]");
+  at::Tensor c = handles.contiguous();
+  std::vector<cudaIpcMemHandle_t> hs(ws->view.world);
+  std::memcpy(hs.data(), c.data_ptr(), hs.size() * sizeof(cudaIpcMemHandle_t));
+  check_ok(workspace_open_peers(ws, hs.data()));
+}
+
+void ws_destroy(int64_t handle) { check_ok(workspace_destroy(reinterpret_cast<Workspace*>(handle))); }
+
+// Address of the host-mapped ErrorRecord, read from Python through ctypes without any CUDA call (the
+// context may be dead after a timeout trap).
+int64_t ws_error_record_address(int64_t handle) { return reinterpret_cast<int64_t>(as_workspace(handle)->error_host); }
+
+int64_t ws_dirty_halves(int64_t handle) {
+  long long n = 0;
+  check_ok(workspace_dirty_halves(as_workspace(handle), &n));
+  return n;
+}
+
+int64_t ws_sequence(int64_t handle) {
+  unsigned long long s = 0;
+  check_ok(workspace_sequence(as_workspace(handle), &s));
+  return static_cast<int64_t>(s);
+}
+
+int64_t ws_sm_count(int64_t handle) { return as_workspace(handle)->sm_count; }
+
+ElemType elem_type_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+              "sgl_kernel_sm120: only bfloat16 and float16 are supported, got ", t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? ElemType::kBFloat16 : ElemType::kFloat16;
+}
+
+void check_io(const Workspace* ws, const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.get_device() == ws->device, name, " must be on cuda:", ws->device);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+Variant variant_of(const Workspace* ws, int64_t v) {
+  TORCH_CHECK(v >= 0 && v <= 2, "unknown variant ", v);
+  const Variant variant = static_cast<Variant>(v);
+  TORCH_CHECK(variant != Variant::kIsland || ws->view.islands.num_islands >= 2,
+              "the island variant needs a workspace created with islands");
+  return variant;
+}
+
+void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
+                int64_t max_blocks) {
+  Workspace* ws = as_workspace(handle);
+  const ElemType type = elem_type_of(inp);
+  check_io(ws, inp, inp, "inp");
+  check_io(ws, out, inp, "out");
+  TORCH_CHECK(out.numel() == inp.numel(), "out must have inp's size");
+  TORCH_CHECK(inp.numel() % kElemsPerPack == 0 && inp.numel() > 0, "numel must be a positive multiple of 8");
+  TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
+  TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "threads must be a multiple of 32 <= 1024");
+  const c10::cuda::CUDAGuard guard(ws->device);
+  const LaunchShape shape{static_cast<int>(threads),
+                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count)))};
+  const cudaError_t err = launch_all_reduce(ws->view, variant_of(ws, variant), type, inp.data_ptr(), out.data_ptr(),
+                                            inp.numel(), shape, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
+}
+
+void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
+                            const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
+                            int64_t variant, int64_t max_blocks) {
+  Workspace* ws = as_workspace(handle);
+  const ElemType type = elem_type_of(inp);
+  TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
+  const int64_t rows = inp.size(0);
+  const int64_t hidden = inp.size(1);
+  TORCH_CHECK(rows > 0 && hidden > 0 && hidden % kElemsPerPack == 0, "hidden must be a positive multiple of 8");
+  TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
+  check_io(ws, inp, inp, "inp");
+  check_io(ws, residual, inp, "residual");
+  check_io(ws, weight, inp, "weight");
+  check_io(ws, norm_out, inp, "norm_out");
+  check_io(ws, residual_out, inp, "residual_out");
+  TORCH_CHECK(residual.sizes() == inp.sizes() && norm_out.sizes() == inp.sizes() &&
+                  residual_out.sizes() == inp.sizes(),
+              "residual, norm_out and residual_out must have inp's shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
+  const c10::cuda::CUDAGuard guard(ws->device);
+  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count)))};
+  const cudaError_t err = launch_all_reduce_add_rmsnorm(
+      ws->view, variant_of(ws, variant), type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+      norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
+      static_cast<float>(eps), shape, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce_add_rmsnorm launch: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace sgl_sm120
+
+TORCH_LIBRARY(sgl_kernel_sm120, m) {
+  using namespace sgl_sm120;
+  m.def(
+      "ws_create(int device, int rank, int world, int max_numel, float timeout_s, int[] flat_island_ranks, "
+      "int[] flat_twin_ranks, int flat_my_island, int flat_my_index, int[] isl_island_ranks, "
+      "int[] isl_twin_ranks, int isl_my_island, int isl_my_index) -> int",
+      &ws_create);
+  m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
+  m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
+  m.def("ws_destroy(int ws) -> ()", &ws_destroy);
+  m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
+  m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
+  m.def("ws_sequence(int ws) -> int", &ws_sequence);
+  m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
+  m.def("all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks) -> ()",
+        &all_reduce);
+  m.def(
+      "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
+      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks) -> ()",
+      &all_reduce_add_rmsnorm);
+}
+
+// The ops register themselves when the library loads; `import sgl_kernel_sm120._C` is the way to load it.
+static PyModuleDef sgl_kernel_sm120_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&sgl_kernel_sm120_module); }

@@ -1,0 +1,341 @@
+"""`IpcAllReduce`: the CUDA IPC workspace of one process group and the two ops that use it.
+
+Construction is collective over a CPU (gloo) process group: every step records its outcome on each rank,
+the outcomes are gathered, and every rank raises together if any rank failed, so no rank is left waiting in
+a later collective for a peer that gave up. Arguments are checked to be identical on every rank.
+
+Use (see DESIGN.md section 3 for the full contract):
+    ar = IpcAllReduce(gloo_group, device, max_numel=64 * 7168)
+    out = ar.all_reduce(x)                                      # x is not written
+    norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6) # fresh outputs unless given
+    ar.close()
+
+One workspace serves one stream at a time (protocol invariant I6 in csrc/ar_protocol.cuh): the calls of a
+rank must be totally ordered. Capturing on a side stream and replaying on another stream is fine.
+Every rank must make the same sequence of calls with the same shapes; `supports()` and the variant choice
+are pure functions of group-identical inputs so that this holds by construction.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import _ext
+from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
+from .link import local_gpu_has_nvlink
+from .variants import Link, Variant, choose_variant, placement, validate_islands
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+DEFAULT_TIMEOUT_S = 5.0
+TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
+PLAIN_THREADS = 512
+_PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}
+
+
+class _ErrorRecord(ctypes.Structure):
+    # Mirrors struct ErrorRecord in csrc/ar_protocol.cuh.
+    _fields_ = [
+        ("flag", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("peer", ctypes.c_int),
+        ("phase", ctypes.c_int),
+        ("seq", ctypes.c_longlong),
+        ("waited_ns", ctypes.c_longlong),
+    ]
+
+
+def _joint_check(group, local_error: str | None, step: str) -> None:
+    """Gather every rank's outcome of `step`; raise the same error on every rank if any failed."""
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, local_error, group=group)
+    failed = {r: e for r, e in enumerate(outcomes) if e}
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        raise IpcAllReduceError(f"IpcAllReduce {step} failed ({detail})")
+
+
+class IpcAllReduce:
+    def __init__(
+        self,
+        group,
+        device,
+        max_numel: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        islands=None,
+        link: str = "auto",
+        timeout_s: float | None = None,
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self.max_numel = int(max_numel)
+        self.dtype = dtype
+        if timeout_s is None:
+            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        self.timeout_s = float(timeout_s)
+        self.threads = PLAIN_THREADS
+        self._handle = 0
+        self._record = None
+        self._stop_watchdog = threading.Event()
+        self._watchdog = None
+
+        # Step 1: arguments, checked locally, then compared across ranks.
+        error = None
+        groups = None
+        try:
+            if self.device.type != "cuda":
+                raise ValueError(f"device must be a CUDA device, got {self.device}")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            if dtype not in SUPPORTED_DTYPES:
+                raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+            if not 1 <= self.world_size <= 8 or self.world_size not in (1, 2, 4, 8):
+                raise ValueError(f"world size must be 1, 2, 4 or 8, got {self.world_size}")
+            if self.max_numel <= 0 or self.max_numel % 8:
+                raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel}")
+            if self.timeout_s <= 0:
+                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            if link not in ("auto", "nvlink", "pcie"):
+                raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
+            groups = validate_islands(islands, self.world_size)
+            _ext.ops()  # kernels built?
+        except Exception as exc:  # every rank must learn about it: see _joint_check
+            error = f"{type(exc).__name__}: {exc}"
+        _joint_check(group, error, "argument check")
+        signature = (self.world_size, self.max_numel, str(dtype), groups, link, self.timeout_s)
+        signatures: list = [None] * self.world_size
+        dist.all_gather_object(signatures, signature, group=group)
+        if any(s != signature for s in signatures):
+            raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {signatures}")
+        self.islands = groups
+        self.num_islands = len(groups) if groups else 1
+
+        # Step 2: link type (agreed: NVLink only if every rank sees it).
+        local_nvlink = link == "nvlink" or (link == "auto" and local_gpu_has_nvlink(self.device))
+        votes: list = [None] * self.world_size
+        dist.all_gather_object(votes, local_nvlink, group=group)
+        self.link = Link.NVLINK if all(votes) else Link.PCIE
+
+        # Step 3: local slab.
+        ops = _ext.ops()
+        flat = placement([list(range(self.world_size))], self.rank)
+        isl = placement(groups, self.rank) if groups else ([], [], 0, 0)
+        error = None
+        try:
+            self._handle = ops.ws_create(
+                self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, *flat, *isl
+            )
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            _joint_check(group, error, "workspace allocation")
+            # Step 4: exchange IPC handles, open the peers' slabs.
+            handles: list = [None] * self.world_size
+            dist.all_gather_object(handles, bytes(ops.ws_ipc_handle(self._handle).tolist()), group=group)
+            error = None
+            if self.world_size > 1:
+                try:
+                    table = torch.tensor([list(h) for h in handles], dtype=torch.uint8)
+                    ops.ws_open_peers(self._handle, table)
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            _joint_check(group, error, "opening peer IPC handles")
+        except Exception:
+            self._release()
+            raise
+        self.sm_count = int(ops.ws_sm_count(self._handle))
+        self.max_blocks = self.sm_count
+        self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
+        self._watchdog = threading.Thread(target=self._watch_for_timeouts, name="sgl-sm120-ar-watchdog", daemon=True)
+        self._watchdog.start()
+        logger.info(
+            "IpcAllReduce rank %d/%d on %s: link=%s islands=%s max_numel=%d timeout=%.1fs",
+            self.rank,
+            self.world_size,
+            self.device,
+            self.link.value,
+            self.islands,
+            self.max_numel,
+            self.timeout_s,
+        )
+
+    # ----------------------------------------------------------------------------------------------------
+    # Eligibility: pure functions of shape, dtype, contiguity and immutable attributes (same on every rank).
+    def supports(self, inp: torch.Tensor) -> bool:
+        return (
+            self._handle != 0
+            and inp.is_cuda
+            and inp.device == self.device
+            and inp.dtype in SUPPORTED_DTYPES
+            and inp.is_contiguous()
+            and 0 < inp.numel() <= self.max_numel
+            and inp.numel() % 8 == 0
+        )
+
+    def supports_add_rmsnorm(self, inp: torch.Tensor) -> bool:
+        return self.supports(inp) and inp.dim() == 2 and inp.shape[-1] % 8 == 0
+
+    def choose_variant(self, nbytes: int) -> Variant:
+        return choose_variant(nbytes, self.world_size, self.link, self.num_islands)
+
+    # ----------------------------------------------------------------------------------------------------
+    def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, variant=None) -> torch.Tensor:
+        """Out-of-place sum over the group. `inp` is never written."""
+        self._check_usable()
+        if not self.supports(inp):
+            raise ValueError(f"IpcAllReduce cannot take this tensor ({self._describe(inp)}); check supports() first")
+        chosen = self._resolve_variant(variant, inp)
+        result = torch.empty_like(inp) if out is None else out
+        if result.shape != inp.shape or result.dtype != inp.dtype or not result.is_contiguous():
+            raise ValueError("out must be a contiguous tensor with inp's shape and dtype")
+        target = result if _aligned(result) else torch.empty_like(inp)
+        _ext.ops().all_reduce(self._handle, _aligned_copy(inp), target, int(chosen), self.threads, self.max_blocks)
+        if target is not result:
+            result.copy_(target)
+        return result
+
+    def all_reduce_add_rmsnorm(
+        self,
+        inp: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        norm_out: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+        *,
+        variant=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight.
+
+        `inp` and `residual` are never written; both outputs are fresh tensors unless given. With the
+        two-shot and island variants the owner of each slice adds its own `residual`: tensor parallelism
+        replicates the residual on every rank, which is what makes that the caller's residual.
+        """
+        self._check_usable()
+        if not self.supports_add_rmsnorm(inp):
+            raise ValueError(
+                f"IpcAllReduce cannot take this tensor ({self._describe(inp)}); check supports_add_rmsnorm() first"
+            )
+        if residual.shape != inp.shape or residual.dtype != inp.dtype:
+            raise ValueError("residual must have inp's shape and dtype")
+        if weight.shape != (inp.shape[-1],) or weight.dtype != inp.dtype:
+            raise ValueError(f"weight must be [{inp.shape[-1]}] of dtype {inp.dtype}")
+        chosen = self._resolve_variant(variant, inp)
+        outs = []
+        for given in (norm_out, residual_out):
+            if given is None:
+                outs.append(torch.empty_like(inp))
+            elif given.shape != inp.shape or given.dtype != inp.dtype or not given.is_contiguous():
+                raise ValueError("norm_out/residual_out must be contiguous with inp's shape and dtype")
+            else:
+                outs.append(given)
+        targets = [o if _aligned(o) else torch.empty_like(inp) for o in outs]
+        _ext.ops().all_reduce_add_rmsnorm(
+            self._handle,
+            _aligned_copy(inp),
+            _aligned_copy(residual.contiguous()),
+            _aligned_copy(weight.contiguous()),
+            float(eps),
+            targets[0],
+            targets[1],
+            int(chosen),
+            self.max_blocks,
+        )
+        for o, t in zip(outs, targets, strict=True):
+            if o is not t:
+                o.copy_(t)
+        return outs[0], outs[1]
+
+    # ----------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release IPC mappings, the slab and the error record. Local (not collective); idempotent.
+
+        Callers must make sure no launched call is still running (synchronize first)."""
+        self._stop_watchdog.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2.0)
+        self._release()
+
+    def timeout_error(self) -> IpcAllReduceTimeoutError | None:
+        """The timeout a kernel of this workspace recorded, if any (a CPU read; works after the trap)."""
+        rec = self._record
+        if rec is None or not rec.flag:
+            return None
+        return IpcAllReduceTimeoutError(
+            rec.rank, rec.peer, _PHASES.get(rec.phase, str(rec.phase)), rec.seq, rec.waited_ns / 1e9
+        )
+
+    def synchronize(self) -> None:
+        """torch.cuda.synchronize for this device, turning a kernel timeout into IpcAllReduceTimeoutError."""
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:
+            err = self.timeout_error()
+            if err is not None:
+                raise err from exc
+            raise
+
+    # Debug views for tests (each synchronizes the device).
+    def scratch_dirty_count(self) -> int:
+        """Half-words of this rank's scratch that are not empty; 0 after every completed call (I4)."""
+        return int(_ext.ops().ws_dirty_halves(self._handle))
+
+    def sequence(self) -> int:
+        """Calls completed on this workspace, as counted on the device."""
+        return int(_ext.ops().ws_sequence(self._handle))
+
+    # ----------------------------------------------------------------------------------------------------
+    def _resolve_variant(self, variant, inp: torch.Tensor) -> Variant:
+        if variant is None:
+            return self.choose_variant(inp.numel() * inp.element_size())
+        chosen = Variant(variant)
+        if chosen is Variant.ISLAND and self.num_islands < 2:
+            raise ValueError("Variant.ISLAND needs a workspace created with islands")
+        return chosen
+
+    def _check_usable(self) -> None:
+        err = self.timeout_error()
+        if err is not None:
+            raise err
+        if self._handle == 0:
+            raise IpcAllReduceError("IpcAllReduce is closed")
+
+    def _watch_for_timeouts(self) -> None:
+        # Log the timeout as soon as a kernel records it, so the server log names the missing peer even when
+        # the CUDA error surfaces somewhere else first.
+        while not self._stop_watchdog.wait(0.25):
+            err = self.timeout_error()
+            if err is not None:
+                logger.error("%s", err)
+                return
+
+    def _release(self) -> None:
+        if self._handle:
+            handle, self._handle = self._handle, 0
+            self._record = None
+            _ext.ops().ws_destroy(handle)
+
+    def _describe(self, t: torch.Tensor) -> str:
+        return (
+            f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device} contiguous={t.is_contiguous()} "
+            f"numel={t.numel()} max_numel={self.max_numel}"
+        )
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    # A view at an odd offset is a local property, not a group-wide one: copy rather than decline.
+    return t if _aligned(t) else t.clone()

@@ -1,0 +1,78 @@
+"""Which algorithm serves a message: a pure function of (bytes, world size, link, islands).
+
+Every rank computes the same answer from the same group-identical inputs, which is what keeps the ranks
+in step: a rank that picked another variant than its peers would wait for pushes that never come.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Variant(enum.IntEnum):
+    # Values are shared with csrc/ar_launch.h (enum class Variant).
+    ONESHOT = 0  # every rank pushes everything to everyone, reduces locally: one hop, (W-1)x bytes
+    TWOSHOT = 1  # flat reduce-scatter to owners + all-gather: two hops, ~2x bytes
+    ISLAND = 2  # reduce-scatter inside each island, fp32 exchange between twins, all-gather: three hops
+
+
+class Link(str, enum.Enum):
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+
+
+# Seeds. NVLink figures were measured on 2x H200 (benchmarks/results/allreduce_*h200*_tp2.json); PCIe
+# figures are untuned starting points taken from the PCIe anchors in shared/notes (all-to-all posted writes
+# collapse on root complexes past a few tens of KB, so larger messages move to the staged schedules).
+NVLINK_ONESHOT_MAX_BYTES = 512 * 1024
+PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
+
+
+def choose_variant(nbytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> Variant:
+    """The variant the dispatch uses for a message of `nbytes` bytes.
+
+    world_size <= 2: one-shot always (two-shot moves the same bytes in twice the hops).
+    NVLink: one-shot up to NVLINK_ONESHOT_MAX_BYTES, then flat two-shot.
+    PCIe: one-shot up to PCIE_ONESHOT_MAX_BYTES[world], then the island schedule when the topology gave
+    two or more islands, else flat two-shot.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    link = Link(link)
+    if world_size <= 2:
+        return Variant.ONESHOT
+    if link is Link.NVLINK:
+        return Variant.ONESHOT if nbytes <= NVLINK_ONESHOT_MAX_BYTES else Variant.TWOSHOT
+    if nbytes <= PCIE_ONESHOT_MAX_BYTES.get(world_size, 16 * 1024):
+        return Variant.ONESHOT
+    return Variant.ISLAND if num_islands >= 2 else Variant.TWOSHOT
+
+
+def validate_islands(islands, world_size: int) -> list[list[int]] | None:
+    """Check a caller-given island partition; returns it normalised, or None for 'no islands'.
+
+    Islands must partition range(world_size) into at least two groups of equal size (the schedule pairs
+    position i of every island). One island, or None, means the flat schedules only.
+    """
+    if islands is None:
+        return None
+    groups = [list(map(int, g)) for g in islands]
+    if len(groups) <= 1:
+        return None
+    flat = sorted(r for g in groups for r in g)
+    if flat != list(range(world_size)):
+        raise ValueError(f"islands {groups} must partition the ranks 0..{world_size - 1} exactly once")
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"islands {groups} must all have the same size")
+    return groups
+
+
+def placement(groups: list[list[int]], rank: int) -> tuple[list[int], list[int], int, int]:
+    """(ranks of my island by position, my twin in each island by island, my island, my position)."""
+    for island, members in enumerate(groups):
+        if rank in members:
+            index = members.index(rank)
+            twins = [g[index] for g in groups]
+            return list(members), twins, island, index
+    raise ValueError(f"rank {rank} is in no island of {groups}")

@@ -1,0 +1,76 @@
+"""Multi-process harness for GPU tests: one spawned process per rank, a gloo group among them, and a verdict
+reduced across the group so that a failure on any rank fails the test (and names the rank).
+
+Ranks may outnumber GPUs (rank r uses GPU r % num_gpus): the kernels only need every rank's slab mapped into
+every other rank, which CUDA IPC also does between processes on one GPU. Such oversubscribed runs check the
+4- and 8-rank schedules for correctness on a 2-GPU machine; they are slow (the GPU time-slices the spinning
+kernels of different processes) and say nothing about speed.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
+    verdict = None
+    try:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            local = None
+            try:
+                fn(rank, world, *args)
+            except BaseException:  # noqa: B036 - report everything, then share it with the group
+                local = traceback.format_exc()
+            verdicts: list = [None] * world
+            dist.all_gather_object(verdicts, local)
+            failures = {r: v for r, v in enumerate(verdicts) if v}
+            if failures:
+                verdict = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failures.items()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: B036
+        verdict = verdict or f"--- rank {rank} (harness) ---\n{traceback.format_exc()}"
+    queue.put((rank, verdict))
+
+
+def run_ranks(world: int, fn, *args, timeout_s: float = 300.0) -> None:
+    """Run fn(rank, world, *args) on `world` processes; raise AssertionError naming every failing rank.
+
+    fn must be a module-level function (it is pickled for spawn). The whole run is bounded by timeout_s:
+    ranks still alive then are killed and the test fails instead of hanging.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, str | None] = {}
+    try:
+        for _ in range(world):
+            rank, verdict = queue.get(timeout=timeout_s)
+            results[rank] = verdict
+    except Exception:
+        pass
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    missing = sorted(set(range(world)) - set(results))
+    problems = [v for v in results.values() if v]
+    if missing:
+        problems.append(f"ranks {missing} reported nothing within {timeout_s:.0f} s (hang or crash)")
+    assert not problems, "\n".join(dict.fromkeys(problems))

@@ -1,0 +1,355 @@
+"""GPU tests of sgl_kernel_sm120.IpcAllReduce: multi-process, every check reduced over all ranks.
+
+Exactness: inputs are small integers, so every partial sum is exactly representable in bf16/fp16 and in
+fp32, and the sum is exact whatever the order. residual_out must then equal the reference bit for bit;
+norm_out goes through rsqrt and a mean whose fp32 summation order differs between the kernel (a block tree)
+and torch, so it may differ by one rounding step of the output type: we allow 1 ulp (2^-7 relative for bf16,
+2^-10 for fp16).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sgl_kernel_sm120 import (
+    IpcAllReduce,
+    IpcAllReduceTimeoutError,
+    Variant,
+    reference_all_reduce,
+    reference_all_reduce_add_rmsnorm,
+)
+from tests.gpu.harness import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+ROWS = [1, 2, 3, 4, 7, 8, 16, 64, 128, 257]
+HIDDENS = [7168, 6144, 4096, 2048, 8]
+DTYPES = [torch.bfloat16, torch.float16]
+EPS = 1e-6
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _need(n: int):
+    return pytest.mark.skipif(_gpus() < n, reason=f"needs {n} GPUs, found {_gpus()}")
+
+
+def _islands(world: int):
+    # Two islands of world/2, the 8-rank PCIe layout scaled down: exercises the cross-island phase.
+    return [list(range(world // 2)), list(range(world // 2, world))] if world >= 2 else None
+
+
+def _variants(world: int):
+    return [Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND] if world >= 2 else [Variant.ONESHOT]
+
+
+def _int_tensor(shape, dtype, seed: int, device, low=-8, high=9) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int32).to(dtype).to(device)
+
+
+def _make(world, rank, max_numel, **kw):
+    return IpcAllReduce(dist.group.WORLD, torch.cuda.current_device(), max_numel, islands=_islands(world), **kw)
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    ref = t.detach().cpu().clone()
+    dist.broadcast(ref, src=0)
+    return torch.equal(ref.view(torch.int16), t.detach().cpu().view(torch.int16))
+
+
+def _stable_seed(*parts) -> int:
+    # Python's hash() of a str differs between processes; every rank must derive the same inputs.
+    return zlib.crc32(repr(parts).encode()) % (1 << 30)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=None):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, max(rows_list) * max(hiddens), timeout_s=timeout_s)
+    failures = []
+    try:
+        for dtype, rows, hidden, variant in itertools.product(dtypes, rows_list, hiddens, _variants(world)):
+            shape = (rows, hidden)
+            tag = f"{dtype} {shape} {variant.name}"
+            seed = _stable_seed(rows, hidden, str(dtype), int(variant))
+            inputs = [_int_tensor(shape, dtype, seed + r, dev) for r in range(world)]
+            residual = _int_tensor(shape, dtype, seed + 1000, dev)
+            weight = _int_tensor((hidden,), dtype, seed + 2000, dev, 1, 4)
+            x = inputs[rank]
+            x_before, res_before = x.clone(), residual.clone()
+
+            out = ar.all_reduce(x, variant=variant)
+            norm, res_out = ar.all_reduce_add_rmsnorm(x, residual, weight, EPS, variant=variant)
+            ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS)
+            expected = sum(t.float() for t in inputs).to(dtype)
+            if not torch.equal(out, expected):
+                failures.append(f"{tag}: all_reduce differs in {(out != expected).sum().item()} elements")
+            if not torch.equal(res_out, ref_res):
+                failures.append(f"{tag}: residual_out differs in {(res_out != ref_res).sum().item()} elements")
+            tol = ULP[dtype] * ref_norm.float().abs() + 1e-6
+            bad = ((norm.float() - ref_norm.float()).abs() > tol).sum().item()
+            if bad:
+                failures.append(f"{tag}: norm_out off by more than 1 ulp in {bad} elements")
+            if not (torch.equal(x, x_before) and torch.equal(residual, res_before)):
+                failures.append(f"{tag}: an input was written")
+            for name, t in (("all_reduce", out), ("norm_out", norm), ("residual_out", res_out)):
+                if not _same_on_all_ranks(t):
+                    failures.append(f"{tag}: {name} is not bitwise identical across ranks")
+        dirty = ar.scratch_dirty_count()
+        if dirty:
+            failures.append(f"scratch not clean after the sweep: {dirty} half-words")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+@_need(2)
+def test_exact_sums_all_shapes_variants_dtypes_2gpu():
+    run_ranks(2, _scenario_exact_shapes, ROWS, HIDDENS, DTYPES)
+
+
+@_need(2)
+@pytest.mark.parametrize("world", [4, 8])
+def test_exact_sums_oversubscribed(world):
+    """4 and 8 ranks on the GPUs we have (ranks share GPUs): checks the 4/8-rank schedules' index arithmetic
+    and the island exchange for correctness only."""
+    run_ranks(world, _scenario_exact_shapes, [1, 3, 64], [7168, 8], [torch.bfloat16], 30.0, timeout_s=600)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_random_vs_fp64(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168)
+    failures = []
+    try:
+        for dtype, rows, variant in itertools.product(DTYPES, [1, 3, 64], _variants(world)):
+            gens = [torch.Generator(device="cpu").manual_seed(100 * r + rows) for r in range(world)]
+            inputs = [torch.randn(rows, 7168, generator=g).to(dtype).to(dev) for g in gens]
+            out = ar.all_reduce(inputs[rank], variant=variant)
+            ref = sum(t.double() for t in inputs)
+            # fp32 accumulation then one rounding: half an ulp of the output plus the fp32 sum's own error.
+            tol = 0.5 * ULP[dtype] * ref.abs() + world * 2.0**-24 * sum(t.double().abs() for t in inputs) + 1e-30
+            bad = ((out.double() - ref).abs() > tol).sum().item()
+            if bad:
+                failures.append(f"{dtype} rows={rows} {variant.name}: {bad} elements outside the fp64 bound")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures)
+
+
+@_need(2)
+def test_random_inputs_against_fp64_reference():
+    run_ranks(2, _scenario_random_vs_fp64)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_special_values(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 4096)
+    failures = []
+    try:
+        for dtype in DTYPES:
+            info = torch.finfo(dtype)
+            specials = torch.tensor(
+                [0.0, -0.0, info.max / 4, -info.max / 4, info.tiny, -info.tiny, info.tiny / 8, 1.0, -1.0, 65504 / 8],
+                dtype=torch.float32,
+            ).to(dtype)
+            base = specials.repeat(4096 // specials.numel() + 1)[:4096]
+            mine = torch.roll(base, shifts=rank).to(dev)  # different pairings on each rank
+            inputs = [torch.roll(base, shifts=r).to(dev) for r in range(world)]
+            expected = reference_all_reduce(inputs)
+            for variant in _variants(world):
+                out = ar.all_reduce(mine, variant=variant)
+                # torch.equal treats -0.0 == +0.0: the kernel may return +0.0 for a sum of -0.0s (I2).
+                if not torch.equal(out, expected) or torch.isnan(out).any():
+                    failures.append(f"{dtype} {variant.name}: special values differ")
+                if not _same_on_all_ranks(out):
+                    failures.append(f"{dtype} {variant.name}: not bitwise identical across ranks")
+        if ar.scratch_dirty_count():
+            failures.append("scratch not clean")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures)
+
+
+@_need(2)
+def test_zeros_signed_zeros_large_and_tiny_values():
+    run_ranks(2, _scenario_special_values)
+
+
+# --------------------------------------------------------------------------------------------------------
+SHAPES_CYCLE = [(3, 7168), (64, 7168), (1, 8), (16, 4096), (257, 2048)]
+
+
+def _call_inputs(call: int, world: int, dev, dtype=torch.bfloat16):
+    rows, hidden = SHAPES_CYCLE[call % len(SHAPES_CYCLE)]
+    inputs = [_int_tensor((rows, hidden), dtype, 7919 * call + r, dev) for r in range(world)]
+    residual = _int_tensor((rows, hidden), dtype, 7919 * call + 97, dev)
+    weight = _int_tensor((hidden,), dtype, 7919 * call + 98, dev, 1, 4)
+    return inputs, residual, weight
+
+
+def _scenario_back_to_back(rank, world, calls):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 257 * 7168)
+    failures = []
+    pending = []
+    try:
+        seq0 = ar.sequence()
+        for call in range(calls):
+            inputs, residual, weight = _call_inputs(call, world, dev)
+            variant = _variants(world)[call % len(_variants(world))]
+            if call % 2:
+                pending.append((call, "plain", ar.all_reduce(inputs[rank], variant=variant), inputs, None, None))
+            else:
+                got = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=variant)
+                pending.append((call, "fused", got, inputs, residual, weight))
+        torch.cuda.synchronize()
+        for call, kind, got, inputs, residual, weight in pending:
+            if kind == "plain":
+                ok = torch.equal(got, reference_all_reduce(inputs))
+            else:
+                ok = torch.equal(got[1], reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS)[1])
+            if not ok:
+                failures.append(f"call {call} ({kind}) wrong")
+        if ar.sequence() - seq0 != calls:
+            failures.append(f"device sequence advanced by {ar.sequence() - seq0}, expected {calls}")
+        if ar.scratch_dirty_count():
+            failures.append("scratch not clean after back-to-back calls")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+@_need(2)
+def test_1000_back_to_back_calls_alternating_sizes():
+    run_ranks(2, _scenario_back_to_back, 1000)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_graph(rank, world, calls_in_graph, replays):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 257 * 7168)
+    failures = []
+    try:
+        # Static inputs, one set per captured call (distinct addresses inside one graph).
+        static = []
+        for call in range(calls_in_graph):
+            inputs, residual, weight = _call_inputs(call, world, dev)
+            static.append((inputs[rank].clone(), residual.clone(), weight.clone()))
+        outputs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        variants = _variants(world)
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                for call, (x, residual, weight) in enumerate(static):
+                    variant = variants[call % len(variants)]
+                    if call % 2:
+                        outputs.append(ar.all_reduce(x, variant=variant))
+                    else:
+                        outputs.append(ar.all_reduce_add_rmsnorm(x, residual, weight, EPS, variant=variant))
+        torch.cuda.current_stream().wait_stream(stream)
+        for replay in range(replays):
+            expected = []
+            for call, (x, residual, weight) in enumerate(static):
+                inputs, res_new, w_new = _call_inputs(call + 1000 * (replay + 1), world, dev)
+                # same shapes as at capture (the cycle index is unchanged), fresh values
+                x.copy_(inputs[rank])
+                residual.copy_(res_new)
+                weight.copy_(w_new)
+                if call % 2:
+                    expected.append(reference_all_reduce(inputs))
+                else:
+                    expected.append(reference_all_reduce_add_rmsnorm(inputs, res_new, w_new, EPS)[1])
+            graph.replay()
+            torch.cuda.synchronize()
+            for call, (got, exp) in enumerate(zip(outputs, expected, strict=True)):
+                value = got if call % 2 else got[1]
+                if not torch.equal(value, exp):
+                    failures.append(f"replay {replay} call {call} wrong")
+            if failures:
+                break
+        if ar.scratch_dirty_count():
+            failures.append("scratch not clean after replays")
+        del graph
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+@_need(2)
+def test_graph_of_50_mixed_calls_replayed_100_times():
+    assert 1000 % len(SHAPES_CYCLE) == 0  # replay inputs keep the captured shapes
+    run_ranks(2, _scenario_graph, 50, 100)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_create_close(rank, world, cycles):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
+    ar = _make(world, rank, 64 * 7168)  # warm up CUDA/IPC state once
+    ar.all_reduce(x)
+    ar.close()
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    for _ in range(cycles):
+        ar = _make(world, rank, 64 * 7168)
+        out = ar.all_reduce(x)
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(x, world)), "wrong sum during create/close cycles"
+        ar.close()
+    del out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    leaked = free_before - torch.cuda.mem_get_info()[0]
+    assert leaked < 8 << 20, f"{leaked / 2**20:.1f} MiB of device memory not returned after {cycles} cycles"
+
+
+@_need(2)
+def test_create_close_100_times_does_not_leak():
+    run_ranks(2, _scenario_create_close, 100)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_rank_skips_a_call(rank, world):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168, timeout_s=1.0)
+    x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
+    ar.all_reduce(x)
+    ar.synchronize()
+    dist.barrier()
+    if rank == 0:
+        ar.all_reduce(x)  # rank 1 never makes this call
+        try:
+            ar.synchronize()
+        except IpcAllReduceTimeoutError as err:
+            assert err.rank == 0 and err.peer == 1 and err.seq == 1, f"wrong details: {err}"
+            assert "rank 1" in str(err) and "call #1" in str(err), str(err)
+        else:
+            raise AssertionError("a call whose peer never arrived completed instead of timing out")
+        # The next call must refuse at once, with the same error.
+        try:
+            ar.all_reduce(x)
+        except IpcAllReduceTimeoutError:
+            pass
+        else:
+            raise AssertionError("a timed-out workspace accepted another call")
+    dist.barrier()
+    if rank != 0:
+        ar.close()
+
+
+@_need(2)
+def test_rank_skipping_a_call_ends_in_timeout_error_not_hang():
+    run_ranks(2, _scenario_rank_skips_a_call, timeout_s=120)

@@ -1,0 +1,158 @@
+"""CPU tests of sgl_kernel_sm120: the references, the variant choice, island validation, argument checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sgl_kernel_sm120 as k
+from sgl_kernel_sm120 import _ext, variants
+from sgl_kernel_sm120.variants import Link, Variant, choose_variant, placement, validate_islands
+
+
+# ---------------------------------------------------------------------------------------------- references
+def test_reference_all_reduce_accumulates_in_fp32_and_rounds_once():
+    # 256 + 1 + 1 in bf16: pairwise bf16 rounding would give 256 + 1 -> 256, then 256 + 1 -> 256.
+    a = torch.tensor([256.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert k.reference_all_reduce([a, b, b]).item() == 258.0
+    assert k.reference_all_reduce([a, b, b]).dtype == torch.bfloat16
+
+
+def test_reference_fused_matches_float64_formula():
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3, 64, generator=g).to(torch.bfloat16) for _ in range(4)]
+    residual = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    weight = torch.randn(64, generator=g).to(torch.bfloat16)
+    norm, res = k.reference_all_reduce_add_rmsnorm(inputs, residual, weight, 1e-6)
+    summed = sum(t.double() for t in inputs) + residual.double()
+    assert torch.equal(res, summed.float().to(torch.bfloat16))  # one rounding of the fp32 sum
+    r = res.double()
+    expected = r / torch.sqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert torch.allclose(norm.double(), expected, rtol=2**-7, atol=1e-6)
+    assert norm.dtype == res.dtype == torch.bfloat16
+
+
+def test_reference_fused_norm_starts_from_rounded_residual():
+    # The RMSNorm uses residual_out as stored (rounded), like SGLang's unfused add + RMSNorm.
+    inputs = [torch.full((1, 8), 0.0039, dtype=torch.bfloat16)]
+    residual = torch.full((1, 8), 1.0, dtype=torch.bfloat16)
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    norm, res = k.reference_all_reduce_add_rmsnorm(inputs, residual, weight, 0.0)
+    assert torch.equal(norm, torch.ones(1, 8, dtype=torch.bfloat16))  # res is constant, so the norm is 1
+    assert res[0, 0].item() == 1.0
+
+
+# ----------------------------------------------------------------------------------------- variant choice
+@pytest.mark.parametrize("nbytes", [0, 1024, 43008, 1 << 20, 64 << 20])
+def test_two_ranks_always_use_one_shot(nbytes):
+    assert choose_variant(nbytes, 2, "nvlink") is Variant.ONESHOT
+    assert choose_variant(nbytes, 2, "pcie", 2) is Variant.ONESHOT
+
+
+def test_nvlink_switches_to_two_shot_past_the_bound():
+    bound = variants.NVLINK_ONESHOT_MAX_BYTES
+    assert choose_variant(bound, 8, Link.NVLINK) is Variant.ONESHOT
+    assert choose_variant(bound + 16, 8, Link.NVLINK) is Variant.TWOSHOT
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_pcie_uses_islands_when_given_else_flat_two_shot(world):
+    small, large = 1024, 1 << 20
+    assert choose_variant(small, world, "pcie", 2) is Variant.ONESHOT
+    assert choose_variant(large, world, "pcie", 2) is Variant.ISLAND
+    assert choose_variant(large, world, "pcie", 1) is Variant.TWOSHOT
+
+
+def test_choice_is_a_pure_function():
+    calls = [
+        (n, w, link, i) for n in (8, 43008, 1 << 22) for w in (2, 4, 8) for link in ("pcie", "nvlink") for i in (1, 2)
+    ]
+    assert [choose_variant(*c) for c in calls] == [choose_variant(*c) for c in calls]
+    with pytest.raises(ValueError):
+        choose_variant(-1, 2, "pcie")
+    with pytest.raises(ValueError):
+        choose_variant(8, 2, "infiniband")
+
+
+# ---------------------------------------------------------------------------------------------- islands
+def test_islands_validation_and_placement():
+    assert validate_islands(None, 8) is None
+    assert validate_islands([[0, 1, 2, 3, 4, 5, 6, 7]], 8) is None  # one island = flat
+    groups = validate_islands([[0, 2, 4, 6], [1, 3, 5, 7]], 8)
+    assert placement(groups, 5) == ([1, 3, 5, 7], [4, 5], 1, 2)
+    assert placement(groups, 0) == ([0, 2, 4, 6], [0, 1], 0, 0)
+    with pytest.raises(ValueError, match="partition"):
+        validate_islands([[0, 1, 2], [3, 4, 5, 6]], 8)
+    with pytest.raises(ValueError, match="same size"):
+        validate_islands([[0, 1, 2], [3, 4, 5, 6, 7]], 8)
+    with pytest.raises(ValueError, match="partition"):
+        validate_islands([[0, 1], [1, 2]], 4)
+
+
+def test_eight_rank_island_schedule_index_arithmetic():
+    """Simulate the island schedule's ownership on the CPU: every pack is reduced by exactly one owner per
+    island, owners are twins across islands, and every rank receives every pack it does not own once."""
+    world, groups = 8, validate_islands([[0, 1, 2, 3], [4, 5, 6, 7]], 8)
+    num_packs = 2688  # [3, 7168] bf16
+    size = len(groups[0])
+    owners_of = {g: [] for g in range(num_packs)}
+    for rank in range(world):
+        members, twins, island, index = placement(groups, rank)
+        assert twins[island] == rank
+        for g in range(num_packs):
+            if g % size == index:
+                owners_of[g].append(rank)
+    for g, owners in owners_of.items():
+        assert len(owners) == 2 and owners[1] - owners[0] == 4, (g, owners)  # one per island, twins
+    # slot offsets: distinct within an owner's chunk and below the chunk bound
+    max_packs = num_packs
+    chunk = -(-max_packs // size)
+    for index in range(size):
+        offs = [g // size for g in range(num_packs) if g % size == index]
+        assert len(set(offs)) == len(offs) and max(offs) < chunk
+
+
+# ----------------------------------------------------------------------------------------- argument checks
+@pytest.fixture(scope="module")
+def single_rank_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"device": "cpu"}, "must be a CUDA device"),
+        ({"dtype": torch.float32}, "bfloat16 or float16"),
+        ({"max_numel": 12}, "multiple of 8"),
+        ({"timeout_s": 0.0}, "timeout_s"),
+        ({"link": "ethernet"}, "link must be"),
+    ],
+)
+def test_constructor_rejects_bad_arguments_clearly(single_rank_group, kwargs, message):
+    args = {"device": "cuda:0", "max_numel": 1024, **kwargs}
+    with pytest.raises(k.IpcAllReduceError, match=message):
+        k.IpcAllReduce(single_rank_group, args.pop("device"), args.pop("max_numel"), **args)
+
+
+def test_missing_extension_raises_with_build_command(monkeypatch):
+    monkeypatch.setattr(_ext, "_load", lambda: (None, _ext.BUILD_HINT))
+    assert not k.kernels_available()
+    with pytest.raises(k.KernelsNotBuiltError, match="pip install --no-build-isolation -e"):
+        _ext.ops()
+
+
+def test_extension_registers_every_op():
+    ops = _ext.ops()
+    for name in ("ws_create", "ws_open_peers", "ws_destroy", "all_reduce", "all_reduce_add_rmsnorm"):
+        assert hasattr(ops, name), name
