@@ -23,91 +23,152 @@ struct CallArgs {
   float inv_hidden;
 };
 
+// Fused kernels keep each thread's packs of a row in registers between the sum and the norm: a row has at
+// most kMaxPacksPerThread x 1024 packs (hidden <= 65536 elements).
+constexpr int kFusedThreads = 1024;
+
 // ---------------------------------------------------------------------------------------------------------
 // One-shot: every rank pushes its whole input into slot[rank] of every peer, then reduces all slots locally.
-// Bytes per rank: (W-1) x payload out and in. Best at small payloads and on NVLink.
+// Bytes per rank: (W-1) x payload out and in. Best at small payloads, on NVLink, and always at 2 ranks.
 // ---------------------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ char* oneshot_slot(const WorkspaceView& ws, int owner, int parity, int sender) {
-  return region_of(ws, owner, parity) + static_cast<long long>(sender) * ws.oneshot_slot_bytes;
-}
+template <int kWorld>
+struct OneShotSlots {
+  int parity;
+  char* own_region;      // our region of this parity: slot[p] holds peer p's pushes
+  long long push_offset;  // where our slot sits in every peer's region
 
-// Destinations in rotated order so that the ranks do not all hit the same peer first.
-__device__ __forceinline__ void oneshot_push(const WorkspaceView& ws, int parity, long long g, uint4 v) {
-  for (int step = 1; step < ws.world; ++step) {
-    const int peer = (ws.rank + step) % ws.world;
-    store_volatile(oneshot_slot(ws, peer, parity, ws.rank) + g * kPackBytes, v);
+  __device__ __forceinline__ OneShotSlots(const WorkspaceView& ws, int par)
+      : parity(par), own_region(region_of(ws, ws.rank, par)), push_offset(ws.rank * ws.oneshot_slot_bytes) {}
+
+  // Slot addresses come from the __grid_constant__ view on every use: arrays of pointers indexed by a
+  // run-time rank would live in local memory.
+  __device__ __forceinline__ char* poll(const WorkspaceView& ws, int peer, long long g) const {
+    return own_region + peer * ws.oneshot_slot_bytes + g * kPackBytes;
   }
-}
 
-// Sum in rank order 0..W-1 from bit-identical operands (I2), so every rank gets the same bits.
-template <typename T>
-__device__ __forceinline__ Acc8 oneshot_reduce(const WorkspaceView& ws, int parity, unsigned long long seq,
-                                               long long g, uint4 own) {
-  Acc8 acc;
-  for (int src = 0; src < ws.world; ++src) {
-    const uint4 v = src == ws.rank ? own
-                                   : consume_pack<false>(ws, oneshot_slot(ws, ws.rank, parity, src) + g * kPackBytes,
-                                                         src, kPhaseOneShot, seq);
-    if (src == 0) {
-      acc = unpack<T>(v);
-    } else {
-      accumulate<T>(acc, v);
+  // Destinations in rotated order so that the ranks do not all hit the same peer first.
+  __device__ __forceinline__ void push_pack(const WorkspaceView& ws, long long g, uint4 v) const {
+#pragma unroll
+    for (int step = 1; step < kWorld; ++step) {
+      const int peer = (ws.rank + step) % kWorld;
+      store_volatile(region_of(ws, peer, parity) + push_offset + g * kPackBytes, v);
     }
   }
-  return acc;
-}
 
-template <typename T>
-__global__ void __launch_bounds__(1024) oneshot_all_reduce_kernel(WorkspaceView ws, CallArgs a) {
-  __shared__ unsigned long long s_seq;
-  load_sequence(ws, &s_seq);
-  __syncthreads();
-  const unsigned long long seq = s_seq;
-  const int parity = parity_of(seq);
+  // Wait for every peer's pack g at once, empty the slots (I4), and sum in rank order from bit-identical
+  // operands (I2), so every rank gets the same bits.
+  template <typename T>
+  __device__ __forceinline__ Acc8 reduce_pack(const WorkspaceView& ws, unsigned long long seq, long long g,
+                                              uint4 own) const {
+    uint4 v[kWorld];
+    bool pending = false;
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p) {
+      v[p] = p == ws.rank ? own : load_volatile(poll(ws, p, g));
+      pending |= p != ws.rank && half_pack_has_empty(v[p]);
+    }
+    if (pending) {
+      const unsigned long long start = global_timer_ns();
+      unsigned int spins = 0;
+      while (pending) {
+        pending = false;
+        int missing = -1;
+#pragma unroll
+        for (int p = 0; p < kWorld; ++p) {
+          if (p != ws.rank && half_pack_has_empty(v[p])) {
+            v[p] = load_volatile(poll(ws, p, g));
+            if (half_pack_has_empty(v[p])) {
+              pending = true;
+              missing = p;
+            }
+          }
+        }
+        if (pending && (++spins & 255u) == 0u) {
+          const unsigned long long waited = global_timer_ns() - start;
+          if (waited > static_cast<unsigned long long>(ws.timeout_ns))
+            report_timeout_and_trap(ws, missing, kPhaseOneShot, seq, waited);
+        }
+      }
+    }
+#ifndef SGL_SM120_DEBUG_NO_CLEAR
+#pragma unroll
+    for (int p = 0; p < kWorld; ++p)
+      if (p != ws.rank) store_volatile(poll(ws, p, g), empty_pack());
+#endif
+    Acc8 acc = unpack<T>(v[0]);
+#pragma unroll
+    for (int p = 1; p < kWorld; ++p) accumulate<T>(acc, v[p]);
+    return acc;
+  }
+};
+
+template <typename T, int kWorld>
+__global__ void __launch_bounds__(1024) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+  pdl_wait_and_release();
+  const unsigned long long seq = load_sequence(ws);
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  // Push everything before waiting on anything: no wait below depends on a push of our own that is later.
-  for (long long g = first; g < a.num_packs; g += stride) oneshot_push(ws, parity, g, remap_half_pack(a.inp[g]));
+  // Push everything before waiting on anything: no wait below depends on a later push of our own.
+  for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
   for (long long g = first; g < a.num_packs; g += stride) {
-    const Acc8 acc = oneshot_reduce<T>(ws, parity, seq, g, remap_half_pack(a.inp[g]));
-    a.out[g] = round_pack<T>(acc);
+    a.out[g] = round_pack<T>(slots.template reduce_pack<T>(ws, seq, g, remap_half_pack(a.inp[g])));
   }
   finish_call(ws, seq);
 }
 
-// Fused: CTA per row (rows few, hidden large), so the RMSNorm row sum is a plain block reduction.
-template <typename T>
-__global__ void __launch_bounds__(1024) oneshot_add_rmsnorm_kernel(WorkspaceView ws, CallArgs a) {
-  __shared__ unsigned long long s_seq;
+// Fused: a CTA per row (rows few, hidden large), so the RMSNorm row sum is a block reduction; a thread's
+// packs j = threadIdx.x + k * blockDim.x, k < kPacks.
+template <typename T, int kWorld, int kPacks>
+__global__ void __launch_bounds__(kFusedThreads) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
   __shared__ float s_red[33];
-  load_sequence(ws, &s_seq);
-  __syncthreads();
-  const unsigned long long seq = s_seq;
-  const int parity = parity_of(seq);
+  pdl_wait_and_release();
+  const unsigned long long seq = load_sequence(ws);
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const int ppr = a.packs_per_row;
 
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      oneshot_push(ws, parity, g, remap_half_pack(a.inp[g]));
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+      }
     }
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    uint4 r[kPacks], w[kPacks], res[kPacks], own[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {  // loads that do not depend on the peers go first
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        own[k] = remap_half_pack(a.inp[g]);
+        res[k] = a.residual[g];
+        w[k] = a.weight[j];
+      }
+    }
     float squares = 0.f;
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      Acc8 acc = oneshot_reduce<T>(ws, parity, seq, g, remap_half_pack(a.inp[g]));
-      accumulate<T>(acc, a.residual[g]);
-      const uint4 r = round_pack<T>(acc);  // residual_out rounded once
-      a.out[g] = r;
-      squares += sum_of_squares<T>(r);  // the norm starts from the rounded residual, as SGLang's unfused path
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        Acc8 acc = slots.template reduce_pack<T>(ws, seq, g, own[k]);
+        accumulate<T>(acc, res[k]);
+        r[k] = round_pack<T>(acc);  // residual_out, rounded once
+        a.out[g] = r[k];
+        squares += sum_of_squares<T>(r[k]);  // the norm starts from the rounded residual, as SGLang's
+      }
     }
     const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      a.norm_out[g] = scale_pack<T>(a.out[g], a.weight[j], inv_rms);  // re-read our own store
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) a.norm_out[static_cast<long long>(row) * ppr + j] = scale_pack<T>(r[k], w[k], inv_rms);
     }
   }
   finish_call(ws, seq);
@@ -126,40 +187,33 @@ __global__ void __launch_bounds__(1024) oneshot_add_rmsnorm_kernel(WorkspaceView
 // the caller's residual; the kernel does not check it.
 // ---------------------------------------------------------------------------------------------------------
 
-struct HierSlots {
-  long long rs;  // reduce-scatter slots: I x chunk
-  long long xs;  // cross-island slots: G x 2 chunk (fp32)
-  long long ag;  // all-gather slots: I x chunk
-};
-
-__device__ __forceinline__ HierSlots hier_slots(const WorkspaceView& ws, const Topology& t) {
-  HierSlots s;
-  s.rs = 0;
-  s.xs = static_cast<long long>(t.island_size) * ws.chunk_slot_bytes;
-  s.ag = s.xs + 2ll * t.num_islands * ws.chunk_slot_bytes;
-  return s;
-}
-
 template <typename T>
 struct HierStep {
   const WorkspaceView& ws;
   const Topology& t;
-  HierSlots s;
   int parity;
   unsigned long long seq;
+  long long xs_base;  // cross-island slots: G x 2 chunk (fp32), after I reduce-scatter slots
+  long long ag_base;  // all-gather slots: I x chunk, after those
+
+  __device__ __forceinline__ HierStep(const WorkspaceView& w, const Topology& topo, unsigned long long s)
+      : ws(w), t(topo), parity(parity_of(s)), seq(s) {
+    xs_base = static_cast<long long>(t.island_size) * ws.chunk_slot_bytes;
+    ag_base = xs_base + 2ll * t.num_islands * ws.chunk_slot_bytes;
+  }
 
   __device__ __forceinline__ int owner(long long g) const { return static_cast<int>(g % t.island_size); }
   __device__ __forceinline__ long long offset(long long g) const { return g / t.island_size; }
 
   __device__ __forceinline__ char* rs_slot(int rank, int sender_pos, long long g) const {
-    return region_of(ws, rank, parity) + s.rs + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
+    return region_of(ws, rank, parity) + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
   }
   __device__ __forceinline__ char* xs_slot(int rank, int sender_island, long long g) const {
-    return region_of(ws, rank, parity) + s.xs + 2ll * sender_island * ws.chunk_slot_bytes +
+    return region_of(ws, rank, parity) + xs_base + 2ll * sender_island * ws.chunk_slot_bytes +
            offset(g) * 2 * kPackBytes;
   }
   __device__ __forceinline__ char* ag_slot(int rank, int sender_pos, long long g) const {
-    return region_of(ws, rank, parity) + s.ag + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
+    return region_of(ws, rank, parity) + ag_base + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
   }
 
   // Phase 1, by every rank for every pack it does not own.
@@ -230,12 +284,11 @@ struct HierStep {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(1024) hier_all_reduce_kernel(WorkspaceView ws, CallArgs a, bool use_islands) {
-  __shared__ unsigned long long s_seq;
-  load_sequence(ws, &s_seq);
-  __syncthreads();
+__global__ void __launch_bounds__(1024) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
+                                       const __grid_constant__ CallArgs a, bool use_islands) {
+  pdl_wait_and_release();
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T> step{ws, t, hier_slots(ws, t), parity_of(s_seq), s_seq};
+  const HierStep<T> step(ws, t, load_sequence(ws));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
@@ -250,57 +303,93 @@ __global__ void __launch_bounds__(1024) hier_all_reduce_kernel(WorkspaceView ws,
     if (step.owner(g) == t.my_index) continue;
     a.out[g] = step.gather_receive(g);
   }
-  finish_call(ws, s_seq);
+  finish_call(ws, step.seq);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(1024) hier_add_rmsnorm_kernel(WorkspaceView ws, CallArgs a, bool use_islands) {
-  __shared__ unsigned long long s_seq;
+template <typename T, int kPacks>
+__global__ void __launch_bounds__(kFusedThreads) hier_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
+                                       const __grid_constant__ CallArgs a, bool use_islands) {
   __shared__ float s_red[33];
-  load_sequence(ws, &s_seq);
-  __syncthreads();
+  pdl_wait_and_release();
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T> step{ws, t, hier_slots(ws, t), parity_of(s_seq), s_seq};
+  const HierStep<T> step(ws, t, load_sequence(ws));
   const int ppr = a.packs_per_row;
 
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      step.scatter(g, remap_half_pack(a.inp[g]));
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        step.scatter(g, remap_half_pack(a.inp[g]));
+      }
     }
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      if (step.owner(g) != t.my_index) continue;
-      Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
-      accumulate<T>(acc, a.residual[g]);
-      const uint4 r = remap_half_pack(round_pack<T>(acc));
-      a.out[g] = r;
-      step.gather_send(g, r);
+    uint4 r[kPacks], w[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        w[k] = a.weight[j];
+        const long long g = static_cast<long long>(row) * ppr + j;
+        if (step.owner(g) != t.my_index) continue;
+        Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
+        accumulate<T>(acc, a.residual[g]);
+        r[k] = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
+        a.out[g] = r[k];
+        step.gather_send(g, r[k]);
+      }
     }
     float squares = 0.f;
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      uint4 r;
-      if (step.owner(g) == t.my_index) {
-        r = a.out[g];  // our own store above, same thread
-      } else {
-        r = step.gather_receive(g);
-        a.out[g] = r;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        if (step.owner(g) != t.my_index) {
+          r[k] = step.gather_receive(g);
+          a.out[g] = r[k];
+        }
+        squares += sum_of_squares<T>(r[k]);
       }
-      squares += sum_of_squares<T>(r);
     }
     const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-    for (int j = threadIdx.x; j < ppr; j += blockDim.x) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      a.norm_out[g] = scale_pack<T>(a.out[g], a.weight[j], inv_rms);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) a.norm_out[static_cast<long long>(row) * ppr + j] = scale_pack<T>(r[k], w[k], inv_rms);
     }
   }
-  finish_call(ws, s_seq);
+  finish_call(ws, step.seq);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Launch: grid <= SM count (I8), optional programmatic dependent launch.
+// ---------------------------------------------------------------------------------------------------------
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int blocks, int threads, const LaunchShape& shape,
+                          cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = shape.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 int round_up_32(long long n) { return static_cast<int>(((n + 31) / 32) * 32); }
+
+template <typename T, int kWorld>
+cudaError_t launch_oneshot_plain(const WorkspaceView& ws, const CallArgs& a, int blocks, int threads,
+                                 const LaunchShape& shape, cudaStream_t stream) {
+  return launch_kernel(oneshot_all_reduce_kernel<T, kWorld>, blocks, threads, shape, stream, ws, a);
+}
 
 template <typename T>
 cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
@@ -308,25 +397,47 @@ cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArg
   const int threads = static_cast<int>(std::min<long long>(shape.threads, round_up_32(a.num_packs)));
   const long long wanted = (a.num_packs + threads - 1) / threads;
   const int blocks = static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, shape.max_blocks)));
-  if (variant == Variant::kOneShot) {
-    oneshot_all_reduce_kernel<T><<<blocks, threads, 0, stream>>>(ws, a);
-  } else {
-    hier_all_reduce_kernel<T><<<blocks, threads, 0, stream>>>(ws, a, variant == Variant::kIsland);
+  if (variant != Variant::kOneShot) {
+    return launch_kernel(hier_all_reduce_kernel<T>, blocks, threads, shape, stream, ws, a,
+                         variant == Variant::kIsland);
   }
-  return cudaGetLastError();
+  switch (ws.world) {
+    case 1: return launch_oneshot_plain<T, 1>(ws, a, blocks, threads, shape, stream);
+    case 2: return launch_oneshot_plain<T, 2>(ws, a, blocks, threads, shape, stream);
+    case 4: return launch_oneshot_plain<T, 4>(ws, a, blocks, threads, shape, stream);
+    case 8: return launch_oneshot_plain<T, 8>(ws, a, blocks, threads, shape, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, int kPacks>
+cudaError_t launch_fused_packs(const WorkspaceView& ws, Variant variant, const CallArgs& a, int blocks,
+                               int threads, const LaunchShape& shape, cudaStream_t stream) {
+  if (variant != Variant::kOneShot) {
+    return launch_kernel(hier_add_rmsnorm_kernel<T, kPacks>, blocks, threads, shape, stream, ws, a,
+                         variant == Variant::kIsland);
+  }
+  switch (ws.world) {
+    case 1: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 1, kPacks>, blocks, threads, shape, stream, ws, a);
+    case 2: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 2, kPacks>, blocks, threads, shape, stream, ws, a);
+    case 4: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 4, kPacks>, blocks, threads, shape, stream, ws, a);
+    case 8: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, kPacks>, blocks, threads, shape, stream, ws, a);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>
 cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
-  const int threads = std::min(1024, round_up_32(a.packs_per_row));
+  const int threads = std::min(kFusedThreads, round_up_32(a.packs_per_row));
   const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
-  if (variant == Variant::kOneShot) {
-    oneshot_add_rmsnorm_kernel<T><<<blocks, threads, 0, stream>>>(ws, a);
-  } else {
-    hier_add_rmsnorm_kernel<T><<<blocks, threads, 0, stream>>>(ws, a, variant == Variant::kIsland);
-  }
-  return cudaGetLastError();
+  const int packs = (a.packs_per_row + threads - 1) / threads;
+  if (packs <= 1) return launch_fused_packs<T, 1>(ws, variant, a, blocks, threads, shape, stream);
+  if (packs <= 2) return launch_fused_packs<T, 2>(ws, variant, a, blocks, threads, shape, stream);
+  if (packs <= 4) return launch_fused_packs<T, 4>(ws, variant, a, blocks, threads, shape, stream);
+  if (packs <= kMaxPacksPerThread) return launch_fused_packs<T, kMaxPacksPerThread>(ws, variant, a, blocks, threads,
+                                                                                    shape, stream);
+  return cudaErrorInvalidValue;  // hidden > kMaxFusedHidden: the Python side sends these to the fallback
 }
 
 }  // namespace

@@ -18,7 +18,12 @@ enum class ElemType : int { kBFloat16 = 0, kFloat16 = 1 };
 struct LaunchShape {
   int threads;     // plain kernels: threads per CTA
   int max_blocks;  // at most this many CTAs (<= SM count, I8)
+  bool pdl;        // launch with programmatic stream serialization
 };
+
+// The fused kernels hold a row's packs in registers: at most 8 per thread of 1024 threads.
+constexpr int kMaxPacksPerThread = 8;
+constexpr int kMaxFusedHidden = kMaxPacksPerThread * 1024 * kElemsPerPack;
 
 cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp, void* out,
                               long long numel, const LaunchShape& shape, cudaStream_t stream);

@@ -157,23 +157,34 @@ __device__ __forceinline__ char* region_of(const WorkspaceView& ws, int rank, in
   return ws.bases[rank] + kCtrlBytes + static_cast<long long>(parity) * ws.region_bytes;
 }
 
-// Read seq once per CTA at entry (I5). Must be followed by __syncthreads before use.
-__device__ __forceinline__ void load_sequence(const WorkspaceView& ws, unsigned long long* shared_seq) {
-  if (threadIdx.x == 0) *shared_seq = *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq);
+// Every thread reads seq itself at entry (I5): no shared memory and no barrier before the first load of
+// the input, so the two loads overlap. All reads precede the CTA's arrival in finish_call.
+__device__ __forceinline__ unsigned long long load_sequence(const WorkspaceView& ws) {
+  return *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq);
 }
 
-// The last CTA to finish advances seq (I5). Every CTA read seq before arriving, so none sees the new value.
+// The last CTA to finish advances seq (I5). Every thread read seq before its CTA arrives, so none sees the
+// new value. No fence is needed: the next reader is the next kernel on the same stream (I6), and kernel
+// completion publishes these stores; a fence here would also wait for this thread's remote pushes.
 __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     const unsigned int prev = atomicAdd(&ws.ctrl->arrive, 1u);
     if (prev == gridDim.x - 1) {
       ws.ctrl->arrive = 0u;
       *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq) = seq + 1ull;
-      __threadfence();
     }
   }
+}
+
+// Programmatic dependent launch. Kernels are launched with programmatic stream serialization (when
+// enabled) so that their launch overlaps the previous kernel. Nothing may be read before pdl_wait(), which
+// returns once the previous grid has completed and its memory is visible; so whatever precedes us, inputs and
+// seq are read in order. We let dependents launch right away: a dependent kernel of ours also waits first,
+// and all of our CTAs are resident by the time it can launch (I8 holds).
+__device__ __forceinline__ void pdl_wait_and_release() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
 }  // namespace sgl_sm120

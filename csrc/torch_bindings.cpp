@@ -117,7 +117,7 @@ Variant variant_of(const Workspace* ws, int64_t v) {
 }
 
 void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
-                int64_t max_blocks) {
+                int64_t max_blocks, bool pdl) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   check_io(ws, inp, inp, "inp");
@@ -128,7 +128,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "threads must be a multiple of 32 <= 1024");
   const c10::cuda::CUDAGuard guard(ws->device);
   const LaunchShape shape{static_cast<int>(threads),
-                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count)))};
+                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count))), pdl};
   const cudaError_t err = launch_all_reduce(ws->view, variant_of(ws, variant), type, inp.data_ptr(), out.data_ptr(),
                                             inp.numel(), shape, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
@@ -136,13 +136,14 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
 
 void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                            int64_t variant, int64_t max_blocks) {
+                            int64_t variant, int64_t max_blocks, bool pdl) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
   const int64_t rows = inp.size(0);
   const int64_t hidden = inp.size(1);
   TORCH_CHECK(rows > 0 && hidden > 0 && hidden % kElemsPerPack == 0, "hidden must be a positive multiple of 8");
+  TORCH_CHECK(hidden <= kMaxFusedHidden, "hidden must be at most ", kMaxFusedHidden, " for the fused op");
   TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
   check_io(ws, inp, inp, "inp");
   check_io(ws, residual, inp, "residual");
@@ -154,7 +155,8 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
               "residual, norm_out and residual_out must have inp's shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count)))};
+  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count))),
+                          pdl};
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, variant_of(ws, variant), type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
@@ -179,11 +181,11 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
   m.def("ws_sequence(int ws) -> int", &ws_sequence);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
-  m.def("all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks) -> ()",
+  m.def("all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl) -> ()",
         &all_reduce);
   m.def(
       "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks) -> ()",
+      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl) -> ()",
       &all_reduce_add_rmsnorm);
 }
 

@@ -1,6 +1,7 @@
 """Quick latency probe of our ops against NCCL at the Kimi-K2.5 shapes (a smoke check for a GPU session;
 benchmarks/bench_allreduce.py is the real benchmark). torchrun --nproc-per-node 2 scripts/probe_latency.py"""
 
+import functools
 import os
 import statistics
 
@@ -44,20 +45,24 @@ torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
 GLOO = dist.new_group(backend="gloo")
 ar = IpcAllReduce(GLOO, rank, 256 * 7168, islands=[[r] for r in range(world)] if world == 2 else None)
-for threads in (256, 512, 1024):
-    ar.threads = threads
-    for rows in (1, 3, 16, 64, 256):
-        x = torch.randn(rows, 7168, dtype=torch.bfloat16, device="cuda")
-        res = torch.randn_like(x)
-        w = torch.randn(7168, dtype=torch.bfloat16, device="cuda")
-        row = {}
-        for v in (Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND):
-            row[f"ar-{v.name}"] = graph_time_us(lambda v=v: ar.all_reduce(x, variant=v))
-            if threads == 512:
-                row[f"fused-{v.name}"] = graph_time_us(lambda v=v: ar.all_reduce_add_rmsnorm(x, res, w, 1e-6, variant=v))
-        if threads == 512:
-            row["nccl"] = graph_time_us(lambda: dist.all_reduce(x))
-        if rank == 0:
-            print(f"threads={threads} rows={rows}: " + " ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
+for pdl in (True, False):
+    ar.use_pdl = pdl
+    for threads in (128, 256, 512):
+        ar.threads = threads
+        for rows in (1, 3, 16, 64, 256):
+            x = torch.randn(rows, 7168, dtype=torch.bfloat16, device="cuda")
+            res = torch.randn_like(x)
+            w = torch.randn(7168, dtype=torch.bfloat16, device="cuda")
+            row = {}
+            for v in (Variant.ONESHOT, Variant.TWOSHOT):
+                row[f"ar-{v.name}"] = graph_time_us(functools.partial(ar.all_reduce, x, variant=v))
+                if threads == 256:
+                    fused = functools.partial(ar.all_reduce_add_rmsnorm, x, res, w, 1e-6, variant=v)
+                    row[f"fused-{v.name}"] = graph_time_us(fused)
+            if threads == 256 and pdl:
+                row["nccl"] = graph_time_us(functools.partial(dist.all_reduce, x))
+            if rank == 0:
+                cells = " ".join(f"{k}={v:.2f}" for k, v in row.items())
+                print(f"pdl={pdl} threads={threads} rows={rows}: {cells}", flush=True)
 ar.close()
 dist.destroy_process_group()

@@ -37,6 +37,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_TIMEOUT_S = 5.0
 TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
 PLAIN_THREADS = 512
+MAX_FUSED_HIDDEN = 65536  # kMaxFusedHidden in csrc/ar_launch.h: the fused kernels keep a row in registers
+PDL_ENV = "SGL_SM120_AR_PDL"  # "0" launches without programmatic dependent launch
 _PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}
 
 
@@ -84,6 +86,9 @@ class IpcAllReduce:
             timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         self.timeout_s = float(timeout_s)
         self.threads = PLAIN_THREADS
+        # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
+        # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
+        self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
         self._handle = 0
         self._record = None
         self._stop_watchdog = threading.Event()
@@ -183,7 +188,7 @@ class IpcAllReduce:
         )
 
     def supports_add_rmsnorm(self, inp: torch.Tensor) -> bool:
-        return self.supports(inp) and inp.dim() == 2 and inp.shape[-1] % 8 == 0
+        return self.supports(inp) and inp.dim() == 2 and inp.shape[-1] % 8 == 0 and inp.shape[-1] <= MAX_FUSED_HIDDEN
 
     def choose_variant(self, nbytes: int) -> Variant:
         return choose_variant(nbytes, self.world_size, self.link, self.num_islands)
@@ -199,7 +204,9 @@ class IpcAllReduce:
         if result.shape != inp.shape or result.dtype != inp.dtype or not result.is_contiguous():
             raise ValueError("out must be a contiguous tensor with inp's shape and dtype")
         target = result if _aligned(result) else torch.empty_like(inp)
-        _ext.ops().all_reduce(self._handle, _aligned_copy(inp), target, int(chosen), self.threads, self.max_blocks)
+        _ext.ops().all_reduce(
+            self._handle, _aligned_copy(inp), target, int(chosen), self.threads, self.max_blocks, self.use_pdl
+        )
         if target is not result:
             result.copy_(target)
         return result
@@ -250,6 +257,7 @@ class IpcAllReduce:
             targets[1],
             int(chosen),
             self.max_blocks,
+            self.use_pdl,
         )
         for o, t in zip(outs, targets, strict=True):
             if o is not t:

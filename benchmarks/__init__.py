@@ -1,0 +1,1 @@
+"""Benchmarks of the sglang-sm120 all-reduce kernels (run with torchrun; see README.md)."""

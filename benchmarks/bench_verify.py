@@ -1,0 +1,894 @@
+#!/usr/bin/env python3
+"""How much faster does the EAGLE-3 verify step get? Replays one target-verify forward's communication.
+
+    torchrun --nproc-per-node N benchmarks/bench_verify.py [--config kimi_k25] [--backend nccl|sm120|both]
+             [--compute none|gemm|none,gemm] [--tokens 1,2,3,4,8,16,32,64] [--via-sglang] [--out DIR]
+
+One graph per (backend, compute, T) holds one whole forward of the model in ``benchmarks/configs/<config>.json``
+(the op list comes from ``verify_pattern.build_verify_pattern``; Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
+
+- ``nccl``: what SGLang runs on SM120 today: every all-reduce is NCCL (in place), and every norm after one is
+  one fused add + RMSNorm kernel (sgl_kernel's or FlashInfer's if they work here, else our Triton kernel).
+- ``sm120``: ours: ``all_reduce_add_rmsnorm`` where the pattern fuses (121, or 118 with the EAGLE-3 capture
+  layers, whose preceding MoE all-reduce is not deferred), ``all_reduce`` + the same norm kernel elsewhere.
+- ``--compute none``: communication (and norms) only: step time = communication time.
+  ``--compute gemm``: each layer also runs bf16 GEMMs with the per-rank shapes at TP=N (MLA projections,
+  routed experts of the expected active count, shared expert, dense MLP), and a third, compute-only graph is
+  timed (all-reduces removed); comm_us = step_us - compute-only step_us.
+- ``--via-sglang``: the same pattern through SGLang's ``GroupCoordinator.all_reduce`` and
+  ``RMSNorm.forward_with_allreduce_fusion`` (behind SGLang's fusion gate), overlay off and then on.
+
+Timing: per graph, warmup replays then R timed replays (CUDA events); per replay the MAX over ranks; the MEDIAN.
+After the timing the final hidden states are compared between backends (rms(diff)/rms <= ``FINAL_REL_TOL``) and
+across ranks (bitwise). Output: a table per compute mode, ``<out>/verify_<gpu>_tp<N>.json`` (merged with an
+existing file of the same config and world size: a later ``--compute gemm`` run adds to a ``--compute none``
+one), a PNG plot of step time vs T, and an end-to-end ESTIMATE (see ``schema.e2e_estimate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+for _p in (_ROOT / "python", _ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from benchmarks import common  # noqa: E402
+from benchmarks import verify_pattern as vp  # noqa: E402
+from benchmarks.common import parse_int_list, short_exc  # noqa: E402
+from benchmarks.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+
+DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
+
+# Final hidden states of the two backends are compared by rms(nccl - sm120) / rms(nccl). They are not bitwise
+# equal in general: the fused path rounds the residual once (bf16(sum + r), sum in fp32) where NCCL + separate
+# norm rounds twice (bf16(bf16(sum) + r), and at >2 ranks NCCL also rounds partial sums), so each of the 2L+1
+# boundaries may differ by about one bf16 ulp (2^-8 relative), which the GEMMs then carry forward. CPU
+# emulations of the tiny test config (tests/test_bench_verify.py) give <= 0.015 at 2-8 ranks with GEMMs, and
+# exactly 0 for communication only at 2 ranks (identical partials: the sum is exact and both round once);
+# a fused op that forgets its all-reduce gives >= 0.9 with GEMMs. 0.05 sits well between the two.
+FINAL_REL_TOL = 0.05
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="kimi_k25",
+                   help=f"name in benchmarks/configs ({', '.join(vp.available_configs())}) or a JSON path")
+    p.add_argument("--backend", default="both", choices=["nccl", "sm120", "both"])
+    p.add_argument("--compute", default="none", help="none | gemm | none,gemm")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="T = batch x draft tokens")
+    p.add_argument("--no-eagle3-capture", action="store_true", help="ignore the config's EAGLE-3 capture layers")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--via-sglang", action="store_true", help="also drive the pattern through SGLang (overlay off/on)")
+    p.add_argument("--sglang-custom-ar", default="off", choices=["on", "off"],
+                   help="SGLang's own custom all-reduce in --via-sglang (off mimics PCIe boxes, where it is disabled)")
+    p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"])
+    p.add_argument("--ours-link", default="auto")
+    p.add_argument("--ours-islands", default="auto")
+    p.add_argument("--ours-timeout-s", type=float, default=None)
+    p.add_argument("--max-expert-gib", type=float, default=40.0, help="cap on the routed-expert weights per rank")
+    p.add_argument("--e2e-compute-ms", default="5,8", help="compute time(s) per verify forward for the estimate")
+    p.add_argument("--e2e-tokens", type=int, default=4, help="T the estimate uses (bs 1 x 4 draft tokens)")
+    p.add_argument("--e2e-accept-len", type=float, default=None, help="tokens per verify step (default: anchored)")
+    p.add_argument("--e2e-tok-s-nospec", type=float, default=82.0)
+    p.add_argument("--e2e-tok-s-eagle-nccl", type=float, default=60.0)
+    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--no-merge", action="store_true", help="overwrite instead of merging with an existing JSON")
+    p.add_argument("--time-limit", type=float, default=float(os.environ.get("BENCH_TIME_LIMIT_S", "480")),
+                   help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
+                        "(default 480, env BENCH_TIME_LIMIT_S)")
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    a.tokens = sorted(set(parse_int_list(a.tokens)))
+    a.compute = [c for c in a.compute.split(",") if c]
+    bad = [c for c in a.compute if c not in ("none", "gemm")]
+    if bad or not a.compute:
+        p.error(f"--compute takes none, gemm or none,gemm (got {','.join(a.compute)})")
+    if not a.tokens or min(a.tokens) < 1:
+        p.error("--tokens needs positive integers")
+    a.backends = ["nccl", "sm120"] if a.backend == "both" else [a.backend]
+    a.e2e_compute_ms = [float(x) for x in a.e2e_compute_ms.split(",") if x]
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The model: weights with per-rank shapes, and one forward driven by the op list
+
+
+class Model:
+    def __init__(self, cfg: vp.ModelConfig, d, gemm: bool, max_tokens: int, seed: int, max_expert_gib: float):
+        import torch
+
+        self.cfg, self.d, self.gemm = cfg, d, gemm
+        H = cfg.hidden_size
+        dev = d.device
+        self.eps = cfg.rms_norm_eps
+        self.rep = torch.Generator(device=dev)
+        self.rep.manual_seed(seed)  # replicated tensors: identical on every rank
+        self.own = torch.Generator(device=dev)
+        self.own.manual_seed(seed + 1 + d.rank)  # this rank's shard
+        self.norm_w = (1 + 0.1 * torch.randn(H, generator=self.rep, device=dev)).to(torch.bfloat16)
+        self.emb: dict[int, torch.Tensor] = {}
+        self.moe_idx: dict[int, torch.Tensor] = {}
+        self.notes: dict = {}
+        if not gemm:
+            return
+        tp = d.world_size
+        sh = vp.gemm_shapes(cfg, max_tokens, tp)
+        self.shapes_max = sh
+        att = sh["attn"]
+        if att["type"] == "mla":
+            a = cfg.attention
+            self.heads = int(a["num_heads"]) // tp
+            self.nope, self.rope = int(a["qk_nope_head_dim"]), int(a["qk_rope_head_dim"])
+            self.q_lora, self.kv = int(a["q_lora_rank"]), int(a["kv_lora_rank"])
+            self.vdim = int(a["v_head_dim"])
+            self.W_qkv_a = self._w((H, att["qkv_a"][2]), H, self.rep)
+            self.W_q_b = self._w((self.q_lora, att["q_b"][2]), self.q_lora, self.own)
+            self.W_kc = self._w((self.heads, self.nope, self.kv), self.nope, self.own)
+            self.W_vc = self._w((self.heads, self.kv, self.vdim), self.kv, self.own)
+            self.W_o = self._w((self.heads * self.vdim, H), self.heads * self.vdim, self.own)
+        else:
+            a = cfg.attention
+            self.heads = int(a["num_heads"]) // tp
+            self.hd = int(a["head_dim"])
+            self.W_qkv = self._w((H, att["qkv"][2]), H, self.own)
+            self.W_o = self._w((self.heads * self.hd, H), self.heads * self.hd, self.own)
+        dense = sh["dense"]
+        if cfg.first_k_dense > 0:
+            self.inter = dense["down"][1]
+            self.W_gu = self._w((H, 2 * self.inter), H, self.own)
+            self.W_d = self._w((self.inter, H), self.inter, self.own)
+        if cfg.moe and cfg.first_k_dense < cfg.num_layers:
+            m = sh["moe"]
+            self.mi = m["expert_down"][2]
+            self.E, self.top_k = int(cfg.moe["num_experts"]), int(cfg.moe["top_k"])
+            e_max = m["active_experts"]
+            per_expert = H * 3 * self.mi * 2
+            cap = max(1, int(max_expert_gib * (1 << 30) // per_expert))
+            if e_max > cap:
+                self.notes["experts_capped"] = f"{e_max} active experts needed at T={max_tokens}, {cap} allocated"
+                e_max = cap
+            self.e_alloc = e_max
+            self.W_router = self._w((H, self.E), H, self.rep)
+            self.W_egu = self._w((e_max, H, 2 * self.mi), H, self.own)
+            self.W_ed = self._w((e_max, self.mi, H), self.mi, self.own)
+            shared = m["shared_down"][1] if m["shared_down"] else 0
+            self.shared = shared
+            if shared:
+                self.W_sgu = self._w((H, 2 * shared), H, self.own)
+                self.W_sd = self._w((shared, H), shared, self.own)
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _w(self, shape, fan_in, gen):
+        import torch
+
+        t = torch.randn(shape, generator=gen, device=self.d.device, dtype=torch.bfloat16)
+        return t.mul_(fan_in**-0.5)
+
+    def prepare_tokens(self, T: int) -> None:
+        import torch
+
+        if T not in self.emb:
+            g = torch.Generator(device=self.d.device)
+            g.manual_seed(1000 + 31 * T + self.d.rank)  # each rank's partial of the vocab-parallel embedding
+            self.emb[T] = (torch.randn(T, self.cfg.hidden_size, generator=g, device=self.d.device)
+                           / math.sqrt(self.d.world_size)).to(torch.bfloat16)
+        if self.gemm and self.cfg.moe and T not in self.moe_idx:
+            e_a, rows = self._moe_dims(T)
+            self.moe_idx[T] = (torch.arange(e_a * rows, device=self.d.device) % T).contiguous()
+
+    def _moe_dims(self, T: int) -> tuple[int, int]:
+        e_a = min(self.e_alloc, vp.expected_active_experts(T, self.E, self.top_k))
+        rows = math.ceil(T * self.top_k / e_a)
+        return e_a, rows
+
+    # -- compute (per-rank partials) --
+    def attention(self, x):
+        import torch
+
+        T = x.shape[0]
+        if self.cfg.attention.get("type", "mla") == "mla":
+            qkv = x @ self.W_qkv_a
+            q = qkv[:, : self.q_lora] @ self.W_q_b
+            q_nope = q.view(T, self.heads, self.nope + self.rope)[:, :, : self.nope].transpose(0, 1)
+            lat = torch.bmm(q_nope, self.W_kc)  # [heads, T, kv]: absorbed query (attention core not modelled)
+            o = torch.bmm(lat, self.W_vc)  # [heads, T, v]
+            return o.transpose(0, 1).reshape(T, self.heads * self.vdim) @ self.W_o
+        qkv = x @ self.W_qkv
+        return qkv[:, : self.heads * self.hd] @ self.W_o
+
+    def mlp(self, x, moe: bool):
+        import torch
+        import torch.nn.functional as F
+
+        if not moe:
+            gu = x @ self.W_gu
+            return (F.silu(gu[:, : self.inter]) * gu[:, self.inter :]) @ self.W_d
+        T, H = x.shape
+        _ = x @ self.W_router
+        e_a, rows = self._moe_dims(T)
+        xs = x.index_select(0, self.moe_idx[T]).view(e_a, rows, H)
+        gu = torch.bmm(xs, self.W_egu[:e_a])
+        y = torch.bmm(F.silu(gu[..., : self.mi]) * gu[..., self.mi :], self.W_ed[:e_a])
+        routed = y.view(-1, H)[: T * self.top_k].view(self.top_k, T, H).sum(0)
+        if self.shared:
+            sgu = x @ self.W_sgu
+            routed = routed + (F.silu(sgu[:, : self.shared]) * sgu[:, self.shared :]) @ self.W_sd
+        return routed
+
+    # -- one forward --
+    def forward(self, ops, comm, norm, T: int, h_buf):
+        h = h_buf
+        h.copy_(self.emb[T])  # stands in for the embedding lookup
+        w, eps = self.norm_w, self.eps
+        residual = x = part = None
+        aux = []
+        for op in ops:
+            k = op.kind
+            if k == vp.ATTENTION:
+                part = self.attention(x) if self.gemm else x
+            elif k == vp.MLP:
+                part = self.mlp(x, op.site == "moe") if self.gemm else x
+            elif k == vp.ALLREDUCE:
+                h = comm.all_reduce(h if op.site == "embedding" else part)
+            elif k == vp.ALLREDUCE_ADD_RMSNORM:
+                x, residual = comm.all_reduce_add_rmsnorm(part, residual, w, eps)
+            elif k == vp.ADD_RMSNORM:
+                residual, x = comm.add_rmsnorm(h, residual, w, eps)
+            elif k == vp.RMSNORM:
+                residual, x = h, norm.rmsnorm(h, w, eps)
+            elif k == vp.AUX_CAPTURE:
+                aux.append(h if residual is None else h + residual)
+            else:
+                raise ValueError(f"unknown op {op}")
+        return x, aux
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backends: the communication primitives the forward calls
+
+
+class NcclComm:
+    name = "nccl"
+    fuse = False
+
+    def __init__(self, d, norm):
+        self.d, self.norm = d, norm
+
+    def all_reduce(self, t):
+        import torch.distributed as dist
+
+        dist.all_reduce(t, group=self.d.nccl)
+        return t
+
+    def add_rmsnorm(self, h, residual, w, eps):
+        self.norm.add_rmsnorm_(h, residual, w, eps)  # in place: residual <- h + residual, h <- norm
+        return residual, h
+
+    def all_reduce_add_rmsnorm(self, part, residual, w, eps):  # not used: fuse=False pattern
+        h = self.all_reduce(part)
+        r, x = self.add_rmsnorm(h, residual, w, eps)
+        return x, r
+
+
+class ComputeOnly(NcclComm):
+    """All-reduces removed: the compute-only reference of --compute gemm."""
+
+    name = "none"
+
+    def all_reduce(self, t):
+        return t
+
+
+class Sm120Comm(NcclComm):
+    name = "sm120"
+    fuse = True
+
+    def __init__(self, d, norm, impl):
+        super().__init__(d, norm)
+        self.impl = impl
+
+    def all_reduce(self, t):
+        return self.impl.all_reduce(t, None)
+
+    def all_reduce_add_rmsnorm(self, part, residual, w, eps):
+        return self.impl.all_reduce_add_rmsnorm(part, residual, w, eps, None, None)
+
+
+class SglangComm(NcclComm):
+    """SGLang's own path: GroupCoordinator.all_reduce; at fusable boundaries the communicator's logic
+    (layers/communicator.py): fusion gate yes -> RMSNorm.forward_with_allreduce_fusion, else all-reduce + norm."""
+
+    fuse = True
+
+    def __init__(self, d, norm, name, tp, norm_module, gate, module_norm_ok: bool):
+        super().__init__(d, norm)
+        self.name, self.tp, self.norm_module, self.gate = name, tp, norm_module, gate
+        self.module_norm_ok = module_norm_ok
+        self.gate_answers: dict[int, bool] = {}
+
+    def gate_says(self, T: int) -> bool:
+        if T not in self.gate_answers:
+            try:
+                self.gate_answers[T] = bool(self.gate(T))
+            except Exception:  # noqa: BLE001 - e.g. no global server args in a bare process: gate closed
+                self.gate_answers[T] = False
+        return self.gate_answers[T]
+
+    def all_reduce(self, t):
+        return self.tp.all_reduce(t)
+
+    def add_rmsnorm(self, h, residual, w, eps):
+        if self.module_norm_ok:
+            x, r = self.norm_module.forward(h, residual)
+            return r, x
+        return super().add_rmsnorm(h, residual, w, eps)
+
+    def all_reduce_add_rmsnorm(self, part, residual, w, eps):
+        if self.gate_says(part.shape[0]):
+            return self.norm_module.forward_with_allreduce_fusion(part, residual)
+        h = self.all_reduce(part)
+        r, x = self.add_rmsnorm(h, residual, w, eps)
+        return x, r
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, d, args):
+        self.d, self.args = d, args
+        self.cfg = vp.load_config(args.config)
+        self.capture = not args.no_eagle3_capture
+        self.results: list[dict] = []
+        self.checks: list[dict] = []
+        self.skipped: list[dict] = []
+        self.sglang_info: list[dict] = []
+        self.notes: dict = {}
+        self.hw = common.hardware_info(d)
+        self.t0 = time.monotonic()
+        self.complete = False
+        self.out_json = common.result_path(Path(args.out), "verify", self.hw["gpu"], d.world_size)
+        self.finals: dict = {}  # (compute, T) -> NCCL's final hidden states (for the --via-sglang comparison)
+        self.run_info = {"date": common.utc_now(), "compute": args.compute, "backends": args.backends,
+                         "tokens": args.tokens, "via_sglang": args.via_sglang}
+        self.prior = self.load_prior() if d.is_main else None
+
+    # ------------------------------------------------------------------ output
+    def pattern_info(self) -> dict:
+        fused = vp.build_verify_pattern(self.cfg, fuse=True, eagle3_capture=self.capture)
+        info = vp.summarize_pattern(fused)
+        info["eagle3_capture_layers"] = list(self.cfg.eagle3_capture_layers) if self.capture else []
+        info["n_allreduce_nccl_path"] = vp.summarize_pattern(
+            vp.build_verify_pattern(self.cfg, fuse=False, eagle3_capture=self.capture))["n_allreduce"]
+        return info
+
+    def estimates(self, results) -> list[dict]:
+        a = self.args
+        T = a.e2e_tokens
+
+        def comm(backend):
+            rs = [r for r in results if r["backend"] == backend and r["compute"] == "none" and r["tokens"] == T]
+            return rs[0]["comm_us"] if rs else None
+
+        n, s = comm("nccl"), comm("sm120")
+        if n is None or s is None:
+            return []
+        out = []
+        for c in a.e2e_compute_ms:
+            e = e2e_estimate(n, s, c, tok_s_eagle_nccl=a.e2e_tok_s_eagle_nccl, tok_s_nospec=a.e2e_tok_s_nospec,
+                             accept_len=a.e2e_accept_len)
+            e.update({"tokens": T, "label": "ESTIMATE, not a measurement: step = compute_ms + measured comm "
+                      "(compute none) on this machine; tok/s = accept_len / step"})
+            out.append(e)
+        return out
+
+    def load_prior(self) -> dict | None:
+        """An existing result file of the same config and world size (read once, before this run writes)."""
+        if self.args.no_merge or not self.out_json.is_file():
+            return None
+        try:
+            old = json.loads(self.out_json.read_text())
+        except Exception as e:  # noqa: BLE001
+            self.notes["merge"] = f"could not read the existing file: {short_exc(e)}"
+            return None
+        same = (old.get("config", {}).get("name") == self.cfg.name and old.get("world_size") == self.d.world_size
+                and old.get("pattern", {}).get("n_fused") == self.pattern_info()["n_fused"])
+        if not same:
+            self.notes["merge"] = "existing file is for another config/world size/pattern: overwritten"
+            return None
+        return old
+
+    def doc(self) -> dict:
+        results, checks, skipped = list(self.results), list(self.checks), list(self.skipped)
+        runs = [self.run_info]
+        old = self.prior
+        if old:
+            def key(r):
+                return r["backend"], r["compute"], r["tokens"]
+
+            mine = {key(r) for r in results}
+            results = [r for r in old.get("results", []) if key(r) not in mine] + results
+            mine_c = {(c["compute"], c["tokens"], c.get("backend")) for c in checks}
+            checks = [c for c in old.get("checks", []) if (c["compute"], c["tokens"], c.get("backend")) not in mine_c]
+            checks += list(self.checks)
+            computes = set(self.args.compute)
+            skipped = [s for s in old.get("skipped", []) if s.get("compute") and s["compute"] not in computes]
+            skipped += list(self.skipped)
+            runs = old.get("runs", []) + runs
+        results.sort(key=lambda r: (r["compute"], r["tokens"], r["backend"]))
+        return {
+            "schema_version": common.SCHEMA_VERSION,
+            "benchmark": "bench_verify",
+            "hardware": self.hw,
+            "date": common.utc_now(),
+            "complete": self.complete,
+            "elapsed_s": round(time.monotonic() - self.t0, 1),
+            "config": self.cfg.to_dict(),
+            "world_size": self.d.world_size,
+            "pattern": self.pattern_info(),
+            "settings": {"iters": self.args.iters, "warmup_replays": self.args.warmup,
+                         "statistic": "median over replays of the max over ranks of one forward's replay time",
+                         "final_rel_tol": FINAL_REL_TOL},
+            "norm_kernel": self.norm.name if getattr(self, "norm", None) else None,
+            "notes": self.notes,
+            "results": results,
+            "checks": checks,
+            "sglang": self.sglang_info,
+            "e2e_estimate": self.estimates(results),
+            "skipped": skipped,
+            "runs": runs,
+        }
+
+    def write(self) -> None:
+        if not self.d.is_main:
+            return
+        doc = self.doc()
+        try:
+            validate_verify_doc(doc)
+        except Exception as e:  # noqa: BLE001
+            doc["schema_error"] = short_exc(e)
+        common.write_json(self.out_json, doc)
+
+    def skip(self, backend: str, reason: str, **extra) -> None:
+        self.skipped.append({"impl": backend, "reason": reason or "unknown", **extra})
+        self.d.log(f"  skip {backend} {extra if extra else ''}: {reason}")
+
+    # ------------------------------------------------------------------ one graph
+    def time_forward(self, model: Model, comm, compute: str, T: int, *, stream=None, label=None) -> dict | None:
+        import torch
+
+        d = self.d
+        label = label or comm.name
+        ops = vp.build_verify_pattern(self.cfg, fuse=comm.fuse, eagle3_capture=self.capture)
+        h_buf = torch.empty(T, self.cfg.hidden_size, dtype=torch.bfloat16, device=d.device)
+
+        def fwd(_k):
+            return model.forward(ops, comm, self.norm, T, h_buf)
+
+        def capture():
+            return common.capture_graph(fwd, 1, eager_warmup=1, stream=stream)
+
+        ok, val, why = d.attempt(capture, f"{label}: capture")
+        if not ok:
+            self.skip(label, why, compute=compute, tokens=T)
+            self._health()
+            return None
+        graph, outs = val
+        try:
+            t = common.time_graph(d, graph, calls=1, iters=self.args.iters, warmup=self.args.warmup)
+        except RuntimeError as e:
+            self.skip(label, short_exc(e), compute=compute, tokens=T)
+            self._health()
+            return None
+        final = outs[0][0].clone()
+        torch.cuda.synchronize()
+        t["final"] = final
+        same = common.bitwise_equal_across_ranks(d, final)
+        # Without all-reduces (compute-only graph) the ranks' outputs differ by construction.
+        t["bitwise_across_ranks"] = same if comm.name != "none" else None
+        return t
+
+    def _health(self) -> None:
+        ok, why = common.cuda_healthy(self.d)
+        if not ok:
+            raise _Abort(f"CUDA context unusable after a failure: {why}")
+
+    def record(self, backend, compute, T, t, comm_us, **extra) -> None:
+        pat = self.pattern_info()
+        entry = {
+            "backend": backend,
+            "compute": compute,
+            "tokens": T,
+            "hidden": self.cfg.hidden_size,
+            "bytes_per_allreduce": T * self.cfg.bytes_per_token,
+            "world_size": self.d.world_size,
+            "n_allreduce": pat["n_allreduce"],
+            "n_fused": pat["n_fused"] if backend in ("sm120", "sglang_on") else 0,
+            "step_us": t["median_us"],
+            "comm_us": comm_us,
+            "p10_us": t["p10_us"],
+            "p90_us": t["p90_us"],
+            "min_us": t["min_us"],
+            "iters": t["iters"],
+            "bitwise_across_ranks": t["bitwise_across_ranks"],
+            **extra,
+        }
+        self.results.append(entry)
+
+    def compare(self, compute, T, a_name, a, b_name, b) -> None:
+        import torch
+
+        diff = (a.float() - b.float()).abs()
+        rms = float(a.float().pow(2).mean().sqrt())
+        c = {
+            "compute": compute,
+            "tokens": T,
+            "backend": b_name,
+            "reference": a_name,
+            "max_abs_diff": float(diff.max()),
+            "mean_abs_diff": float(diff.mean()),
+            "rms_reference": rms,
+            "max_rel_diff": float(diff.max()) / rms if rms > 0 else None,
+            "rel_rms_diff": float(diff.pow(2).mean().sqrt()) / rms if rms > 0 else None,
+            "bitwise_equal": bool(torch.equal(a, b)),
+            "tolerance": FINAL_REL_TOL,
+        }
+        c["ok"] = c["rel_rms_diff"] is not None and c["rel_rms_diff"] <= FINAL_REL_TOL
+        self.checks.append(c)
+        if not c["ok"]:
+            self.d.log(f"  WARNING: {b_name} final hidden states differ from {a_name} at T={T} ({compute}): "
+                       f"rms(diff)/rms {c['rel_rms_diff']}")
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> None:
+        import torch
+
+        d, a = self.d, self.args
+        pat = self.pattern_info()
+        d.log(f"bench_verify: {self.cfg.name} on {self.hw['gpu']} x{d.world_size}; per forward {pat['n_allreduce']} "
+              f"all-reduces, {pat['n_fused']} fused on the sm120 path ({pat['n_plain']} plain at "
+              f"{', '.join(pat['plain_allreduce_sites'])}); T = {a.tokens}; compute {a.compute}")
+        self.norm, rejected = common.select_norm_kernel(d, self.cfg.hidden_size, self.cfg.rms_norm_eps,
+                                                         prefer=a.norm_kernel)
+        self.notes["norm_kernels_rejected"] = [{"kernel": k, "reason": r} for k, r in rejected]
+        d.log(f"  add+RMSNorm kernel (NCCL path and plain all-reduces): {self.norm.name}")
+        comms = {}
+        if "nccl" in a.backends:
+            comms["nccl"] = NcclComm(d, self.norm)
+        impl = None
+        if "sm120" in a.backends:
+            impl = self._setup_sm120(max(a.tokens))
+            if impl is not None:
+                comms["sm120"] = Sm120Comm(d, self.norm, impl)
+        self.write()
+        try:
+            for compute in a.compute:
+                self._run_compute(compute, comms)
+            if a.via_sglang:
+                self._run_via_sglang()
+            self.complete = True
+        except _Abort as e:
+            self.notes["aborted"] = str(e)
+            d.log(f"ABORTED: {e}")
+        finally:
+            if impl is not None:
+                torch.cuda.synchronize()
+                impl.close()
+        self.write()
+        if d.is_main:
+            self.print_tables()
+            if not a.no_plot:
+                self.plot()
+
+    def _setup_sm120(self, max_tokens: int):
+        from benchmarks.peers import Skip, make_impl
+
+        a = self.args
+        impl = make_impl("sm120", a)
+        try:
+            impl.setup(self.d, max_tokens * self.cfg.hidden_size)
+        except Skip as e:
+            self.skip("sm120", str(e))
+            return None
+        self.notes["sm120"] = impl.notes()
+        return impl
+
+    def _make_model(self, compute: str):
+        a = self.args
+        ok, model, why = self.d.attempt(
+            lambda: Model(self.cfg, self.d, compute == "gemm", max(a.tokens), a.seed, a.max_expert_gib),
+            f"model weights ({compute})")
+        if not ok:
+            self.skip("all", why, compute=compute)
+            return None
+        if model.notes:
+            self.notes[f"model_{compute}"] = model.notes
+        return model
+
+    def _run_compute(self, compute: str, comms: dict) -> None:
+        import torch
+
+        d, a = self.d, self.args
+        model = self._make_model(compute)
+        if model is None:
+            return
+        for T in a.tokens:
+            model.prepare_tokens(T)
+            timed = {}
+            for name, comm in comms.items():
+                t = self.time_forward(model, comm, compute, T)
+                if t is not None:
+                    timed[name] = t
+            base = None
+            if compute == "gemm" and timed:
+                base = self.time_forward(model, ComputeOnly(d, self.norm), compute, T)
+                if base is not None:
+                    self.record("none", compute, T, base, None)
+            for name, t in timed.items():
+                comm_us = t["median_us"] if compute == "none" else (
+                    t["median_us"] - base["median_us"] if base is not None else None)
+                self.record(name, compute, T, t, comm_us)
+            if "nccl" in timed:
+                if a.via_sglang:
+                    self.finals[(compute, T)] = timed["nccl"]["final"]
+                for name, t in timed.items():
+                    if name != "nccl":
+                        self.compare(compute, T, "nccl", timed["nccl"]["final"], name, t["final"])
+            self._log_row(compute, T)
+            timed = base = None
+            torch.cuda.synchronize()
+            self.write()
+        del model
+        torch.cuda.empty_cache()
+
+    def _log_row(self, compute, T) -> None:
+        rs = {r["backend"]: r for r in self.results if r["compute"] == compute and r["tokens"] == T}
+        parts = [f"{b} {r['step_us']:.1f} us" + (f" (comm {r['comm_us']:.1f})" if r["comm_us"] is not None else "")
+                 for b, r in rs.items()]
+        self.d.log(f"  [{compute}] T={T:<3} " + "; ".join(parts))
+
+    # ------------------------------------------------------------------ --via-sglang
+    def _run_via_sglang(self) -> None:
+        d = self.d
+        standin = common.install_sglang_standins()
+        if standin:
+            self.notes["sglang_standins"] = standin
+        ok, ps, why = d.attempt(lambda: __import__("sglang.srt.distributed.parallel_state", fromlist=["x"]),
+                                "import sglang parallel_state")
+        if not ok:
+            self.skip("sglang", why)
+            return
+        ok, _, why = d.attempt(lambda: ps.init_distributed_environment(
+            world_size=d.world_size, rank=d.rank, distributed_init_method="env://", local_rank=d.local_rank,
+            backend="nccl"), "sglang init_distributed_environment")
+        if not ok:
+            self.skip("sglang", why)
+            return
+        for overlay_on in (False, True):
+            name = "sglang_on" if overlay_on else "sglang_off"
+            try:
+                self._sglang_phase(ps, name, overlay_on)
+            except _Abort:
+                raise
+            except Exception as e:  # noqa: BLE001 - a phase that fails on every rank alike
+                self.skip(name, short_exc(e))
+        self.write()
+
+    def _sglang_phase(self, ps, name: str, overlay_on: bool) -> None:
+        import torch
+
+        d, a = self.d, self.args
+        os.environ["SGLANG_SM120_ALLREDUCE"] = "on" if overlay_on else "off"
+        os.environ["SGLANG_SM120_ALLREDUCE_MAX_BYTES"] = str(max(a.tokens) * self.cfg.bytes_per_token)
+        plugin = None
+        if overlay_on:
+            ok, plugin, why = d.attempt(lambda: _activate_overlay(), "sglang_sm120.plugin.activate")
+            if not ok:
+                self.skip(name, why)
+                return
+        try:
+            d.attempt(lambda: ps.set_custom_all_reduce(a.sglang_custom_ar == "on"), "set_custom_all_reduce")
+            ok, _, why = d.attempt(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=d.world_size),
+                                   "initialize_model_parallel")
+            if not ok:
+                self.skip(name, why)
+                return
+            try:
+                info = {"backend": name, "custom_all_reduce": a.sglang_custom_ar}
+                if overlay_on:
+                    ok, desc, why = d.attempt(lambda: _prepare_overlay_backend(self.cfg.hidden_size), "prepare backend")
+                    info["overlay"] = desc if ok else why
+                ok, val, why = d.attempt(lambda: self._sglang_objects(ps), "RMSNorm / fusion gate")
+                if not ok:
+                    self.skip(name, why)
+                    return
+                tp, norm_module, gate, module_norm_ok, note = val
+                info["norm"] = note
+                comm = SglangComm(d, self.norm, name, tp, norm_module, gate, module_norm_ok)
+                for compute in a.compute:
+                    model = self._make_model(compute)
+                    if model is None:
+                        continue
+                    norm_module.weight.data.copy_(model.norm_w)
+                    for T in a.tokens:
+                        model.prepare_tokens(T)
+                        with ps.graph_capture() as gctx:
+                            t = self.time_forward(model, comm, compute, T, stream=gctx.stream, label=name)
+                        if t is None:
+                            continue
+                        base = [r for r in self.results if r["backend"] == "none" and r["compute"] == compute
+                                and r["tokens"] == T]
+                        comm_us = t["median_us"] if compute == "none" else (
+                            t["median_us"] - base[0]["step_us"] if base else None)
+                        self.record(name, compute, T, t, comm_us, fusion_gate=comm.gate_says(T))
+                        ref = self.finals.get((compute, T))
+                        if ref is not None:
+                            self.compare(compute, T, "nccl", ref, name, t["final"])
+                        self._log_row(compute, T)
+                    del model
+                    torch.cuda.empty_cache()
+                if overlay_on:
+                    ok, desc, _ = d.attempt(lambda: _describe_overlay(), "describe")
+                    info["overlay_after"] = desc
+                info["gate"] = {str(k): v for k, v in comm.gate_answers.items()}
+                self.sglang_info.append(info)
+            finally:
+                torch.cuda.synchronize()
+                d.attempt(lambda: ps.destroy_model_parallel(), "destroy_model_parallel")
+        finally:
+            if overlay_on and plugin is not None:
+                d.attempt(lambda: plugin.deactivate(), "deactivate")
+
+    def _sglang_objects(self, ps):
+        import torch
+        from sglang.srt.layers import communicator
+        from sglang.srt.layers.layernorm import RMSNorm
+
+        tp = ps.get_tp_group()
+        norm_module = RMSNorm(self.cfg.hidden_size, eps=self.cfg.rms_norm_eps).to(device=self.d.device,
+                                                                                  dtype=torch.bfloat16)
+        # Does SGLang's own unfused norm run here (real sgl_kernel), or is it a stand-in?
+        module_norm_ok, note = True, "RMSNorm.forward (SGLang's own kernel)"
+        try:
+            x = torch.randn(2, self.cfg.hidden_size, device=self.d.device, dtype=torch.bfloat16)
+            r = torch.randn_like(x)
+            ref_n, ref_r = common.reference_add_rmsnorm(x, r, norm_module.weight.data, self.cfg.rms_norm_eps)
+            n, rr = norm_module.forward(x.clone(), r.clone())
+            torch.cuda.synchronize()
+            if not torch.allclose(n.float(), ref_n.float(), rtol=1 / 32, atol=1 / 32):
+                raise RuntimeError("wrong result")
+        except Exception as e:  # noqa: BLE001
+            module_norm_ok = False
+            note = f"RMSNorm.forward unusable here ({short_exc(e, 160)}); unfused norms use {self.norm.name}"
+        # Identical on every rank: take rank 0's verdict if the ranks disagree (they should not).
+        verdict = self.d.all_gather_obj(module_norm_ok)
+        module_norm_ok = all(verdict)
+        return tp, norm_module, communicator.apply_flashinfer_allreduce_fusion, module_norm_ok, note
+
+    # ------------------------------------------------------------------ reporting
+    def print_tables(self) -> None:
+        doc = self.doc()
+        pat = doc["pattern"]
+        for compute in ("none", "gemm"):
+            rs = [r for r in doc["results"] if r["compute"] == compute]
+            if not rs:
+                continue
+            backends = common.iter_unique(r["backend"] for r in rs)
+            print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}: one verify forward "
+                  f"({pat['n_allreduce']} all-reduces; sm120 fuses {pat['n_fused']}); us, median of slowest rank")
+            hdr = f"{'T':>4} {'bytes/AR':>9} " + "".join(f"{b + ' step':>16}" for b in backends)
+            hdr += "".join(f"{b + ' comm':>16}" for b in backends if b != "none")
+            hdr += f"{'speed-up':>10}{'comm x':>8}"
+            print(hdr)
+            for T in sorted({r["tokens"] for r in rs}):
+                cells = {r["backend"]: r for r in rs if r["tokens"] == T}
+                line = f"{T:>4} {common.format_bytes(T * self.cfg.bytes_per_token):>9} "
+                line += "".join(f"{cells[b]['step_us']:>16.1f}" if b in cells else f"{'-':>16}" for b in backends)
+                for b in backends:
+                    if b == "none":
+                        continue
+                    c = cells.get(b, {}).get("comm_us")
+                    line += f"{c:>16.1f}" if c is not None else f"{'-':>16}"
+                n, s = cells.get("nccl"), cells.get("sm120")
+                sp = common.ratio(n["step_us"], s["step_us"]) if n and s else None
+                cr = common.ratio(n["comm_us"], s["comm_us"]) if n and s and n["comm_us"] and s["comm_us"] else None
+                line += f"{sp:>9.2f}x" if sp else f"{'-':>10}"
+                line += f"{cr:>7.2f}x" if cr else f"{'-':>8}"
+                print(line)
+        bad = [c for c in doc["checks"] if not c["ok"]]
+        worst = [(c["backend"], c["compute"], c["tokens"]) for c in bad]
+        print(f"\nfinal hidden states vs NCCL: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} within "
+              f"rms(diff) <= {FINAL_REL_TOL:g} x rms" + (f"; OUT OF TOLERANCE: {worst}" if bad else ""))
+        nonbit = [(r["backend"], r["compute"], r["tokens"]) for r in doc["results"]
+                  if r["bitwise_across_ranks"] is False]
+        print("bitwise identical across ranks: " + ("all" if not nonbit else f"NOT for {nonbit}"))
+        for e in doc["e2e_estimate"]:
+            print(f"ESTIMATE (not measured): T={e['tokens']}, compute {e['compute_ms']:g} ms + measured comm: "
+                  f"step {e['step_ms_nccl']:.2f} -> {e['step_ms_ours']:.2f} ms ({e['step_speedup']:.2f}x); "
+                  f"accept_len {e['accept_len']:.2f} ({e['accept_len_source']}): {e['tok_s_nccl']:.1f} -> "
+                  f"{e['tok_s_ours']:.1f} tok/s (no speculation: {e['tok_s_nospec']:g} tok/s)")
+        if doc["skipped"]:
+            print("skipped:")
+            for s in doc["skipped"]:
+                print(f"  {s['impl']}: {s['reason']}")
+        print(f"wrote {self.out_json}")
+
+    def plot(self) -> None:
+        doc = self.doc()
+        panels = []
+        for compute in ("none", "gemm"):
+            rs = [r for r in doc["results"] if r["compute"] == compute]
+            if not rs:
+                continue
+            series = {}
+            for b in common.iter_unique(r["backend"] for r in rs):
+                pts = sorted((r["tokens"], r["step_us"]) for r in rs if r["backend"] == b)
+                series["compute only" if b == "none" else b] = ([p[0] for p in pts], [p[1] / 1000 for p in pts])
+            panels.append({"title": f"compute={compute}", "xlabel": "T (tokens per verify forward)",
+                           "ylabel": "verify step (ms, median of slowest rank)", "logx": 2, "logy": False,
+                           "series": series})
+        if panels:
+            err = common.plot_lines(self.out_json.with_suffix(".png"), panels,
+                                    title=f"{self.cfg.name} verify forward, {self.hw['gpu']} x{self.d.world_size}")
+            print(f"plot: {err or self.out_json.with_suffix('.png')}")
+
+
+class _Abort(Exception):
+    pass
+
+
+def _activate_overlay():
+    import importlib
+
+    plugin = importlib.import_module("sglang_sm120.plugin")
+    plugin.activate()
+    return plugin
+
+
+def _prepare_overlay_backend(hidden: int) -> dict:
+    import importlib
+
+    import torch
+
+    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    comm = hd.prepare_tp_backend(hd.runtime_server_args(), hidden, torch.bfloat16)
+    return comm.describe() if comm is not None else {"active": False, "reason": "no sm120 communicator on the TP group"}
+
+
+def _describe_overlay() -> dict:
+    import importlib
+
+    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    comm = hd.tp_communicator()
+    return comm.describe() if comm is not None else {"active": False}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    common.require_multi_gpu("benchmarks/bench_verify.py")
+    d = common.init_distributed()
+    try:
+        common.check_same_args(d, vars(args))
+        bench = Bench(d, args)
+        wd = common.Watchdog(args.time_limit, on_timeout=bench.write)
+        bench.run()
+        wd.stop()
+    finally:
+        common.shutdown(d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

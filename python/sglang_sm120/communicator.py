@@ -1,0 +1,314 @@
+"""The sm120 backend of one SGLang TP group: gate, workspace, dispatch rule and counters.
+
+Life cycle (each step collective over the TP group, each bounded in time, each agreed by every rank):
+
+1. `resolve_gate()`, from the `GroupCoordinator.__init__` seam: every rank publishes its facts, every rank
+   evaluates the pure gate on the same list. Cheap; no GPU memory.
+2. `build()`, from the pre-capture seam `ModelRunner._pre_initialize_flashinfer_allreduce_workspace`: the
+   IpcAllReduce workspace is sized there because that is the first point where the model's hidden size,
+   dtype and CUDA-graph batch sizes are all known, and it runs on every rank right before CUDA-graph capture
+   (never inside it). Building lazily at GroupCoordinator init would have to guess the hidden size; building
+   on first use could land inside a capture. Reductions before it (weight loading, profiling) use NCCL.
+3. `all_reduce` / `all_reduce_add_rmsnorm` for eligible tensors, counted in `stats`.
+4. `close()` from `GroupCoordinator.destroy`.
+
+Any failure at 1 or 2 leaves every rank on SGLang's own path, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+from . import exchange
+from .config import ByteBound
+from .facts import group_facts, local_facts
+from .gate import GateDecision, decide
+from .topology import kernel_islands, probe
+
+logger = logging.getLogger("sglang_sm120")
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Sm120Communicator:
+    """Attached to a GroupCoordinator as `sm120_comm`. `stats` counts which path served each call:
+    "sm120" (plain kernel), "sm120_fused" (fused kernel), "fallback" (SGLang's original all-reduce while the
+    backend is active), "fused_fallback" (a fused call the kernel could not take: all-reduce + norm instead).
+    Calls made while capturing a CUDA graph are counted once, at capture; replays run no Python."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        ranks: list[int],
+        rank_in_group: int,
+        world_size: int,
+        cpu_group: Any,
+        device: torch.device,
+        mode: str,
+        deterministic: bool,
+        timeout_s: float,
+        store: Any = None,
+        group_coordinator: Any = None,
+    ):
+        self.name = name
+        self.ranks = list(ranks)
+        self.rank_in_group = rank_in_group
+        self.world_size = world_size
+        self.cpu_group = cpu_group
+        self.device = device
+        self.mode = mode
+        self.deterministic = deterministic
+        self.timeout_s = timeout_s
+        self.store = store
+        self._group_ref = weakref.ref(group_coordinator) if group_coordinator is not None else None
+
+        self.decision: GateDecision | None = None
+        self.uuids: list[str | None] = []
+        self.comm = None  # sgl_kernel_sm120.IpcAllReduce once built
+        self.build_attempted = False
+        self.build_error: str | None = None
+        self.max_bytes = 0
+        self.max_fused_tokens = 0
+        self.hidden_size: int | None = None
+        self.dtype: torch.dtype | None = None
+        self.bound_explanation = ""
+        self.islands: list[list[int]] | None = None
+        self.link: str | None = None
+        # Set by the pre-capture seam: True when the attention-TP and MoE groups are this very group, so a
+        # fused call (which may name either) always reduces over the workspace's ranks.
+        self.fusion_groups_ok = False
+        self.stats = {"sm120": 0, "sm120_fused": 0, "fallback": 0, "fused_fallback": 0}
+
+    # ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def for_group(cls, group, mode: str, deterministic: bool, timeout_s: float) -> Sm120Communicator:
+        return cls(
+            name=group.unique_name,
+            ranks=list(group.ranks),
+            rank_in_group=group.rank_in_group,
+            world_size=group.world_size,
+            cpu_group=group.cpu_group,
+            device=group.device,
+            mode=mode,
+            deterministic=deterministic,
+            timeout_s=timeout_s,
+            store=exchange.default_store(),
+            group_coordinator=group,
+        )
+
+    @property
+    def group_coordinator(self):
+        return self._group_ref() if self._group_ref is not None else None
+
+    @property
+    def gate_enabled(self) -> bool:
+        return self.decision is not None and self.decision.enabled
+
+    @property
+    def active(self) -> bool:
+        return self.comm is not None
+
+    def _scope(self, step: str) -> str:
+        return f"{self.name}/{'-'.join(map(str, self.ranks))}/{step}"
+
+    def _agree(self, step: str, payload: Any) -> list[Any]:
+        prefix = exchange.next_prefix(self._scope(step), self.rank_in_group)
+        return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload, self.timeout_s)
+
+    def _log_rank0(self, level: int, message: str, *args) -> None:
+        if self.rank_in_group == 0:
+            logger.log(level, message, *args)
+
+    # ------------------------------------------------------------------------------------------------------
+    def resolve_gate(self) -> GateDecision:
+        """Collective: gather facts from every rank (bounded), decide. Never raises."""
+        try:
+            facts = local_facts(self.device, self.mode)
+            if self.store is None:
+                raise exchange.AgreementFailed("no c10d store to exchange facts over (torch.distributed not set up)")
+            everyone = self._agree("gate", facts)
+            gathered = group_facts(everyone)
+            self.uuids = gathered.uuids
+            decision = decide(
+                self.mode,
+                gathered.capabilities,
+                self.world_size,
+                gathered.nnodes,
+                gathered.p2p,
+                self.deterministic,
+                kernel_errors=gathered.kernel_errors,
+                modes=gathered.modes,
+            )
+        except Exception as exc:
+            decision = GateDecision(False, f"gate agreement failed, all-reduces stay on NCCL: {exc}")
+            logger.warning("sglang_sm120 [%s rank %d]: %s", self.name, self.rank_in_group, decision.reason)
+        self.decision = decision
+        if decision.enabled:
+            self._log_rank0(
+                logging.INFO,
+                "sglang_sm120 [%s, %d ranks, mode=%s]: sm120 IPC all-reduce ENABLED: %s "
+                "(workspace is built before CUDA-graph capture)",
+                self.name, self.world_size, self.mode, decision.reason,
+            )
+        else:
+            self._log_rank0(
+                logging.INFO, "sglang_sm120 [%s, %d ranks, mode=%s]: sm120 IPC all-reduce disabled: %s",
+                self.name, self.world_size, self.mode, decision.reason,
+            )
+        return decision
+
+    # ------------------------------------------------------------------------------------------------------
+    def build(self, hidden_size: int, dtype: torch.dtype, bound: ByteBound) -> bool:
+        """Collective: create the IpcAllReduce workspace. Every rank ends with it, or none does. Runs once;
+        later calls (the draft model's runner) keep the first workspace, which captured graphs reference."""
+        if not self.gate_enabled or self.build_attempted:
+            return self.active
+        self.build_attempted = True
+        if dtype not in KERNEL_DTYPES:
+            # The model dtype is the same on every rank, so every rank declines here without talking.
+            return self._give_up(f"model dtype {dtype} is not supported by the kernel (bfloat16/float16 only)")
+        element_size = torch.empty((), dtype=dtype).element_size()
+        max_numel = bound.max_bytes // element_size // 8 * 8  # the kernel wants a multiple of 8 elements
+        if max_numel < 8:
+            return self._give_up(f"byte bound {bound.max_bytes} is below one 16-byte vector")
+
+        # Rank 0 probes the topology once and everyone uses its answer, so islands and link agree.
+        topo_payload: dict[str, Any] = {}
+        if self.rank_in_group == 0:
+            topo = probe([u or "" for u in self.uuids])
+            islands = topo.islands()
+            topo_payload = {
+                "islands": islands,
+                "link": topo.link,
+                "levels": topo.levels,
+                "numa": topo.numa_nodes,
+                "error": topo.error,
+            }
+        payload = {"max_numel": max_numel, "dtype": str(dtype), "hidden": int(hidden_size), "topology": topo_payload}
+        try:
+            everyone = self._agree("build", payload)
+        except Exception as exc:
+            return self._give_up(f"pre-build agreement failed: {exc}")
+        keys = [(p["max_numel"], p["dtype"], p["hidden"]) for p in everyone]
+        if len(set(keys)) != 1:
+            return self._give_up(f"ranks disagree on (max_numel, dtype, hidden): {keys}")
+        topology = everyone[0]["topology"]
+        self.islands = topology.get("islands")
+        self.link = topology.get("link") or "auto"
+        if topology.get("error"):
+            self._log_rank0(logging.WARNING, "sglang_sm120 [%s]: topology probe: %s; using a flat schedule, link=%s",
+                            self.name, topology["error"], self.link)
+
+        comm, error = None, None
+        try:
+            from sgl_kernel_sm120 import IpcAllReduce
+
+            comm = IpcAllReduce(
+                self.cpu_group,
+                self.device,
+                max_numel,
+                dtype,
+                islands=kernel_islands(self.islands, self.world_size),
+                link=self.link,
+            )
+        except Exception as exc:  # IpcAllReduce raises on every rank together; the agreement below checks it
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            outcomes = self._agree("built", {"error": error})
+            failed = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
+        except Exception as exc:
+            failed = {self.rank_in_group: f"post-build agreement failed: {exc}"}
+        if failed:
+            if comm is not None:
+                _close_quietly(comm)
+            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+            return self._give_up(f"building the IPC workspace failed ({detail})")
+
+        self.comm = comm
+        self.dtype = dtype
+        self.hidden_size = int(hidden_size)
+        self.max_bytes = max_numel * element_size
+        self.max_fused_tokens = max_numel // int(hidden_size)
+        self.bound_explanation = bound.explanation
+        self._log_rank0(
+            logging.INFO,
+            "sglang_sm120 [%s]: IPC workspace ready: all-reduces up to %d B (%s) -> sm120, larger -> NCCL; fused "
+            "all-reduce+add+RMSNorm up to %d tokens x %d; islands=%s link=%s",
+            self.name, self.max_bytes, bound.explanation, self.max_fused_tokens, self.hidden_size,
+            kernel_islands(self.islands, self.world_size) or "flat", self.link,
+        )
+        return True
+
+    def _give_up(self, reason: str) -> bool:
+        self.build_error = reason
+        self.comm = None
+        logger.warning("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
+        return False
+
+    # ------------------------------------------------------------------------------------------------------
+    # Eligibility: pure functions of shape, dtype, contiguity and configuration fixed at build time, so every
+    # rank of the group takes the same path for the same call (a mismatch would leave a kernel waiting).
+    def takes(self, inp: torch.Tensor) -> bool:
+        comm = self.comm
+        # The kernel's supports() also checks device, dtype, contiguity and its own numel bound.
+        return comm is not None and inp.numel() * inp.element_size() <= self.max_bytes and bool(comm.supports(inp))
+
+    def takes_fused(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        comm = self.comm
+        if comm is None or inp.dim() != 2:
+            return False
+        if residual.shape != inp.shape or residual.dtype != inp.dtype or residual.device != inp.device:
+            return False
+        if tuple(weight.shape) != (inp.shape[-1],) or weight.dtype != inp.dtype or weight.device != inp.device:
+            return False
+        if inp.numel() * inp.element_size() > self.max_bytes:
+            return False
+        supports = getattr(comm, "supports_add_rmsnorm", comm.supports)
+        return bool(supports(inp))
+
+    def all_reduce(self, inp: torch.Tensor) -> torch.Tensor:
+        self.stats["sm120"] += 1
+        return self.comm.all_reduce(inp)
+
+    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps: float):
+        self.stats["sm120_fused"] += 1
+        return self.comm.all_reduce_add_rmsnorm(inp, residual, weight, eps)
+
+    # ------------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            _close_quietly(comm, self.device)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "group": self.name,
+            "mode": self.mode,
+            "enabled": self.gate_enabled,
+            "reason": self.decision.reason if self.decision else None,
+            "active": self.active,
+            "build_error": self.build_error,
+            "max_bytes": self.max_bytes,
+            "max_fused_tokens": self.max_fused_tokens,
+            "islands": self.islands,
+            "link": self.link,
+            "stats": dict(self.stats),
+        }
+
+
+def _close_quietly(comm, device=None) -> None:
+    try:
+        # close() must not race a launched kernel that still uses the mappings.
+        if device is not None and torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+    except Exception as exc:
+        logger.warning("sglang_sm120: synchronize before closing the workspace failed: %s", exc)
+    try:
+        comm.close()
+    except Exception as exc:
+        logger.warning("sglang_sm120: closing the IPC workspace failed: %s", exc)

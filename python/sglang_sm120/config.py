@@ -1,0 +1,194 @@
+"""Settings of the overlay: the two server arguments, their environment equivalents, and the byte bound.
+
+`--sm120-allreduce {auto,on,off}` and `--sm120-allreduce-max-bytes N` are added to SGLang's parser by the
+server-args seam. Values are stored as plain instance attributes of `ServerArgs` (a dataclass in
+0.5.13.post1), so they travel inside the pickled `ServerArgs` that every scheduler process receives. The
+`sglang.Engine(**kwargs)` API bypasses argparse and would reject unknown keyword arguments, hence the
+environment variables, which spawned scheduler processes inherit.
+
+Precedence: command line > environment > default. Everything here is pure Python and importable without
+SGLang or a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MODE_ENV = "SGLANG_SM120_ALLREDUCE"
+MAX_BYTES_ENV = "SGLANG_SM120_ALLREDUCE_MAX_BYTES"
+# Bound, in seconds, of every collective step the overlay itself runs (gate agreement, pre-build barrier).
+AGREEMENT_TIMEOUT_ENV = "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S"
+
+MODES = ("auto", "on", "off")
+DEFAULT_MODE = "auto"
+DEFAULT_AGREEMENT_TIMEOUT_S = 60.0
+
+# Names of the attributes stored on ServerArgs instances (and of the argparse destinations).
+MODE_ATTR = "sm120_allreduce"
+MAX_BYTES_ATTR = "sm120_allreduce_max_bytes"
+
+# The derived default is capped: past a few MiB NCCL's ring is as fast on PCIe and the IPC scratch
+# (allocated on every rank) would grow with the largest CUDA-graph batch. An explicit value is not capped.
+DERIVED_MAX_BYTES_CAP = 8 << 20
+# Used when the server arguments name no CUDA-graph batch size at all (e.g. CUDA graphs disabled).
+FALLBACK_MAX_TOKENS = 64
+
+
+def parse_mode(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in MODES:
+        raise ValueError(f"{source}={value!r} is not a valid sm120 all-reduce mode; use one of {', '.join(MODES)}")
+    return text
+
+
+def parse_max_bytes(value: object, source: str) -> int | None:
+    """A positive byte count, or None for "derive it". Accepts plain integers (also as strings)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "" or text.lower() in ("auto", "none"):
+            return None
+        try:
+            value = int(text, 0)
+        except ValueError as exc:
+            raise ValueError(f"{source}={value!r} is not an integer byte count") from exc
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}={value!r} must be a positive integer byte count")
+    return value
+
+
+def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    raw = environ.get(MODE_ENV)
+    return DEFAULT_MODE if raw in (None, "") else parse_mode(raw, MODE_ENV)
+
+
+def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    environ = os.environ if environ is None else environ
+    return parse_max_bytes(environ.get(MAX_BYTES_ENV), MAX_BYTES_ENV)
+
+
+def agreement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    environ = os.environ if environ is None else environ
+    raw = environ.get(AGREEMENT_TIMEOUT_ENV)
+    if raw in (None, ""):
+        return DEFAULT_AGREEMENT_TIMEOUT_S
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} must be positive")
+    return value
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Adds the overlay's flags to SGLang's server parser (no-op if they are already there)."""
+    if any("--sm120-allreduce" in action.option_strings for action in parser._actions):
+        return
+    group = parser.add_argument_group("sglang-sm120 (CUDA IPC all-reduce for RTX PRO 6000 / SM120)")
+    group.add_argument(
+        "--sm120-allreduce",
+        dest=MODE_ATTR,
+        type=str.lower,
+        choices=MODES,
+        default=None,
+        help=(
+            "Route small tensor-parallel all-reduces (and the fused all-reduce + residual-add + RMSNorm) to "
+            "sgl_kernel_sm120's CUDA IPC kernels. 'auto' (default): only when every TP rank's GPU is compute "
+            "capability 12.0, TP size is 2/4/8 on one node, CUDA P2P works between all pairs and deterministic "
+            "inference is off. 'on': on any CUDA GPU with working P2P. 'off': SGLang unchanged. "
+            f"Environment equivalent: {MODE_ENV}."
+        ),
+    )
+    group.add_argument(
+        "--sm120-allreduce-max-bytes",
+        dest=MAX_BYTES_ATTR,
+        type=lambda text: parse_max_bytes(text, "--sm120-allreduce-max-bytes"),
+        default=None,
+        metavar="N",
+        help=(
+            "Largest all-reduce (in bytes) sent to the sm120 kernel; larger ones stay on NCCL. Default: the "
+            "largest captured decode/verify batch x speculative draft tokens x hidden size x element size "
+            f"(capped at {DERIVED_MAX_BYTES_CAP} bytes). Environment equivalent: {MAX_BYTES_ENV}."
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class OverlaySettings:
+    mode: str
+    max_bytes: int | None  # None: derive from the model and the CUDA-graph batch sizes
+
+
+def settings_from_server_args(server_args: object | None, environ: Mapping[str, str] | None = None) -> OverlaySettings:
+    """The settings a process should use: those stored on `server_args`, else the environment."""
+    mode = getattr(server_args, MODE_ATTR, None) if server_args is not None else None
+    max_bytes = getattr(server_args, MAX_BYTES_ATTR, None) if server_args is not None else None
+    mode = mode_from_env(environ) if mode is None else parse_mode(mode, f"ServerArgs.{MODE_ATTR}")
+    if max_bytes is None:
+        max_bytes = max_bytes_from_env(environ)
+    else:
+        max_bytes = parse_max_bytes(max_bytes, f"ServerArgs.{MAX_BYTES_ATTR}")
+    return OverlaySettings(mode=mode, max_bytes=max_bytes)
+
+
+@dataclass(frozen=True)
+class ByteBound:
+    max_bytes: int
+    explanation: str
+
+
+def derive_max_bytes(
+    *,
+    hidden_size: int,
+    element_size: int,
+    cuda_graph_max_bs: int | None = None,
+    cuda_graph_bs: list[int] | None = None,
+    speculative_num_draft_tokens: int | None = None,
+    speculative_algorithm: str | None = None,
+    cap: int = DERIVED_MAX_BYTES_CAP,
+) -> ByteBound:
+    """The default dispatch bound: the largest tensor a captured decode or EAGLE verify step all-reduces.
+
+    A captured decode step reduces `[bs, hidden]`; an EAGLE target-verify step `[bs * draft_tokens, hidden]`
+    (draft-extend reduces the same count, draft decode `bs * topk` which is smaller). Bigger batches run
+    eagerly and are prefill-like: NCCL handles them well.
+    """
+    sizes = [bs for bs in (cuda_graph_bs or []) if isinstance(bs, int) and bs > 0]
+    if cuda_graph_max_bs:
+        sizes.append(int(cuda_graph_max_bs))
+    tokens_per_request = 1
+    if speculative_algorithm and speculative_num_draft_tokens:
+        tokens_per_request = max(1, int(speculative_num_draft_tokens))
+    if sizes:
+        max_bs = max(sizes)
+        tokens = max_bs * tokens_per_request
+        why = f"max CUDA-graph batch {max_bs} x {tokens_per_request} token(s) per request"
+    else:
+        tokens = FALLBACK_MAX_TOKENS
+        why = f"no CUDA-graph batch size known, assuming {FALLBACK_MAX_TOKENS} tokens"
+    row_bytes = int(hidden_size) * int(element_size)
+    raw = tokens * row_bytes
+    why += f" x hidden {hidden_size} x {element_size} B = {raw} B"
+    if raw > cap:
+        # Keep whole rows so the fused path's token bound stays exact.
+        capped = max(row_bytes, cap // row_bytes * row_bytes)
+        return ByteBound(capped, why + f", capped to {capped} B")
+    return ByteBound(raw, why)
+
+
+def resolve_max_bytes(
+    explicit: int | None, server_args: object | None, hidden_size: int, element_size: int
+) -> ByteBound:
+    if explicit is not None:
+        return ByteBound(int(explicit), f"set explicitly ({MAX_BYTES_ATTR} / {MAX_BYTES_ENV})")
+    return derive_max_bytes(
+        hidden_size=hidden_size,
+        element_size=element_size,
+        cuda_graph_max_bs=getattr(server_args, "cuda_graph_max_bs", None),
+        cuda_graph_bs=getattr(server_args, "cuda_graph_bs", None),
+        speculative_num_draft_tokens=getattr(server_args, "speculative_num_draft_tokens", None),
+        speculative_algorithm=getattr(server_args, "speculative_algorithm", None),
+    )

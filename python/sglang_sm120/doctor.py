@@ -1,0 +1,342 @@
+"""`python -m sglang_sm120.doctor`: can the sm120 all-reduce backend run on this machine, and if not, why?
+
+Prints the GPUs (capability, driver, CUDA, NCCL), the probed CUDA P2P matrix, the PCIe/NUMA topology and the
+islands the kernel would use, IOMMU/ACS hints, NCCL settings worth setting for the large reductions that stay
+on NCCL, which backend each message size takes, and (with GPUs and built kernels) a short multi-process
+self-test. Exits 0 when the backend can run, 1 otherwise, naming the reason. Works on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from . import config
+from .facts import gpu_uuid, kernel_error
+from .gate import SUPPORTED_WORLD_SIZES, decide
+from .topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
+
+NCCL_SETTINGS = [
+    ("NCCL_P2P_LEVEL", "SYS", "let NCCL use P2P across the CPU interconnect too (large reductions stay on NCCL)"),
+    ("NCCL_P2P_DISABLE", "0 / unset", "P2P must stay enabled"),
+    ("NCCL_IB_DISABLE", "1", "single node: skip InfiniBand probing"),
+    ("NCCL_CUMEM_ENABLE", "unset", "leave NCCL's cuMem allocator at its default"),
+    ("NCCL_ALGO", "unset", "let NCCL tune (Ring for large messages on PCIe)"),
+    ("NCCL_PROTO", "unset", "let NCCL tune"),
+    ("NCCL_MIN_NCHANNELS", "unset or 8-16", "more channels help large PCIe reductions"),
+]
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==")
+
+
+def _run(cmd: Sequence[str], timeout: float = 20.0) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except Exception:
+        return None
+    return done.stdout
+
+
+def report_versions() -> None:
+    section("software")
+    print(f"host {socket.gethostname()}, python {platform.python_version()}, {platform.platform()}")
+    try:
+        import torch
+
+        print(f"torch {torch.__version__}, CUDA (torch build) {torch.version.cuda}")
+        try:
+            nccl = torch.cuda.nccl.version()
+            print("NCCL " + ".".join(map(str, nccl)) if isinstance(nccl, tuple) else f"NCCL {nccl}")
+        except Exception:
+            print("NCCL: unknown")
+    except ImportError:
+        print("torch: not installed")
+    try:
+        from importlib.metadata import version
+
+        print(f"sglang {version('sglang')}")
+    except Exception:
+        print("sglang: not installed")
+    error = kernel_error()
+    print("sgl_kernel_sm120 kernels: " + ("available" if error is None else f"NOT available: {error}"))
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        cuda_driver = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        pynvml.nvmlShutdown()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        print(f"driver {driver}, CUDA driver API {cuda_driver // 1000}.{cuda_driver % 1000 // 10}")
+    except Exception as exc:
+        print(f"driver: unknown (NVML: {type(exc).__name__}: {exc})")
+
+
+def gpus() -> list[dict]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        out = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            out.append({
+                "index": index,
+                "name": props.name,
+                "capability": (props.major, props.minor),
+                "uuid": gpu_uuid(props),
+                "memory_gib": props.total_memory / 2**30,
+            })
+        return out
+    except Exception:
+        return []
+
+
+def p2p_matrix(count: int) -> list[list[bool]]:
+    import torch
+
+    return [[i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)] for i in range(count)]
+
+
+def iommu_acs_hints() -> list[str]:
+    hints = []
+    try:
+        with open("/proc/cmdline") as handle:
+            cmdline = handle.read().strip()
+        print(f"kernel cmdline: {cmdline}")
+        if "iommu=pt" in cmdline:
+            hints.append("IOMMU in passthrough mode (iommu=pt): good for P2P")
+        elif "intel_iommu=on" in cmdline or "amd_iommu=on" in cmdline:
+            hints.append("IOMMU on in translated mode: P2P may fail or be slow; consider iommu=pt")
+    except OSError:
+        pass
+    groups = glob.glob("/sys/kernel/iommu_groups/*")
+    print(f"IOMMU groups: {len(groups)}" + (" (IOMMU active)" if groups else " (IOMMU off or not visible)"))
+    lspci = _run(["lspci", "-vvv"])
+    if lspci is None:
+        print("lspci: not available (install pciutils; run as root to see ACS control bits)")
+    else:
+        acs_lines = [line.strip() for line in lspci.splitlines() if "ACSCtl:" in line]
+        redirect = [line for line in acs_lines if "ReqRedir+" in line or "CmpltRedir+" in line or "SrcValid+" in line]
+        print(f"ACS: {len(acs_lines)} bridges report ACSCtl, {len(redirect)} with redirection/validation on")
+        if redirect:
+            hints.append(
+                f"ACS redirection is on at {len(redirect)} PCIe bridges: P2P writes detour through the root complex "
+                "(slow) or fail; disable ACS in the BIOS or with setpci for the GPU bridges"
+            )
+        elif not acs_lines:
+            print("  (no ACSCtl lines: not root, or no ACS-capable bridges)")
+    return hints
+
+
+def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2) -> None:
+    print(f"bound: {bound.max_bytes} B ({bound.explanation})")
+    max_tokens = bound.max_bytes // (hidden * element_size)
+    print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
+    for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        nbytes = tokens * hidden * element_size
+        backend = "sm120 / sm120 fused" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
+        print(f"{tokens:>8} {nbytes:>10}  {backend}")
+
+
+def self_test(world: int, hidden: int, timeout_s: float) -> str | None:
+    """Runs the kernels over `world` local GPUs in spawned processes. None when it passed, else why not."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_self_test_worker, args=(rank, world, port, hidden, queue)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, error = queue.get(timeout=timeout_s)
+            results[rank] = error
+    except Exception:
+        pass
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    missing = [r for r in range(world) if r not in results]
+    if missing:
+        return f"self-test: ranks {missing} gave no result within {timeout_s:.0f}s"
+    failed = {r: e for r, e in results.items() if e}
+    if failed:
+        return "self-test failed: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _self_test_worker(rank: int, world: int, port: int, hidden: int, queue) -> None:
+    error = None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from sgl_kernel_sm120 import IpcAllReduce, reference_all_reduce, reference_all_reduce_add_rmsnorm
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        device = torch.device("cuda", rank)
+        ar = IpcAllReduce(dist.group.WORLD, device, 64 * hidden, torch.bfloat16)
+        try:
+            for rows in (1, 3, 16):
+                inputs = [_int_tensor((rows, hidden), seed=100 * r + rows) for r in range(world)]
+                mine = inputs[rank].to(device)
+                out = ar.all_reduce(mine)
+                expect = reference_all_reduce(inputs).to(device)
+                if not torch.equal(out, expect):
+                    raise AssertionError(f"all_reduce rows={rows} differs from the exact sum")
+                residual = _int_tensor((rows, hidden), seed=7 + rows)
+                weight = torch.ones(hidden, dtype=torch.bfloat16)
+                norm, res = ar.all_reduce_add_rmsnorm(mine, residual.to(device), weight.to(device), 1e-6)
+                ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, 1e-6)
+                if not torch.equal(res.cpu(), ref_res):
+                    raise AssertionError(f"fused residual rows={rows} differs from the exact sum")
+                if not torch.allclose(norm.float().cpu(), ref_norm.float(), atol=2e-2, rtol=2e-2):
+                    raise AssertionError(f"fused norm rows={rows} differs from the reference")
+            torch.cuda.synchronize(device)
+        finally:
+            ar.close()
+        dist.destroy_process_group()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    queue.put((rank, error))
+
+
+def _int_tensor(shape, seed: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=generator).to(torch.bfloat16)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_sm120.doctor", description=__doc__)
+    parser.add_argument("--mode", choices=("auto", "on"), default=None,
+                        help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size for the dispatch table (Kimi-K2.5: 7168)")
+    parser.add_argument("--max-bs", type=int, default=32, help="largest CUDA-graph batch assumed for the bound")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="EAGLE draft tokens assumed for the bound")
+    parser.add_argument("--max-bytes", type=int, default=None, help="explicit bound (overrides the derived one)")
+    parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
+    parser.add_argument("--self-test-timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    mode = args.mode or config.mode_from_env()
+    if mode == "off":
+        mode = "auto"
+    problems: list[str] = []
+
+    report_versions()
+    section("GPUs")
+    found = gpus()
+    if not found:
+        print("no CUDA GPUs")
+    for gpu in found:
+        cap = gpu["capability"]
+        print(f"cuda:{gpu['index']} {gpu['name']} capability {cap[0]}.{cap[1]} {gpu['memory_gib']:.0f} GiB "
+              f"{gpu['uuid']} cpus={cpu_affinity(gpu['uuid']) or '?'}")
+
+    section("IOMMU / ACS")
+    hints = iommu_acs_hints()
+    for hint in hints:
+        print(f"hint: {hint}")
+
+    section("NCCL settings for the reductions that stay on NCCL")
+    for name, suggested, why in NCCL_SETTINGS:
+        print(f"{name}={os.environ.get(name, '(unset)')}  suggested: {suggested}  ({why})")
+
+    section("dispatch by message size (bf16)")
+    explicit = args.max_bytes if args.max_bytes is not None else config.max_bytes_from_env()
+    bound = config.resolve_max_bytes(
+        explicit,
+        argparse.Namespace(cuda_graph_max_bs=args.max_bs, cuda_graph_bs=None,
+                           speculative_num_draft_tokens=args.draft_tokens, speculative_algorithm="EAGLE3"),
+        args.hidden, 2,
+    )
+    dispatch_table(args.hidden, bound)
+
+    if not found:
+        problems.append("no CUDA GPUs")
+        return _finish(problems)
+
+    count = len(found)
+    section("CUDA P2P access (probed with cudaDeviceCanAccessPeer)")
+    matrix = p2p_matrix(count)
+    print("      " + "".join(f"{j:>4}" for j in range(count)))
+    for i, row in enumerate(matrix):
+        print(f"{i:>6}" + "".join(f"{('X' if i == j else ('ok' if ok else 'NO')):>4}" for j, ok in enumerate(row)))
+
+    section("PCIe / NUMA topology (NVML) and islands")
+    topo = probe([g["uuid"] for g in found])
+    if topo.error:
+        print(f"topology: {topo.error}")
+    print(format_levels(topo.levels, [f"cuda:{g['index']}" for g in found]))
+    numa = [f"cuda:{g['index']}={n if n is not None else '?'}" for g, n in zip(found, topo.numa_nodes, strict=False)]
+    print("NUMA nodes: " + ", ".join(numa))
+    print(f"NVLink between all pairs: {topo.nvlink_all_pairs} -> link={topo.link}")
+    islands = topo.islands()
+    print(f"islands (over all visible GPUs): {islands or 'flat'}; the 8-rank kernel uses "
+          f"{kernel_islands(islands, count) or 'flat'}")
+    if topo.levels:
+        farthest = max((v for row in topo.levels for v in row if v is not None), default=None)
+        print(f"farthest pair level: {level_name(farthest)}")
+
+    section(f"gate (mode={mode})")
+    kernels = kernel_error()
+    usable_world = None
+    for world in SUPPORTED_WORLD_SIZES:
+        if world > count:
+            continue
+        sub = [row[:world] for row in matrix[:world]]
+        decision = decide(mode, [g["capability"] for g in found[:world]], world, 1, sub, False,
+                          kernel_errors=[kernels] * world)
+        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'disabled'}: {decision.reason}")
+        if decision.enabled:
+            usable_world = world
+        elif world == max(w for w in SUPPORTED_WORLD_SIZES if w <= count):
+            problems.append(f"TP={world}: {decision.reason}")
+    if count < 2:
+        problems.append("fewer than 2 GPUs: nothing to all-reduce across")
+
+    if usable_world is not None and not args.no_self_test:
+        section(f"self-test over {usable_world} GPUs")
+        error = self_test(usable_world, args.hidden, args.self_test_timeout)
+        print("PASSED" if error is None else error)
+        if error:
+            problems.append(error)
+    return _finish(problems)
+
+
+def _finish(problems: list[str]) -> int:
+    section("result")
+    if problems:
+        for problem in problems:
+            print(f"cannot run: {problem}")
+        return 1
+    print("the sm120 all-reduce backend can run here")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

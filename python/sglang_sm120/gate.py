@@ -1,0 +1,111 @@
+"""The capability gate: a pure function of facts gathered from every rank of a TP group.
+
+Every rank gathers the same facts (see `facts.py`) and evaluates `decide` on them, so every rank reaches the
+same decision without a further round trip. Kept free of torch and SGLang so it is unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SM120 = (12, 0)  # RTX PRO 6000 Blackwell / RTX 50xx. Not 12.1 (GB10 / DGX Spark: unified memory, no PCIe P2P)
+SUPPORTED_WORLD_SIZES = (2, 4, 8)
+
+Capability = tuple[int, int] | None  # None: the rank has no CUDA device
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    enabled: bool
+    reason: str
+
+
+def _fmt_cap(cap: Capability) -> str:
+    return "no CUDA device" if cap is None else f"{cap[0]}.{cap[1]}"
+
+
+def _ranks_by_capability(capabilities: Sequence[Capability]) -> str:
+    by_cap: dict[str, list[int]] = {}
+    for rank, cap in enumerate(capabilities):
+        by_cap.setdefault(_fmt_cap(cap), []).append(rank)
+    return ", ".join(f"ranks {ranks}: {cap}" for cap, ranks in sorted(by_cap.items()))
+
+
+def decide(
+    mode: str,
+    capabilities: Sequence[Capability],
+    world_size: int,
+    nnodes: int,
+    p2p: Sequence[Sequence[bool]] | None,
+    deterministic: bool,
+    kernel_errors: Sequence[str | None] | None = None,
+    modes: Sequence[str] | None = None,
+) -> GateDecision:
+    """Should the TP group use the sm120 IPC backend?
+
+    mode: "auto" | "on" | "off" (this rank's); modes: every rank's mode (they must agree).
+    capabilities: (major, minor) per rank, None for a rank without a CUDA device.
+    nnodes: distinct nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's GPU (None: unprobed).
+    kernel_errors: per rank, None when sgl_kernel_sm120's kernels load there, else why not.
+
+    "auto": every GPU exactly 12.0, world 2/4/8, one node, P2P between every pair, deterministic off.
+    "on": any CUDA GPU; still needs world 2/4/8, one node and working P2P, which the kernel cannot do without.
+    "off": never.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"unknown mode {mode!r}")
+    if mode == "off":
+        return GateDecision(False, "mode off: SGLang's own all-reduce paths are used unchanged")
+    if modes is not None and len(set(modes)) > 1:
+        return GateDecision(False, f"ranks disagree on the mode ({list(modes)}); set it the same on every rank")
+    if world_size <= 1:
+        return GateDecision(False, "world size 1: nothing to reduce")
+    if len(capabilities) != world_size:
+        return GateDecision(False, f"facts from {len(capabilities)} of {world_size} ranks")
+    if any(cap is None for cap in capabilities):
+        return GateDecision(False, f"not every rank has a CUDA GPU ({_ranks_by_capability(capabilities)})")
+    if mode == "auto":
+        if any(tuple(cap) != SM120 for cap in capabilities):
+            note = ""
+            if any(tuple(cap) == (12, 1) for cap in capabilities):
+                note = " (12.1 is GB10/DGX Spark, not an RTX PRO 6000; excluded on purpose)"
+            return GateDecision(
+                False,
+                "auto enables only when every GPU is compute capability 12.0; "
+                f"found {_ranks_by_capability(capabilities)}{note}. Use mode 'on' to force it",
+            )
+        if deterministic:
+            return GateDecision(False, "deterministic inference is on; auto leaves all-reduces to SGLang")
+    if world_size not in SUPPORTED_WORLD_SIZES:
+        return GateDecision(False, f"world size {world_size} is not one of {SUPPORTED_WORLD_SIZES}")
+    if nnodes != 1:
+        return GateDecision(False, f"the group spans {nnodes} nodes; CUDA IPC works within one node only")
+    if p2p is None:
+        return GateDecision(False, "P2P access was not probed")
+    missing = [
+        (i, j) for i in range(world_size) for j in range(world_size) if i != j and not bool(p2p[i][j])
+    ]
+    if missing:
+        shown = ", ".join(f"{i}->{j}" for i, j in missing[:12]) + (" ..." if len(missing) > 12 else "")
+        return GateDecision(
+            False,
+            f"CUDA P2P access is missing between ranks {shown} (check IOMMU/ACS settings; "
+            "`python -m sglang_sm120.doctor` explains)",
+        )
+    if kernel_errors is not None:
+        failing = {rank: err for rank, err in enumerate(kernel_errors) if err}
+        if failing:
+            first_rank, first_err = next(iter(failing.items()))
+            return GateDecision(
+                False,
+                f"sgl_kernel_sm120 kernels unavailable on ranks {sorted(failing)} (rank {first_rank}: {first_err})",
+            )
+    caps = sorted({_fmt_cap(cap) for cap in capabilities})
+    if mode == "auto":
+        why = f"all {world_size} GPUs are compute capability 12.0 on one node with P2P between every pair"
+    else:
+        why = f"mode on (forced) on compute capability {', '.join(caps)}, one node, P2P between every pair"
+        if deterministic:
+            why += "; deterministic inference is on (the kernel reduces in a fixed order on every rank)"
+    return GateDecision(True, why)

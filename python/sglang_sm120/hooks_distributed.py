@@ -1,0 +1,183 @@
+"""Replacements for SGLang's distributed seams: GroupCoordinator init / all_reduce / destroy, and the
+pre-capture hook of ModelRunner. Each factory takes the original attribute and returns its replacement; the
+version's seam table (`seams/v*.py`) says where they go.
+
+Patching the class methods (not the free `tensor_model_parallel_all_reduce`) matters: model code such as
+`models/deepseek_v2.py` imports that free function by name, but every path ends in `GroupCoordinator.all_reduce`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from . import config
+from .communicator import Sm120Communicator
+
+logger = logging.getLogger("sglang_sm120")
+
+ATTR = "sm120_comm"
+TP_GROUP_NAME = "tp"
+
+
+def runtime_server_args():
+    """The ServerArgs of this scheduler process, or None (e.g. a bare `init_distributed_environment`)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args()
+    except Exception:
+        return None
+
+
+def group_communicator(group) -> Sm120Communicator | None:
+    return getattr(group, ATTR, None)
+
+
+def tp_communicator() -> Sm120Communicator | None:
+    try:
+        from sglang.srt.distributed import parallel_state
+
+        tp = parallel_state._TP
+    except Exception:
+        return None
+    return group_communicator(tp) if tp is not None else None
+
+
+def _is_tp_group(group) -> bool:
+    return str(getattr(group, "unique_name", "")).split(":")[0] == TP_GROUP_NAME
+
+
+def attach(group) -> Sm120Communicator | None:
+    """Resolve the gate for a freshly built TP GroupCoordinator and attach the backend (or nothing)."""
+    if not _is_tp_group(group) or group.world_size <= 1:
+        return None
+    if getattr(group, "device", None) is None or group.device.type != "cuda":
+        return None
+    server_args = runtime_server_args()
+    settings = config.settings_from_server_args(server_args)
+    if settings.mode == "off":
+        if group.rank_in_group == 0:
+            logger.info("sglang_sm120 [%s]: mode off; SGLang's all-reduce paths unchanged", group.unique_name)
+        return None
+    comm = Sm120Communicator.for_group(
+        group,
+        mode=settings.mode,
+        deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
+        timeout_s=config.agreement_timeout_s(),
+    )
+    comm.resolve_gate()
+    return comm
+
+
+def wrap_group_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        setattr(self, ATTR, None)
+        try:
+            setattr(self, ATTR, attach(self))
+        except Exception:
+            # attach() handles its own collective failures; reaching here is a bug. Say so loudly; this rank
+            # stays on NCCL and the peers' agreement rounds time out into the same answer.
+            logger.exception("sglang_sm120 [%s]: attaching the sm120 backend failed", getattr(self, "unique_name", "?"))
+
+    return __init__
+
+
+_piecewise_probe = None
+
+
+def _in_piecewise_cuda_graph() -> bool:
+    global _piecewise_probe
+    if _piecewise_probe is None:
+        try:
+            from sglang.srt.compilation.piecewise_context_manager import is_in_piecewise_cuda_graph
+        except Exception:
+            def is_in_piecewise_cuda_graph():
+                return False
+        _piecewise_probe = is_in_piecewise_cuda_graph
+    return bool(_piecewise_probe())
+
+
+def _must_use_original(inp: torch.Tensor) -> bool:
+    # torch.compile traces SGLang's custom ops; a piecewise CUDA graph splits at inplace_all_reduce. Both
+    # rely on SGLang's own ops, so we stay out of them (the same answer on every rank: same code path).
+    return torch.compiler.is_compiling() or _in_piecewise_cuda_graph()
+
+
+def wrap_group_all_reduce(original):
+    @functools.wraps(original)
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        comm = getattr(self, ATTR, None)
+        if comm is None or comm.comm is None:
+            return original(self, input_)
+        # Checked before SGLang's own dispatch on purpose: on NVLink machines SGLang enables
+        # CustomAllReduceV2, which comes first there; with the backend on, eligible tensors are ours.
+        if not _must_use_original(input_) and comm.takes(input_):
+            return comm.all_reduce(input_)
+        comm.stats["fallback"] += 1
+        return original(self, input_)
+
+    return all_reduce
+
+
+def wrap_group_destroy(original):
+    @functools.wraps(original)
+    def destroy(self):
+        comm = getattr(self, ATTR, None)
+        if comm is not None:
+            comm.close()  # before the gloo group the workspace was built over goes away
+            setattr(self, ATTR, None)
+        return original(self)
+
+    return destroy
+
+
+def fusion_groups_are(group) -> bool:
+    """True when a fused call, whichever group it names (attention TP, or MoE EP/TP), reduces over `group`."""
+    try:
+        from sglang.srt.distributed import parallel_state as ps
+
+        attn = ps.get_attn_tp_group()
+        moe = ps.get_moe_ep_group() if ps.get_moe_ep_group().world_size > 1 else ps.get_moe_tp_group()
+        return attn is group and moe is group
+    except Exception:
+        return False
+
+
+def prepare_tp_backend(server_args, hidden_size: int, dtype: torch.dtype) -> Sm120Communicator | None:
+    """Build the TP group's workspace (collective; every TP rank must call it at the same point)."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    group = ps.get_tp_group()
+    comm = group_communicator(group)
+    if comm is None or not comm.gate_enabled or comm.build_attempted:
+        return comm
+    settings = config.settings_from_server_args(server_args)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    bound = config.resolve_max_bytes(settings.max_bytes, server_args, hidden_size, element_size)
+    if comm.build(hidden_size, dtype, bound):
+        comm.fusion_groups_ok = fusion_groups_are(group)
+        if not comm.fusion_groups_ok and comm.rank_in_group == 0:
+            logger.info("sglang_sm120 [%s]: attention-TP/MoE groups differ from the TP group; fused "
+                        "all-reduce+RMSNorm stays with SGLang, plain all-reduces use sm120", comm.name)
+    return comm
+
+
+def wrap_pre_capture(original):
+    """ModelRunner._pre_initialize_flashinfer_allreduce_workspace: runs on every rank just before CUDA-graph
+    capture, for the target and the draft model runner; the first call builds the workspace."""
+
+    @functools.wraps(original)
+    def _pre_initialize_flashinfer_allreduce_workspace(self):
+        result = original(self)
+        try:
+            prepare_tp_backend(self.server_args, int(self.model_config.hidden_size), self.dtype)
+        except Exception:
+            logger.exception("sglang_sm120: preparing the sm120 workspace failed; all-reduces stay on NCCL")
+        return result
+
+    return _pre_initialize_flashinfer_allreduce_workspace

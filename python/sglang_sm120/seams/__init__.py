@@ -1,0 +1,42 @@
+"""One seam table per supported SGLang version; the installed version picks it, others are refused."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from types import ModuleType
+
+# version string (as importlib.metadata reports it) -> module holding SEAMS
+SEAM_TABLES = {
+    "0.5.13.post1": "sglang_sm120.seams.v0_5_13_post1",
+}
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    pass
+
+
+def supported_versions() -> list[str]:
+    return sorted(SEAM_TABLES)
+
+
+def sglang_version() -> str:
+    """The installed SGLang's version (tests monkeypatch this)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        from sglang.version import __version__
+
+        return __version__
+
+
+def load_table(version: str | None = None) -> ModuleType:
+    version = sglang_version() if version is None else version
+    module_name = SEAM_TABLES.get(version)
+    if module_name is None:
+        raise UnsupportedSGLangVersion(
+            f"sglang_sm120 has no seam table for sglang {version}; supported: {', '.join(supported_versions())}. "
+            "Install a supported sglang, or leave the overlay out (uninstall sglang-sm120, or name only other "
+            "plugins in SGLANG_PLUGINS)."
+        )
+    return importlib.import_module(module_name)

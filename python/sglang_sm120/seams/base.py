@@ -1,0 +1,204 @@
+"""Applying and restoring a seam table: attribute replacements inside the installed SGLang package.
+
+A seam names `module:Owner.attribute` and a factory turning the original attribute into its replacement. The
+raw attribute is read from the owner's `__dict__`, so staticmethod/classmethod descriptors reach the factory
+intact. Replacements are marked (`__sm120_seam__`) so a second activation never wraps a wrapper.
+
+Seams in modules that are not imported yet are applied right after the module's first import (a
+`sys.meta_path` finder that lets the real loader run, then patches). This keeps activation cheap in the
+launcher and lets the overlay load where importing e.g. `model_executor.model_runner` is impossible (its
+imports need sgl_kernel's torch ops, absent on the test GPU machines): a seam is only needed once its module
+exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("sglang_sm120")
+
+MARK = "__sm120_seam__"
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Seam:
+    target: str  # "package.module:Owner.attribute" or "package.module:attribute"
+    factory: Callable[[Any], Any]  # original (raw) -> replacement (raw)
+    why: str
+
+    @property
+    def module_name(self) -> str:
+        return self.target.partition(":")[0]
+
+    def locate(self) -> tuple[Any, str]:
+        module_name, _, path = self.target.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        return owner, name
+
+
+@dataclass
+class _Applied:
+    seam: Seam
+    owner: Any
+    name: str
+    original: Any  # raw attribute from owner.__dict__, or _MISSING if it was inherited
+
+
+_lock = threading.RLock()
+_applied: list[_Applied] = []
+
+
+def _raw(owner: Any, name: str) -> Any:
+    namespace = getattr(owner, "__dict__", {})
+    if name in namespace:
+        return namespace[name]
+    return getattr(owner, name)  # inherited: the factory wraps what lookup finds
+
+
+def _func(raw: Any) -> Any:
+    return raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
+
+
+def is_ours(raw: Any) -> bool:
+    return getattr(_func(raw), MARK, None) is not None
+
+
+def _apply_now(seams: list[Seam]) -> list[_Applied]:
+    """Patch every seam or none: on failure the ones already applied are restored and the error raised."""
+    done: list[_Applied] = []
+    try:
+        for seam in seams:
+            owner, name = seam.locate()
+            if not hasattr(owner, name):
+                raise AttributeError(f"seam {seam.target}: SGLang has no such attribute")
+            current = _raw(owner, name)
+            if is_ours(current):
+                continue
+            replacement = seam.factory(current)
+            setattr(_func(replacement), MARK, seam.target)
+            had_own = name in getattr(owner, "__dict__", {})
+            setattr(owner, name, replacement)
+            done.append(_Applied(seam, owner, name, current if had_own else _MISSING))
+    except Exception:
+        _restore(done)
+        raise
+    return done
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Wraps a module's real loader for one import: runs it, then applies the module's pending seams."""
+
+    def __init__(self, loader, finder: _DeferredSeamFinder, name: str):
+        self._loader, self._finder, self._name = loader, finder, name
+
+    def create_module(self, spec):
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        # From here on introspection (inspect, linecache, pickle, reload) sees the real loader.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._finder.module_loaded(self._name)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _DeferredSeamFinder(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.pending: dict[str, list[Seam]] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchAfterExec(spec.loader, self, fullname)
+                return spec
+        return None
+
+    def module_loaded(self, name: str) -> None:
+        with _lock:
+            seams = self.pending.pop(name, [])
+            if not seams:
+                return
+            try:
+                _applied.extend(_apply_now(seams))
+            except Exception:
+                # Raising would break SGLang's import of its own module; the version check makes this a bug.
+                logger.exception("sglang_sm120: patching %s after its import failed; its seams are NOT active", name)
+
+
+_finder: _DeferredSeamFinder | None = None
+
+
+def apply(seams: list[Seam]) -> int:
+    """Patch the seams of imported modules now (all or none) and the others right after their import.
+    Returns how many were patched now."""
+    global _finder
+    with _lock:
+        now = [s for s in seams if s.module_name in sys.modules]
+        later = [s for s in seams if s.module_name not in sys.modules]
+        done = _apply_now(now)
+        _applied.extend(done)
+        if later:
+            if _finder is None:
+                _finder = _DeferredSeamFinder()
+                sys.meta_path.insert(0, _finder)
+            for seam in later:
+                _finder.pending.setdefault(seam.module_name, []).append(seam)
+        return len(done)
+
+
+def _restore(entries: list[_Applied]) -> None:
+    for entry in reversed(entries):
+        if entry.original is _MISSING:
+            try:
+                delattr(entry.owner, entry.name)
+            except AttributeError:
+                pass
+        else:
+            setattr(entry.owner, entry.name, entry.original)
+
+
+def restore_all() -> int:
+    global _finder
+    with _lock:
+        if _finder is not None:
+            try:
+                sys.meta_path.remove(_finder)
+            except ValueError:
+                pass
+            _finder = None
+        count = len(_applied)
+        _restore(_applied)
+        _applied.clear()
+        return count
+
+
+def applied_targets() -> list[str]:
+    with _lock:
+        return [entry.seam.target for entry in _applied]
+
+
+def pending_targets() -> list[str]:
+    with _lock:
+        return [seam.target for seams in (_finder.pending.values() if _finder else []) for seam in seams]

@@ -1,0 +1,84 @@
+"""Seam table for sglang 0.5.13.post1 (the pinned release; see notes/sglang_seams.md section 5.2).
+
+Not patched, on purpose:
+- `GroupCoordinator.graph_capture`: the kernel pushes its input into IPC scratch it owns and keeps its
+  protocol state on the device, so captured calls need no buffer registration at capture end (unlike
+  SGLang's custom all-reduce). Capture on the side stream and replay on another stream is fine because the
+  two never run concurrently.
+- `tensor_model_parallel_all_reduce` and friends: imported by name into model files; every one of them
+  ends in `GroupCoordinator.all_reduce`, which is patched.
+- `ServerArgs._handle_model_specific_adjustments`: FlashInfer's fusion auto-enable there is already limited
+  to SM90/SM100; the `__post_init__` seam switches an explicit request off on SM12x.
+"""
+
+from __future__ import annotations
+
+from .. import hooks_distributed as dist_hooks
+from .. import hooks_fusion as fusion_hooks
+from .. import hooks_server_args as args_hooks
+from .base import Seam
+
+SGLANG_VERSION = "0.5.13.post1"
+
+SEAMS = [
+    Seam(
+        "sglang.srt.server_args:ServerArgs.add_cli_args",
+        args_hooks.wrap_add_cli_args,
+        "adds --sm120-allreduce and --sm120-allreduce-max-bytes to SGLang's parser",
+    ),
+    Seam(
+        "sglang.srt.server_args:ServerArgs.from_cli_args",
+        args_hooks.wrap_from_cli_args,
+        "stores the parsed flags on the (pickled) ServerArgs and in the environment",
+    ),
+    Seam(
+        "sglang.srt.server_args:ServerArgs.__post_init__",
+        args_hooks.wrap_post_init,
+        "Engine API: settings from the environment; FlashInfer fusion stays off on SM12x",
+    ),
+    Seam(
+        "sglang.srt.distributed.parallel_state:GroupCoordinator.__init__",
+        dist_hooks.wrap_group_init,
+        "resolves the gate for the 'tp' group (bounded agreement over the c10d store)",
+    ),
+    Seam(
+        "sglang.srt.distributed.parallel_state:GroupCoordinator.all_reduce",
+        dist_hooks.wrap_group_all_reduce,
+        "eligible tensors -> sm120 kernel, ahead of SGLang's own dispatch; the rest -> original",
+    ),
+    Seam(
+        "sglang.srt.distributed.parallel_state:GroupCoordinator.destroy",
+        dist_hooks.wrap_group_destroy,
+        "releases the IPC workspace before the group's process groups go away",
+    ),
+    Seam(
+        "sglang.srt.model_executor.model_runner:ModelRunner._pre_initialize_flashinfer_allreduce_workspace",
+        dist_hooks.wrap_pre_capture,
+        "builds the IPC workspace, sized from the model and CUDA-graph batch sizes, before capture",
+    ),
+    Seam(
+        "sglang.srt.layers.communicator:apply_flashinfer_allreduce_fusion",
+        fusion_hooks.wrap_fusion_gate,
+        "the fusion gate also says yes when the sm120 backend is active and the token count fits",
+    ),
+    Seam(
+        "sglang.srt.layers.layernorm:_forward_with_allreduce_fusion",
+        fusion_hooks.replace_forward_with_allreduce_fusion,
+        "fused all-reduce + residual-add + RMSNorm through sm120; never declines after the gate said yes",
+    ),
+    Seam(
+        "sglang.srt.layers.communicator:LayerCommunicator.should_fuse_mlp_allreduce_with_next_layer",
+        fusion_hooks.wrap_should_fuse_mlp,
+        "EAGLE-3 hazard: no MLP all-reduce deferral out of a layer whose output is captured",
+    ),
+    Seam(
+        "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM.set_eagle3_layers_to_capture",
+        fusion_hooks.wrap_set_layers_to_capture,
+        "marks the layers feeding EAGLE-3 aux hidden-state captures (Kimi-K2.5 delegates here)",
+    ),
+    Seam(
+        "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM.set_dflash_layers_to_capture",
+        fusion_hooks.wrap_set_layers_to_capture,
+        "same hazard for DFLASH aux captures",
+    ),
+]

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks that run the pinned SGLang on machines lacking its GPU kernel packages."""

@@ -1,0 +1,86 @@
+"""Shared pytest setup.
+
+GPU tests carry the `gpu` marker and are selected with `pytest -m gpu` (CI runs `pytest -m "not gpu"`).
+A test that needs N GPUs says so in either way; it is skipped, with the reason, when fewer are visible:
+
+    @pytest.mark.gpu(2)                 # marker with a count (default 1)
+    def test_allreduce_two_ranks(): ...
+
+    @pytest.mark.gpu
+    def test_something(require_gpus):   # fixture returning a callable
+        require_gpus(2)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Running from a checkout without `pip install -e .`: make both packages importable from source.
+for _pkg, _parent in (("sgl_kernel_sm120", REPO_ROOT), ("sglang_sm120", os.path.join(REPO_ROOT, "python"))):
+    if importlib.util.find_spec(_pkg) is None and _parent not in sys.path:
+        sys.path.insert(0, _parent)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "gpu(n=1): needs n CUDA GPUs; select with `pytest -m gpu`, skipped when fewer are visible",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_count() -> int:
+    """Number of visible CUDA GPUs (0 without a CUDA build of torch or a driver)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    if torch.version.cuda is None:
+        return 0
+    try:
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def _skip_reason(n: int) -> str | None:
+    have = gpu_count()
+    if have >= n:
+        return None
+    return f"needs {n} CUDA GPU(s), {have} visible"
+
+
+def require_gpus(n: int) -> None:
+    """Skip the calling test unless at least `n` CUDA GPUs are visible."""
+    reason = _skip_reason(n)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(name="require_gpus")
+def require_gpus_fixture():
+    """`require_gpus(n)` inside a test: skip it unless n GPUs are visible."""
+    return require_gpus
+
+
+@pytest.fixture
+def gpus():
+    """Number of visible CUDA GPUs."""
+    return gpu_count()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("gpu")
+    if marker is None:
+        return
+    n = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
+    reason = _skip_reason(int(n))
+    if reason:
+        pytest.skip(reason)

@@ -1,0 +1,234 @@
+"""The backend's collective steps (gate agreement, workspace build) and its dispatch rule, on CPU: ranks are
+threads sharing an in-memory c10d store; the kernel workspace is a fake."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_sm120 import communicator as comm_mod
+from sglang_sm120 import exchange
+from sglang_sm120.config import ByteBound
+from sglang_sm120.facts import group_facts
+from sglang_sm120.gate import GateDecision
+from sglang_sm120.testing.fakes import FakeIpcAllReduce
+
+
+@pytest.fixture(autouse=True)
+def short_timeouts(monkeypatch):
+    monkeypatch.setattr(exchange, "VERDICT_GRACE_S", 0.5)
+
+
+_names = itertools.count()
+
+
+def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None):
+    # Exchange keys are counted per (group name, rank): a fresh name per test keeps the ranks in step.
+    return comm_mod.Sm120Communicator(
+        name=name or f"tp:{next(_names)}", ranks=list(range(world)), rank_in_group=rank, world_size=world,
+        cpu_group=None, device=torch.device("cpu"), mode=mode, deterministic=False, timeout_s=timeout_s, store=store,
+    )
+
+
+def run_ranks(world, target):
+    results, errors = {}, {}
+
+    def body(rank):
+        try:
+            results[rank] = target(rank)
+        except Exception as exc:  # surfaced by the assertion below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    return results
+
+
+def synthetic_facts(capability, node="n0", p2p_ok=True, world=2):
+    def local_facts(device, mode):
+        uuids = [f"GPU-{i}" for i in range(world)]
+        return {"mode": mode, "node": node, "capability": list(capability), "uuid": None,
+                "p2p": {u: p2p_ok for u in uuids}, "kernel_error": None}
+
+    return local_facts
+
+
+def test_exchange_and_agreement_all_present():
+    store = dist.HashStore()
+    out = run_ranks(3, lambda r: exchange.agree(store, "t", r, 3, {"r": r}, 2.0))
+    assert all(v == [{"r": 0}, {"r": 1}, {"r": 2}] for v in out.values())
+
+
+def test_agreement_fails_on_every_present_rank_when_one_never_shows_up():
+    store = dist.HashStore()
+
+    def attempt(rank):
+        with pytest.raises(exchange.AgreementFailed, match=r"\[2\]"):
+            exchange.agree(store, "t", rank, 3, {"r": rank}, 0.3)
+        return True
+
+    assert run_ranks(2, attempt) == {0: True, 1: True}
+
+
+def test_group_facts_p2p_matrix_by_uuid():
+    facts = [
+        {"mode": "auto", "node": "a", "capability": [12, 0], "uuid": "GPU-a", "p2p": {"GPU-a": True, "GPU-b": True}},
+        {"mode": "auto", "node": "a", "capability": [12, 0], "uuid": "GPU-b", "p2p": {"GPU-a": False, "GPU-b": True}},
+    ]
+    gathered = group_facts(facts)
+    assert gathered.p2p == [[True, True], [False, True]]
+    assert gathered.nnodes == 1 and gathered.capabilities == [(12, 0), (12, 0)]
+    facts[1]["node"] = "b"
+    assert group_facts(facts).nnodes == 2
+
+
+def test_gate_resolves_identically_on_every_rank(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 1)))
+    decisions = run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:same").resolve_gate())
+    assert decisions[0] == decisions[1]
+    assert not decisions[0].enabled and "12.1" in decisions[0].reason
+
+
+def test_gate_enabled_with_full_facts(monkeypatch):
+    store = dist.HashStore()
+
+    def local_facts(device, mode):
+        rank = int(threading.current_thread().name)
+        return {"mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{rank}",
+                "p2p": {"GPU-0": True, "GPU-1": True}, "kernel_error": None}
+
+    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    results = {}
+
+    def body(rank):
+        results[rank] = make_backend(rank, 2, store, name="tp:full").resolve_gate()
+
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert results[0] == results[1] and results[0].enabled, results
+
+
+def test_gate_times_out_to_nccl_when_a_peer_is_unpatched(monkeypatch):
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    backend = make_backend(0, 2, dist.HashStore(), timeout_s=0.2)
+    decision = backend.resolve_gate()
+    assert not decision.enabled
+    assert "agreement failed" in decision.reason and "NCCL" in decision.reason
+
+
+def test_gate_without_store_falls_back(monkeypatch):
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    backend = make_backend(0, 2, None)
+    assert not backend.resolve_gate().enabled
+
+
+@pytest.fixture
+def fake_kernel_module(monkeypatch):
+    module = types.ModuleType("sgl_kernel_sm120")
+    FakeIpcAllReduce.instances.clear()
+    module.IpcAllReduce = FakeIpcAllReduce
+    monkeypatch.setitem(sys.modules, "sgl_kernel_sm120", module)
+    monkeypatch.setattr(comm_mod, "probe", lambda uuids: _FlatTopology())
+    return module
+
+
+class _FlatTopology:
+    link = "pcie"
+    levels = None
+    numa_nodes = []
+    error = None
+
+    def islands(self):
+        return None
+
+
+def enabled_backend(rank, world, store, name):
+    backend = make_backend(rank, world, store, timeout_s=2.0, name=name)
+    backend.decision = GateDecision(True, "test")
+    backend.uuids = [f"GPU-{i}" for i in range(world)]
+    return backend
+
+
+def test_build_sizes_workspace_and_dispatch_bound(fake_kernel_module):
+    store = dist.HashStore()
+    bound = ByteBound(8 * 4 * 7168 * 2, "test")
+    def build(rank):
+        backend = enabled_backend(rank, 2, store, "tp:build")
+        backend.build(7168, torch.bfloat16, bound)
+        return backend
+
+    backends = run_ranks(2, build)
+    for backend in backends.values():
+        assert backend.active
+        assert backend.comm.max_numel == 8 * 4 * 7168
+        assert backend.max_bytes == bound.max_bytes
+        assert backend.max_fused_tokens == 32
+        assert backend.link == "pcie"
+        small = torch.zeros(3, 7168, dtype=torch.bfloat16)
+        edge = torch.zeros(32, 7168, dtype=torch.bfloat16)
+        large = torch.zeros(33, 7168, dtype=torch.bfloat16)
+        assert backend.takes(small) and backend.takes(edge) and not backend.takes(large)
+        assert not backend.takes(torch.zeros(3, 7168, dtype=torch.float32))  # kernel declines fp32
+        assert not backend.takes(torch.zeros(7168, 3, dtype=torch.bfloat16).t())  # non-contiguous
+        weight = torch.ones(7168, dtype=torch.bfloat16)
+        assert backend.takes_fused(small, small.clone(), weight)
+        assert not backend.takes_fused(large, large.clone(), weight)
+        assert not backend.takes_fused(small, small.float(), weight)
+        assert not backend.takes_fused(small, small.clone(), weight.float())
+        # built once: a second build (the draft runner's) keeps the first workspace
+        first = backend.comm
+        assert backend.build(4096, torch.bfloat16, ByteBound(1 << 20, "again"))
+        assert backend.comm is first
+        backend.close()
+        assert not backend.active and first.closed
+
+
+def test_build_failure_on_one_rank_disables_every_rank(fake_kernel_module):
+    store = dist.HashStore()
+
+    class FailsOnRank1(FakeIpcAllReduce):
+        def __init__(self, *args, **kwargs):
+            if threading.current_thread().name == "1":
+                raise RuntimeError("cudaIpcOpenMemHandle failed")
+            super().__init__(*args, **kwargs)
+
+    fake_kernel_module.IpcAllReduce = FailsOnRank1
+    results = {}
+
+    def body(rank):
+        backend = enabled_backend(rank, 2, store, "tp:fail")
+        backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+        results[rank] = backend
+
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    for backend in results.values():
+        assert not backend.active
+        assert "rank 1" in backend.build_error and "cudaIpcOpenMemHandle" in backend.build_error
+    assert all(inst.closed for inst in FakeIpcAllReduce.instances)
+
+
+def test_build_refuses_unsupported_dtype(fake_kernel_module):
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:dtype")
+    assert not backend.build(7168, torch.float32, ByteBound(1 << 16, "t"))
+    assert "float32" in backend.build_error
+
+
+def test_build_skipped_when_gate_disabled(fake_kernel_module):
+    backend = make_backend(0, 2, dist.HashStore())
+    backend.decision = GateDecision(False, "no")
+    assert not backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert not FakeIpcAllReduce.instances
