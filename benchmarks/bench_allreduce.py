@@ -546,7 +546,7 @@ def main(argv=None) -> int:
         bench.run()
         wd.stop()
     finally:
-        common.shutdown(d)
+        common.shutdown(d, exit_after_s=60.0 if argv is None else None)
     return 0
 
 

@@ -355,9 +355,20 @@ def check_same_args(d: Dist, args_dict: dict) -> None:
         raise RuntimeError(f"ranks were launched with different arguments: {digests}")
 
 
-def shutdown(d: Dist | None) -> None:
+def shutdown(d: Dist | None, exit_after_s: float | None = None) -> None:
+    """Barrier and tear down. Results are written before this: if a peer's IPC/NCCL teardown hangs (seen once
+    on 2x H200 after a complete run), a command-line run exits anyway after exit_after_s (never armed when
+    main() is called in-process, e.g. by tests)."""
     import torch.distributed as dist
 
+    def force_exit() -> None:
+        time.sleep(exit_after_s)
+        print(f"teardown did not finish within {exit_after_s:.0f} s; exiting (results were already written)",
+              flush=True)
+        os._exit(0)
+
+    if exit_after_s is not None:
+        threading.Thread(target=force_exit, daemon=True, name="bench-teardown").start()
     try:
         if d is not None:
             d.barrier()

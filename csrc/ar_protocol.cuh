@@ -16,12 +16,12 @@
 //  I4  Every consumed pack is written back to empty by its consumer, in the same kernel. So when a call
 //      ends on every rank, all scratch it used is empty again, whatever variant or size the next call has.
 //  I5  Scratch is double-buffered by the parity of the call sequence number `seq`, which lives in device
-//      memory and is advanced by the last CTA of each call (never by the host, so a captured graph replays
-//      correctly). A rank in call s writes into parity s&1 of its peers. A peer can still be in call s-1
+//      memory (one copy per CTA index, see Ctrl) and is advanced by the kernel at the end of each call
+//      (never by the host, so a captured graph replays correctly). A rank in call s writes into parity s&1 of its peers. A peer can still be in call s-1
 //      (reading parity (s-1)&1, a different buffer) but not in call s-2: our call s-1 needed that peer's
 //      pushes of call s-1, which it issues only after its call s-2 has completed (same stream). So the
 //      buffer we write was emptied (I4) by a kernel that has finished.
-//  I6  One workspace is used from one stream at a time: seq and the arrival counter assume the calls of a
+//  I6  One workspace is used from one stream at a time: seq assumes the calls of a
 //      rank are totally ordered. Capture on one stream and replay on another is fine; concurrent use is not.
 //  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank records rank,
 //      peer, phase, seq and the time waited in host-mapped memory, then the kernel traps, so the process
@@ -157,24 +157,19 @@ __device__ __forceinline__ char* region_of(const WorkspaceView& ws, int rank, in
   return ws.bases[rank] + kCtrlBytes + static_cast<long long>(parity) * ws.region_bytes;
 }
 
-// Every thread reads seq itself at entry (I5): no shared memory and no barrier before the first load of
-// the input, so the two loads overlap. All reads precede the CTA's arrival in finish_call.
+// Every thread reads its CTA's seq slot itself at entry (I5): no shared memory and no barrier before the
+// first load of the input, so the loads overlap.
 __device__ __forceinline__ unsigned long long load_sequence(const WorkspaceView& ws) {
-  return *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq);
+  return *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq[blockIdx.x]);
 }
 
-// The last CTA to finish advances seq (I5). Every thread read seq before its CTA arrives, so none sees the
-// new value. No fence is needed: the next reader is the next kernel on the same stream (I6), and kernel
-// completion publishes these stores; a fence here would also wait for this thread's remote pushes.
+// Advance seq in every slot this CTA owns (b + k * gridDim), after all of its threads have read slot b.
+// Plain stores, no fence: the next reader is the next kernel on the same stream (I6), and kernel
+// completion publishes them; a fence here would also wait for this thread's remote pushes.
 __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int prev = atomicAdd(&ws.ctrl->arrive, 1u);
-    if (prev == gridDim.x - 1) {
-      ws.ctrl->arrive = 0u;
-      *reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->seq) = seq + 1ull;
-    }
-  }
+  for (int i = blockIdx.x + threadIdx.x * gridDim.x; i < ws.num_counters; i += gridDim.x * blockDim.x)
+    ws.ctrl->seq[i] = seq + 1ull;
 }
 
 // Programmatic dependent launch. Kernels are launched with programmatic stream serialization (when

@@ -15,11 +15,16 @@ constexpr uint32_t kEmptyHalf = 0x8000u;
 constexpr uint32_t kEmptyWord = 0x80008000u;
 
 // Local-only control block at the start of each rank's slab.
+// The call sequence number (I5) is kept once per possible CTA index: CTA b reads seq[b] at entry and, at
+// exit, writes seq + 1 into every slot b + k * gridDim below num_counters. So all slots hold the same value
+// after every call whatever its grid size, no CTA reads a slot another CTA of the same call writes, and no
+// atomic (whose return the CTA would have to wait for) is needed.
+constexpr int kMaxCounters = 256;  // >= SM count of every supported GPU; the grid never exceeds it
 struct Ctrl {
-  unsigned long long seq;     // number of calls completed on this workspace (I5)
-  unsigned int arrive;        // CTAs that finished the current call
-  unsigned int report_claim;  // first timed-out thread claims the report (I7)
+  unsigned long long seq[kMaxCounters];  // number of calls completed on this workspace (I5)
+  unsigned int report_claim;              // first timed-out thread claims the report (I7)
 };
+static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 
 // Host-mapped (cudaHostAllocMapped) so the CPU can read it after the kernel traps and the context is gone.
 struct ErrorRecord {
@@ -55,6 +60,7 @@ struct WorkspaceView {
   Ctrl* ctrl;
   ErrorRecord* error;  // device pointer of the host-mapped record
   long long timeout_ns;
+  int num_counters;  // seq slots in use: the workspace's largest grid (<= kMaxCounters)
   Topology flat;
   Topology islands;
 };

@@ -93,7 +93,7 @@ int64_t ws_sequence(int64_t handle) {
   return static_cast<int64_t>(s);
 }
 
-int64_t ws_sm_count(int64_t handle) { return as_workspace(handle)->sm_count; }
+int64_t ws_sm_count(int64_t handle) { return as_workspace(handle)->view.num_counters; }
 
 ElemType elem_type_of(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
@@ -128,7 +128,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "threads must be a multiple of 32 <= 1024");
   const c10::cuda::CUDAGuard guard(ws->device);
   const LaunchShape shape{static_cast<int>(threads),
-                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count))), pdl};
+                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))), pdl};
   const cudaError_t err = launch_all_reduce(ws->view, variant_of(ws, variant), type, inp.data_ptr(), out.data_ptr(),
                                             inp.numel(), shape, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
@@ -155,7 +155,7 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
               "residual, norm_out and residual_out must have inp's shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->sm_count))),
+  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))),
                           pdl};
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, variant_of(ws, variant), type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),

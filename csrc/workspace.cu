@@ -96,6 +96,7 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   v.chunk_slot_bytes = chunk_slot;
   v.ctrl = reinterpret_cast<Ctrl*>(ws->local);
   v.timeout_ns = cfg.timeout_ns;
+  v.num_counters = std::min(ws->sm_count, kMaxCounters);
   v.flat = cfg.flat;
   v.islands = cfg.islands;
   *out = ws;
@@ -159,7 +160,7 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
 std::string workspace_sequence(const Workspace* ws, unsigned long long* seq) {
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
   SGL_RETURN_IF_CUDA("cudaDeviceSynchronize", cudaDeviceSynchronize());
-  SGL_RETURN_IF_CUDA("cudaMemcpy(seq)", cudaMemcpy(seq, &ws->view.ctrl->seq, sizeof(*seq), cudaMemcpyDeviceToHost));
+  SGL_RETURN_IF_CUDA("cudaMemcpy(seq)", cudaMemcpy(seq, &ws->view.ctrl->seq[0], sizeof(*seq), cudaMemcpyDeviceToHost));
   return "";
 }
 

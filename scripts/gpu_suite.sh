@@ -1,68 +1,75 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
-#   bash scripts/gpu_suite.sh [stage ...]      stages: build probe kernel overlay bench verify (default: all but probe)
-# Builds sgl_kernel_sm120._C for the visible GPUs (TORCH_CUDA_ARCH_LIST, default 9.0a), runs the GPU tests and
-# the benchmarks, and leaves logs, junit XML, JSON and plots under $OUT (default ./gpu-out), packed into
-# $OUT/gpu-suite.tar.gz as well (the device tool brings back at most 8 files).
+#   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
+#   stages: build kernel bench verify oversubscribed negative overlay probe
+#   (default: all but probe, in that order: the benchmarks come before the slow correctness-only tests)
+# Builds sgl_kernel_sm120._C for TORCH_CUDA_ARCH_LIST (default 9.0a), runs the GPU tests and the benchmarks.
+# Logs, junit XML, JSON and plots go to $WORK (default /tmp/gpu-suite); after every step $OUT receives an
+# up-to-date gpu-suite.tar.gz of it, the result JSON/PNG files, and summary.log (the device tool brings back
+# at most 8 files, and whatever is in $OUT when a command is cut off).
 # Wheels for SGLang's CPU-side stack (../shared/tools/fetch_sglang_gpu_wheels.sh) are taken from ./.whl when
 # present and installed into a scratch folder put first on PYTHONPATH; nothing is fetched from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT/logs" "$OUT/results"
-stages=${*:-build kernel overlay bench verify}
+WORK=${WORK:-/tmp/gpu-suite}
+mkdir -p "$OUT" "$WORK/logs" "$WORK/results"
+stages=${*:-build kernel bench verify oversubscribed negative overlay}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PY:-python3}
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 status=0
+publish() {
+  tar -czf "$OUT/gpu-suite.tar.gz" -C "$WORK" logs results 2>/dev/null
+  cp "$WORK"/results/*.json "$WORK"/results/*.png "$OUT"/ 2>/dev/null
+  true
+}
 step() {  # step NAME COMMAND...: run, log, remember failure, go on
   local name=$1; shift
-  echo ">>> [$(date +%T)] $name: $*"
+  echo ">>> [$(date +%T)] $name: $*" | tee -a "$OUT/summary.log"
   local t0=$SECONDS
-  "$@" > "$OUT/logs/$name.log" 2>&1
+  "$@" > "$WORK/logs/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/logs/$name.log"
-  echo ">>> $name rc=$rc in $((SECONDS - t0)) s"
+  tail -n 15 "$WORK/logs/$name.log"
+  grep -E "passed|failed|error" "$WORK/logs/$name.log" | tail -n 3 >> "$OUT/summary.log"
+  echo ">>> $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
   [ $rc -eq 0 ] || status=1
+  publish
   return $rc
 }
-has() { [[ " $stages " == *" $1 "* ]]; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/logs/gpus.csv" 2>&1
-nvidia-smi topo -m >> "$OUT/logs/gpus.csv" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m; } > "$WORK/logs/gpus.txt" 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
   SITE=$(mktemp -d)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
-    > "$OUT/logs/wheels.log" 2>&1 || echo ">>> wheel install failed (see logs/wheels.log)"
+    > "$WORK/logs/wheels.log" 2>&1 || echo ">>> wheel install failed (see logs/wheels.log)"
   export PYTHONPATH="$SITE:$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-if has build; then
-  step build $PY setup.py build_ext --inplace || { echo "build failed"; tar -czf "$OUT/gpu-suite.tar.gz" -C "$OUT" logs; exit 1; }
-fi
-if has probe; then
-  step probe torchrun --nproc-per-node 2 scripts/probe_latency.py
-fi
-if has kernel; then
-  step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
-    --junitxml="$OUT/results/junit-kernel.xml"
-  step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k oversubscribed \
-    --junitxml="$OUT/results/junit-kernel-oversubscribed.xml"
-fi
-if has overlay; then
-  step overlay-tests $PY -m pytest -m gpu -v tests/gpu/test_sglang_integration.py --junitxml="$OUT/results/junit-overlay.xml"
-fi
-if has bench; then
-  step bench-allreduce torchrun --nproc-per-node 2 benchmarks/bench_allreduce.py --out "$OUT/results"
-fi
-if has verify; then
-  step bench-verify-none torchrun --nproc-per-node 2 benchmarks/bench_verify.py --compute none --out "$OUT/results"
-  step bench-verify-gemm torchrun --nproc-per-node 2 benchmarks/bench_verify.py --compute gemm --out "$OUT/results"
-  step verify-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_bench_verify_gpu.py
-fi
-tar -czf "$OUT/gpu-suite.tar.gz" -C "$OUT" logs results
-echo ">>> suite status=$status"
+for stage in $stages; do
+  case $stage in
+    build) step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; } ;;
+    probe) step probe torchrun --nproc-per-node "$NGPU" scripts/probe_latency.py ;;
+    kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
+              --junitxml="$WORK/results/junit-kernel.xml" ;;
+    bench) BENCH_TIME_LIMIT_S=${BENCH_TIME_LIMIT_S:-170} step bench-allreduce torchrun --nproc-per-node "$NGPU" benchmarks/bench_allreduce.py --out "$WORK/results" ;;
+    verify)
+      BENCH_TIME_LIMIT_S=${VERIFY_TIME_LIMIT_S:-220} step bench-verify torchrun --nproc-per-node "$NGPU" \
+        benchmarks/bench_verify.py --compute none,gemm --via-sglang --sglang-custom-ar on \
+        --out "$WORK/results"
+      step verify-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_bench_verify_gpu.py ;;
+    oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
+              -k oversubscribed --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
+    negative) step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \
+              --junitxml="$WORK/results/junit-negative.xml" ;;
+    overlay) step overlay-tests $PY -m pytest -m gpu -v tests/gpu/test_sglang_integration.py \
+              --junitxml="$WORK/results/junit-overlay.xml" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+echo ">>> suite status=$status" | tee -a "$OUT/summary.log"
 exit $status

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -15,12 +16,21 @@ BUILD_HINT = (
 )
 
 
+# Load this library instead of the packaged `_C`: used by the protocol negative-control tests, which build
+# the same sources with a protocol invariant broken on purpose (tests/gpu/test_negative_controls.py).
+LIBRARY_OVERRIDE_ENV = "SGL_SM120_EXT_LIBRARY"
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[object | None, str]:
+    override = os.environ.get(LIBRARY_OVERRIDE_ENV)
     try:
-        from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel_sm120)
-    except ImportError as exc:
-        return None, f"{BUILD_HINT} Import failed with: {exc}"
+        if override:
+            torch.ops.load_library(override)
+        else:
+            from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel_sm120)
+    except (ImportError, OSError) as exc:
+        return None, f"{BUILD_HINT} Loading {override or '_C'} failed with: {exc}"
     return torch.ops.sgl_kernel_sm120, ""
 
 

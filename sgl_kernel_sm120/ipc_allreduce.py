@@ -36,7 +36,14 @@ logger = logging.getLogger(__name__)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_TIMEOUT_S = 5.0
 TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
-PLAIN_THREADS = 512
+
+
+def plain_threads(nbytes: int) -> int:
+    """CTA size of the plain kernels: more, smaller CTAs while latency dominates, larger ones for bandwidth
+    (2x H200: 256 threads best up to [16, 7168] bf16, 512 from [64, 7168] on)."""
+    return 256 if nbytes <= 256 * 1024 else 512
+
+
 MAX_FUSED_HIDDEN = 65536  # kMaxFusedHidden in csrc/ar_launch.h: the fused kernels keep a row in registers
 PDL_ENV = "SGL_SM120_AR_PDL"  # "0" launches without programmatic dependent launch
 _PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}
@@ -85,7 +92,7 @@ class IpcAllReduce:
         if timeout_s is None:
             timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         self.timeout_s = float(timeout_s)
-        self.threads = PLAIN_THREADS
+        self.threads: int | None = None  # plain kernels' CTA size; None: plain_threads(nbytes)
         # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
         # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
         self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
@@ -205,7 +212,13 @@ class IpcAllReduce:
             raise ValueError("out must be a contiguous tensor with inp's shape and dtype")
         target = result if _aligned(result) else torch.empty_like(inp)
         _ext.ops().all_reduce(
-            self._handle, _aligned_copy(inp), target, int(chosen), self.threads, self.max_blocks, self.use_pdl
+            self._handle,
+            _aligned_copy(inp),
+            target,
+            int(chosen),
+            self.threads or plain_threads(inp.numel() * inp.element_size()),
+            self.max_blocks,
+            self.use_pdl,
         )
         if target is not result:
             result.copy_(target)

@@ -61,9 +61,14 @@ def _make(world, rank, max_numel, **kw):
 
 
 def _same_on_all_ranks(t: torch.Tensor) -> bool:
-    ref = t.detach().cpu().clone()
-    dist.broadcast(ref, src=0)
-    return torch.equal(ref.view(torch.int16), t.detach().cpu().view(torch.int16))
+    """Bitwise equality across ranks, compared through two position-weighted sums of the raw 16-bit words
+    (computed on the GPU; shipping every tensor through gloo would dominate the test's run time)."""
+    words = t.detach().contiguous().view(torch.int16).flatten().to(torch.int64)
+    pos = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+    digest = torch.stack([(words * pos).sum(), (words * (pos * pos % 1000003)).sum()]).tolist() + [words.numel()]
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    return all(d == digest for d in digests)
 
 
 def _stable_seed(*parts) -> int:

@@ -1,0 +1,59 @@
+"""Protocol negative controls: the same sources built with one invariant of csrc/ar_protocol.cuh broken on
+purpose must make the ordinary checks fail. A suite that passed these builds would prove nothing.
+
+  SGL_SM120_DEBUG_NO_CLEAR       consumers leave scratch dirty (breaks I4): later calls read stale packs
+  SGL_SM120_DEBUG_SINGLE_BUFFER  one scratch buffer instead of two (breaks I5): a rank that runs ahead
+                                 overwrites, or has cleared, packs its peer has not consumed yet
+
+Each build is loaded in the spawned ranks instead of the packaged `_C` (SGL_SM120_EXT_LIBRARY), and runs the
+back-to-back scenario of test_ipc_allreduce with a short spin bound, so a broken protocol ends in a wrong
+result or a timeout error, never a hang.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+from tests.gpu.harness import run_ranks
+from tests.gpu.test_ipc_allreduce import _scenario_back_to_back
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+BUILD = """
+import glob, sys
+from torch.utils.cpp_extension import load
+root, name, flag, out = sys.argv[1:5]
+sources = sorted(glob.glob(root + "/csrc/*.cu")) + sorted(glob.glob(root + "/csrc/*.cpp"))
+load(name=name, sources=sources, extra_cflags=["-O2", "-D" + flag], extra_cuda_cflags=["-O3", "-D" + flag],
+     extra_include_paths=[root + "/csrc"], build_directory=out, is_python_module=False, verbose=False)
+"""
+
+
+def _build_broken(flag: str, out: str) -> str:
+    # A subprocess: loading the library here would register the op namespace a second time next to `_C`.
+    name = "sgl_sm120_" + flag.lower()
+    subprocess.run([sys.executable, "-c", BUILD, ROOT, name, flag, out], check=True, timeout=600)
+    (path,) = glob.glob(os.path.join(out, name + "*.so"))
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"])
+def test_broken_protocol_is_caught(flag, monkeypatch):
+    with tempfile.TemporaryDirectory() as out:
+        monkeypatch.setenv(LIBRARY_OVERRIDE_ENV, _build_broken(flag, out))
+        monkeypatch.setenv("SGL_SM120_AR_TIMEOUT_S", "2")
+        with pytest.raises(AssertionError) as caught:
+            run_ranks(2, _scenario_back_to_back, 300, timeout_s=300)
+    report = str(caught.value)
+    assert "wrong" in report or "timed out" in report or "scratch not clean" in report, report[-2000:]
