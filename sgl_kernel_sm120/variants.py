@@ -21,9 +21,11 @@ class Link(str, enum.Enum):
     PCIE = "pcie"
 
 
-# Seeds. NVLink figures were measured on 2x H200 (benchmarks/results/allreduce_*h200*_tp2.json); PCIe
-# figures are untuned starting points taken from the PCIe anchors in shared/notes (all-to-all posted writes
-# collapse on root complexes past a few tens of KB, so larger messages move to the staged schedules).
+# Seeds. At 2 ranks one-shot beat two-shot at every size measured on 2x H200
+# (benchmarks/results/allreduce_h200_tp2.json). The 4- and 8-rank bounds are unmeasured starting points: the
+# NVLink one from the one-shot's (W-1)x traffic, the PCIe ones from the PCIe anchors in shared/notes
+# (all-to-all posted writes collapse on root complexes past a few tens of KB, so larger messages move to the
+# staged schedules). Issue 6's run is where they get measured.
 NVLINK_ONESHOT_MAX_BYTES = 512 * 1024
 PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
 
