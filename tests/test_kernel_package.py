@@ -156,3 +156,18 @@ def test_extension_registers_every_op():
     ops = _ext.ops()
     for name in ("ws_create", "ws_open_peers", "ws_destroy", "all_reduce", "all_reduce_add_rmsnorm"):
         assert hasattr(ops, name), name
+
+
+def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
+    # The negative-control builds are loaded through this variable; a bad path must be a clear error.
+    missing = tmp_path / "no_such_library.so"
+    monkeypatch.setenv(_ext.LIBRARY_OVERRIDE_ENV, str(missing))
+    _ext._load.cache_clear()
+    try:
+        assert not k.kernels_available()
+        with pytest.raises(k.KernelsNotBuiltError, match="no_such_library.so"):
+            _ext.ops()
+    finally:
+        monkeypatch.delenv(_ext.LIBRARY_OVERRIDE_ENV)
+        _ext._load.cache_clear()
+    assert k.kernels_available()
