@@ -38,13 +38,20 @@ def test_reference_fused_matches_float64_formula():
 
 
 def test_reference_fused_norm_starts_from_rounded_residual():
-    # The RMSNorm uses residual_out as stored (rounded), like SGLang's unfused add + RMSNorm.
-    inputs = [torch.full((1, 8), 0.0039, dtype=torch.bfloat16)]
-    residual = torch.full((1, 8), 1.0, dtype=torch.bfloat16)
-    weight = torch.ones(8, dtype=torch.bfloat16)
-    norm, res = k.reference_all_reduce_add_rmsnorm(inputs, residual, weight, 0.0)
-    assert torch.equal(norm, torch.ones(1, 8, dtype=torch.bfloat16))  # res is constant, so the norm is 1
-    assert res[0, 0].item() == 1.0
+    # The RMSNorm uses residual_out as stored (rounded), like SGLang's unfused add + RMSNorm; from the unrounded
+    # fp32 sum the result differs in some elements, so this distinguishes the two.
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4, 256, generator=g).to(torch.bfloat16) for _ in range(4)]
+    residual = torch.randn(4, 256, generator=g).to(torch.bfloat16)
+    weight = torch.randn(256, generator=g).to(torch.bfloat16)
+    norm, res = k.reference_all_reduce_add_rmsnorm(inputs, residual, weight, 1e-6)
+
+    def rmsnorm(x):
+        return ((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * weight.float()).to(torch.bfloat16)
+
+    unrounded = sum(t.float() for t in inputs) + residual.float()
+    assert torch.equal(norm, rmsnorm(res.float()))
+    assert not torch.equal(norm, rmsnorm(unrounded))
 
 
 # ----------------------------------------------------------------------------------------- variant choice
