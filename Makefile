@@ -1,24 +1,29 @@
-# sglang-sm120 developer / CI entry points.
+# sglang-sm120 developer / CI entry points. Every target runs per SGLang stack: the SGLang release and the torch
+# it pins, each in its own virtual environment (.venvs/<stack>) from requirements/<stack>/.
 #
-#   make test      from nothing: .venv (pinned) + build _C + ruff + pytest -m "not gpu"
-#   make venv      only (re)create .venv when requirements/*.txt changed (stamp keyed on their hash)
-#   make build     pip install --no-build-isolation --no-deps -e .  (builds sgl_kernel_sm120._C)
+#   make test      from nothing, for every stack: venv (pinned) + build the kernels + ruff + pytest -m "not gpu"
+#   make venv      (re)create the venvs whose requirements changed (stamp keyed on their hash)
+#   make build     build the kernels into each venv's editable install (one library per torch: never another's)
 #   make lint      ruff check
-#   make test-gpu  pytest -m gpu on an existing environment (e.g. `make build test-gpu PY=python`)
-#   make clean     build outputs;  make distclean  also .venv
+#   make test-gpu  pytest -m gpu on an existing environment (e.g. `make test-gpu PY=python`)
+#   make clean     build outputs;  make distclean  also the venvs
+#   STACKS=sglang-0.5.13.post1 make test   one stack only
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 .DEFAULT_GOAL := test
 
-VENV        := .venv
+# The first stack is the default one (what `pip install -e ".[sglang]"` installs); lint runs in it.
+STACKS      ?= sglang-0.5.23 sglang-0.5.13.post1
+STACK       ?= $(firstword $(STACKS))
+VENVS       := .venvs
+VENV        := $(VENVS)/$(STACK)
 VENV_PY     := $(VENV)/bin/python
 BOOT_PY     ?= $(shell command -v python3.11 || command -v python3)
-REQS        := requirements/ci.txt requirements/sglang-nodeps.txt
-REQ_HASH    := $(shell cat $(REQS) | sha256sum | cut -c1-16)
-STAMP       := $(VENV)/.stamp-$(REQ_HASH)
-# Interpreter for build/lint/pytest targets: the venv when it exists, else override with PY=...
-PY          ?= $(if $(wildcard $(VENV_PY)),$(VENV_PY),python3)
+REQS         = requirements/$(STACK)/ci.txt requirements/$(STACK)/sglang-nodeps.txt
+REQ_HASH     = $(shell cat $(REQS) | sha256sum | cut -c1-16)
+STAMP        = $(VENV)/.stamp-$(REQ_HASH)
+PY          ?= $(VENV_PY)
 
 export CUDA_HOME            ?= /usr/local/cuda
 # CI has no GPU: build for the two arches the tests check (SM120 target, H200 test machines).
@@ -28,43 +33,57 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # this machine's pip config names local index folders that may not exist; pip warns once per package
 PIP_NOISE   := is ignored: it is neither a file nor a directory
 
-.PHONY: venv build lint pytest test test-gpu clean distclean
+.PHONY: venv build lint pytest test test-stack test-gpu clean distclean venv-one build-one
 
-venv: $(STAMP)
+venv:
+	@for s in $(STACKS); do $(MAKE) --no-print-directory venv-one STACK=$$s; done
 
-$(STAMP):
+venv-one: $(STAMP)
+
+$(STAMP): $(REQS)
+	@test -f requirements/$(STACK)/ci.txt || { echo ">>> unknown stack $(STACK) (requirements/$(STACK)/ missing)"; exit 1; }
 	@echo ">>> creating $(VENV) with $(BOOT_PY) (pins hash $(REQ_HASH))"
 	rm -rf $(VENV)
+	mkdir -p $(VENVS)
 	$(BOOT_PY) -m venv $(VENV)
-	$(VENV_PY) -m pip install --quiet -r requirements/ci.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
-	$(VENV_PY) -m pip install --quiet --no-deps -r requirements/sglang-nodeps.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(VENV_PY) -m pip install --quiet -r requirements/$(STACK)/ci.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(VENV_PY) -m pip install --quiet --no-deps -r requirements/$(STACK)/sglang-nodeps.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 	touch $@
 
 build:
-	@echo ">>> building sglang-sm120 (TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST), CUDA_HOME=$(CUDA_HOME))"
+	@for s in $(STACKS); do $(MAKE) --no-print-directory build-one STACK=$$s; done
+
+# Editable, so the tests see this checkout; the library is named after the venv's torch
+# (sgl_kernel_sm120/_C_torch<ver>_cuda<ver>*.so) and its objects live in build/<that tag>/, so stacks and a user's
+# own `pip install -e .` never overwrite each other's build.
+build-one:
+	@echo ">>> [$(STACK)] building sglang-sm120 (TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST), CUDA_HOME=$(CUDA_HOME))"
 	@mkdir -p build
-	@rm -f sgl_kernel_sm120/_C*.so
-	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > build/pip-install.log 2>&1 \
-		|| { cat build/pip-install.log; echo ">>> build FAILED (log: build/pip-install.log)"; exit 1; }
-	@grep -B1 -A3 "were NOT built" build/pip-install.log || true
-	@tail -n 1 build/pip-install.log
-	@ls sgl_kernel_sm120/_C*.so 2>/dev/null | sed 's/^/>>> built /' || true
+	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > build/pip-install-$(STACK).log 2>&1 \
+		|| { cat build/pip-install-$(STACK).log; echo ">>> [$(STACK)] build FAILED (log: build/pip-install-$(STACK).log)"; exit 1; }
+	@grep "sglang-sm120: building" build/pip-install-$(STACK).log || true
+	@tail -n 1 build/pip-install-$(STACK).log
 
 lint:
 	$(PY) -m ruff check .
 
 pytest:
+	@echo ">>> [$(STACK)] pytest -m 'not gpu'"
 	$(PY) -m pytest -m "not gpu"
 
-test: venv
-	$(MAKE) --no-print-directory build lint pytest PY=$(VENV_PY)
+test-stack: venv-one
+	$(MAKE) --no-print-directory build-one pytest STACK=$(STACK) PY=$(VENV_PY)
+
+test:
+	@for s in $(STACKS); do $(MAKE) --no-print-directory test-stack STACK=$$s; done
+	$(MAKE) --no-print-directory lint STACK=$(firstword $(STACKS))
 
 test-gpu:
 	$(PY) -m pytest -m gpu
 
 clean:
 	rm -rf build *.egg-info python/*.egg-info sgl_kernel_sm120/_C*.so .pytest_cache .ruff_cache
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	find . -path ./$(VENVS) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENVS) .venv

@@ -1,20 +1,24 @@
 """Build script of the `sglang-sm120` distribution.
 
-Metadata lives in pyproject.toml; this file only declares the two packages and the CUDA extension
-`sgl_kernel_sm120._C`. The extension is built when torch (with CUDA) and nvcc are available at build time
-(install with `pip install --no-build-isolation -e .`); otherwise the pure-Python parts install alone and
-one message says how to build the kernels.
+Metadata lives in pyproject.toml; this file declares the two packages, the CUDA extension and the torch
+dependency. The extension is named after the torch it is built against (`sgl_kernel_sm120._C_torch<ver>_cuda<ver>`,
+see sgl_kernel_sm120/_abi.py), and the install then requires exactly that torch release: a library built for
+one torch does not load under another, so pip must not pair them.
+
+The build is all or nothing: when the kernels cannot be built (no torch, a CPU-only torch, no nvcc, a compile
+error) the install fails and says what is missing. SGL_SM120_SKIP_EXT=1 asks for a Python-only install.
 
 Environment:
   TORCH_CUDA_ARCH_LIST  e.g. "9.0a;12.0a" (entries X.Y[a|f][+PTX]); default: 12.0a plus each visible GPU.
   CUDA_HOME             CUDA toolkit root holding bin/nvcc (default: torch's guess, /usr/local/cuda).
-  SGL_SM120_SKIP_EXT=1  install the Python parts only, without trying to build `_C`.
+  SGL_SM120_SKIP_EXT=1  install the Python parts only; calling a kernel then raises KernelsNotBuiltError.
   MAX_JOBS              parallel compile jobs (ninja), as usual for torch extensions.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 import sys
@@ -23,11 +27,19 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-EXT_NAME = "sgl_kernel_sm120._C"
+SKIP_ENV = "SGL_SM120_SKIP_EXT"
 BUILD_HINT = (
-    "To build them: install a CUDA build of torch, make nvcc available (export CUDA_HOME=/usr/local/cuda), "
-    "then run `pip install --no-build-isolation -e .` (or `make build`)."
+    "Needed to build the kernels: a CUDA build of torch (the default isolated build installs the one pyproject.toml "
+    "names) and nvcc >= 12.8 (export CUDA_HOME=/usr/local/cuda). For a Python-only install set SGL_SM120_SKIP_EXT=1."
 )
+
+
+def _load_abi():
+    # sgl_kernel_sm120/__init__.py imports torch and the extension: load the naming helper on its own.
+    spec = importlib.util.spec_from_file_location("_sgl_sm120_abi", os.path.join(ROOT, "sgl_kernel_sm120", "_abi.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:
@@ -38,20 +50,9 @@ def _packages() -> tuple[list[str], dict[str, str]]:
     return pkgs, package_dir
 
 
-# pip runs this file once per build hook (requires, metadata, build): say it once, in the build step.
-_BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
-
-
-def _skip(reason: str) -> None:
-    if not _BUILD_COMMANDS.intersection(sys.argv[1:]):
-        return
+def _fail(reason: str) -> None:
     bar = "=" * 100
-    print(
-        f"\n{bar}\nsglang-sm120: the CUDA kernels (sgl_kernel_sm120._C) were NOT built: {reason}\n"
-        f"The Python packages are installed; calling a kernel will raise an error.\n{BUILD_HINT}\n{bar}\n",
-        file=sys.stderr,
-        flush=True,
-    )
+    raise SystemExit(f"\n{bar}\nsglang-sm120: cannot build the CUDA kernels: {reason}\n{BUILD_HINT}\n{bar}\n")
 
 
 def _arch_list(torch) -> list[str]:
@@ -76,7 +77,7 @@ def _gencode_flags(archs: list[str]) -> list[str]:
     for arch in archs:
         m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", arch)
         if not m:
-            raise ValueError(f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not of the form X.Y[a|f][+PTX]")
+            _fail(f"TORCH_CUDA_ARCH_LIST entry {arch!r} is not of the form X.Y[a|f][+PTX]")
         num = f"{m.group(1)}{m.group(2)}{m.group(3)}"
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
         if m.group(4):
@@ -84,18 +85,19 @@ def _gencode_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def _nvidia_wheel_includes(cuda_home: str) -> list[str]:
+def _nvidia_wheel_includes(cuda_home: str, torch_dir: str) -> list[str]:
     """ATen's CUDA headers include cuBLAS/cuSPARSE/cuSOLVER headers. A bare nvcc toolkit may lack them while
     torch's `nvidia-*` wheels ship them, next to copies of the CUDA runtime headers that must NOT shadow nvcc's
     own (adding the whole wheel include folder breaks nvcc 13.0). So expose only those three libraries' headers,
-    through a folder of symlinks under build/."""
+    through a folder of symlinks under build/. The wheels sit beside torch (in pip's isolated build environment
+    too, whose folder is not one of `site.getsitepackages()`)."""
     if os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
         return []
     import site
 
-    roots = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
+    roots = [os.path.dirname(torch_dir)] + site.getsitepackages() + [site.getusersitepackages()]
     headers: dict[str, str] = {}
-    for root in roots:
+    for root in dict.fromkeys(r for r in roots if os.path.isdir(r)):
         for inc in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include"))):
             for pat in ("cublas*.h", "cusparse*.h", "cusolver*.h"):
                 for h in glob.glob(os.path.join(inc, pat)):
@@ -113,28 +115,26 @@ def _nvidia_wheel_includes(cuda_home: str) -> list[str]:
 
 
 def _extension():
-    """Return (ext_modules, cmdclass); empty when the kernels cannot be built here."""
-    if os.environ.get("SGL_SM120_SKIP_EXT") == "1":
-        _skip("SGL_SM120_SKIP_EXT=1 is set")
-        return [], {}
+    """Return (ext_modules, cmdclass, install_requires, options)."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return [], {}, ["torch>=2.9"], {}
     sources = sorted(glob.glob(os.path.join("csrc", "*.cu")) + glob.glob(os.path.join("csrc", "*.cpp")))
     if not sources:
-        _skip("no sources in csrc/")
-        return [], {}
+        _fail("no sources in csrc/")
     try:
         import torch
         from torch.utils import cpp_extension
     except ImportError as e:
-        _skip(f"torch is not importable at build time ({e}); with pip, use --no-build-isolation")
-        return [], {}
+        _fail(f"torch is not importable in the build environment ({e}); with --no-build-isolation, install "
+              "torch first (the release your SGLang pins)")
     if torch.version.cuda is None:
-        _skip(f"torch {torch.__version__} has no CUDA support")
-        return [], {}
+        _fail(f"torch {torch.__version__} in the build environment has no CUDA support")
     cuda_home = cpp_extension.CUDA_HOME
     if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
-        _skip(f"nvcc not found (CUDA_HOME={cuda_home!r})")
-        return [], {}
+        _fail(f"nvcc not found (CUDA_HOME={cuda_home!r})")
 
+    abi = _load_abi()
+    module = abi.extension_module(torch.__version__, torch.version.cuda)
     archs = _arch_list(torch)
     cu_sources = [s for s in sources if s.endswith(".cu")]
     # Kernels are plain CUDA (C++17). torch's own headers need C++20: use it if a .cu includes them.
@@ -144,18 +144,22 @@ def _extension():
     )
     nvcc_std = "-std=c++20" if uses_torch else "-std=c++17"
     nvcc_flags = ["-O3", nvcc_std, "-lineinfo", *_gencode_flags(archs)]
-    if _BUILD_COMMANDS.intersection(sys.argv[1:]):
-        print(f"sglang-sm120: building {EXT_NAME} for {';'.join(archs)} with {cuda_home}/bin/nvcc", file=sys.stderr)
+    torch_release = torch.__version__.split("+", 1)[0]
+    print(f"sglang-sm120: building sgl_kernel_sm120.{module} for {';'.join(archs)} with {cuda_home}/bin/nvcc "
+          f"against torch {torch.__version__}", file=sys.stderr)
 
     ext = cpp_extension.CUDAExtension(
-        name=EXT_NAME,
+        name=f"sgl_kernel_sm120.{module}",
         sources=sources,
-        include_dirs=[os.path.join(ROOT, "csrc"), *_nvidia_wheel_includes(cuda_home)],
+        include_dirs=[os.path.join(ROOT, "csrc"), *_nvidia_wheel_includes(cuda_home, os.path.dirname(torch.__file__))],
         # cxx: torch adds -std=c++20 (its headers require it)
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
         py_limited_api=False,
     )
-    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=_have_ninja())}
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=_have_ninja())
+    # One build folder per torch, so environments sharing this checkout never reuse each other's objects.
+    options = {"build": {"build_base": os.path.join("build", abi.extension_tag(torch.__version__, torch.version.cuda))}}
+    return [ext], {"build_ext": build_ext}, [f"torch=={torch_release}"], options
 
 
 def _have_ninja() -> bool:
@@ -168,12 +172,14 @@ def _have_ninja() -> bool:
 
 
 packages, package_dir = _packages()
-ext_modules, cmdclass = _extension()
+ext_modules, cmdclass, install_requires, options = _extension()
 
 setup(
     packages=packages,
     package_dir=package_dir,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
+    install_requires=install_requires,
+    options=options,
     zip_safe=False,
 )

@@ -63,5 +63,7 @@ std::string workspace_destroy(Workspace* ws);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);
 std::string workspace_sequence(const Workspace* ws, unsigned long long* seq);
+// The same counter without a device synchronize: safe while kernels run (see workspace.cu).
+std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq);
 
 }  // namespace sgl_sm120

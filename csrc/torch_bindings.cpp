@@ -93,6 +93,13 @@ int64_t ws_sequence(int64_t handle) {
   return static_cast<int64_t>(s);
 }
 
+// Calls completed, read without synchronizing the device (graph replays included): for live counters.
+int64_t ws_calls_completed(int64_t handle) {
+  unsigned long long s = 0;
+  check_ok(workspace_calls_completed(as_workspace(handle), &s));
+  return static_cast<int64_t>(s);
+}
+
 int64_t ws_sm_count(int64_t handle) { return as_workspace(handle)->view.num_counters; }
 
 ElemType elem_type_of(const at::Tensor& t) {
@@ -180,6 +187,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
   m.def("ws_sequence(int ws) -> int", &ws_sequence);
+  m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
   m.def("all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl) -> ()",
         &all_reduce);
@@ -189,6 +197,16 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
       &all_reduce_add_rmsnorm);
 }
 
-// The ops register themselves when the library loads; `import sgl_kernel_sm120._C` is the way to load it.
-static PyModuleDef sgl_kernel_sm120_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&sgl_kernel_sm120_module); }
+// The ops register themselves when the library loads; importing it as a Python module is the way to load it.
+// Its name carries the torch it was built for (sgl_kernel_sm120/_abi.py), and torch's extension build passes
+// that name as TORCH_EXTENSION_NAME, so the init function Python looks for is PyInit_<that name>.
+#ifndef TORCH_EXTENSION_NAME
+#error "TORCH_EXTENSION_NAME must name the module (torch.utils.cpp_extension defines it)"
+#endif
+#define SGL_SM120_CAT2(a, b) a##b
+#define SGL_SM120_CAT(a, b) SGL_SM120_CAT2(a, b)
+#define SGL_SM120_STR2(x) #x
+#define SGL_SM120_STR(x) SGL_SM120_STR2(x)
+static PyModuleDef sgl_kernel_sm120_module = {PyModuleDef_HEAD_INIT, SGL_SM120_STR(TORCH_EXTENSION_NAME), nullptr, -1,
+                                              nullptr};
+PyMODINIT_FUNC SGL_SM120_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&sgl_kernel_sm120_module); }

@@ -164,4 +164,20 @@ std::string workspace_sequence(const Workspace* ws, unsigned long long* seq) {
   return "";
 }
 
+// A live counter for monitoring (the server's /get_server_info): the copy runs on a stream of its own created
+// non-blocking, so it waits for no kernel, graph replay or spin-wait on the serving streams, and it is a plain
+// 8-byte aligned read of slot 0, which only CTA 0 of a call writes (I5), so it never sees a torn value. It may
+// lag the serving stream by the calls still in flight, which is all a counter read from outside can promise.
+std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq) {
+  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
+  cudaStream_t side = nullptr;
+  SGL_RETURN_IF_CUDA("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  cudaError_t err = cudaMemcpyAsync(seq, &ws->view.ctrl->seq[0], sizeof(*seq), cudaMemcpyDeviceToHost, side);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(side);
+  const cudaError_t destroyed = cudaStreamDestroy(side);
+  if (err == cudaSuccess) err = destroyed;
+  if (err != cudaSuccess) return cuda_failure("reading the call counter", err);
+  return "";
+}
+
 }  // namespace sgl_sm120

@@ -8,7 +8,7 @@ from ._ext import kernels_available
 from .errors import IpcAllReduceError, IpcAllReduceTimeoutError, KernelsNotBuiltError
 from .ipc_allreduce import IpcAllReduce
 from .reference import reference_add_rmsnorm, reference_all_reduce, reference_all_reduce_add_rmsnorm
-from .variants import Link, Variant, choose_variant
+from .variants import Link, Variant, choose_variant, describe_schedule
 
 __all__ = [
     "IpcAllReduce",
@@ -18,6 +18,7 @@ __all__ = [
     "Link",
     "Variant",
     "choose_variant",
+    "describe_schedule",
     "kernels_available",
     "reference_add_rmsnorm",
     "reference_all_reduce",

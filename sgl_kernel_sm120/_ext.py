@@ -1,36 +1,80 @@
-"""Loads the compiled extension once and says how to build it when it is missing."""
+"""Loads the compiled extension built for the running torch, and says exactly why when it cannot."""
 
 from __future__ import annotations
 
 import functools
+import glob
+import importlib
+import importlib.machinery
 import os
 
 import torch
 
+from . import _abi
 from .errors import KernelsNotBuiltError
 
 BUILD_HINT = (
-    "sgl_kernel_sm120._C is not built. Build it on a machine with a CUDA build of torch and nvcc: "
-    "`CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .` from the sglang-sm120 checkout "
-    "(TORCH_CUDA_ARCH_LIST picks the GPU architectures, default 12.0a plus the visible GPUs)."
+    "Build them in this environment, from the sglang-sm120 checkout, on a machine with nvcc "
+    "(export CUDA_HOME=/usr/local/cuda): `pip install --no-build-isolation -e .` with this environment's torch "
+    "(or `make build`); TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 12.0a plus the visible GPUs)."
 )
 
-
-# Load this library instead of the packaged `_C`: used by the protocol negative-control tests, which build
+# Load this library instead of the packaged one: used by the protocol negative-control tests, which build
 # the same sources with a protocol invariant broken on purpose (tests/gpu/test_negative_controls.py).
 LIBRARY_OVERRIDE_ENV = "SGL_SM120_EXT_LIBRARY"
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def expected_module() -> str:
+    """The extension module this process needs: the one built for the running torch and CUDA."""
+    return _abi.extension_module(torch.__version__, torch.version.cuda)
+
+
+def built_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
+    """Extension modules present in the package, for any torch."""
+    # Longest suffix first: ".cpython-311-x86_64-linux-gnu.so" before the bare ".so" that also matches it.
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    found = set()
+    for path in glob.glob(os.path.join(package_dir, _abi.PREFIX + "*")):
+        name = os.path.basename(path)
+        suffix = next((s for s in suffixes if name.endswith(s)), None)
+        if suffix is not None:
+            found.add(name[: -len(suffix)])
+    return sorted(found)
+
+
+def missing_reason(package_dir: str = PACKAGE_DIR) -> str:
+    """Why there is no library for this torch: none at all, or only ones built for another torch."""
+    here = f"torch {torch.__version__.split('+')[0]}, CUDA {torch.version.cuda or 'none'}"
+    others = built_modules(package_dir)
+    if others:
+        built_for = "; ".join(_abi.describe_tag(m) for m in others)
+        return (
+            f"sgl_kernel_sm120's kernels were built for another torch ({built_for}); this environment runs "
+            f"{here}. {BUILD_HINT}"
+        )
+    return f"sgl_kernel_sm120's kernels are not built (no {expected_module()} for {here}). {BUILD_HINT}"
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[object | None, str]:
     override = os.environ.get(LIBRARY_OVERRIDE_ENV)
-    try:
-        if override:
+    if override:
+        try:
             torch.ops.load_library(override)
-        else:
-            from . import _C  # noqa: F401  (registers torch.ops.sgl_kernel_sm120)
+        except (ImportError, OSError) as exc:
+            return None, f"loading {override} ({LIBRARY_OVERRIDE_ENV}) failed: {exc}"
+        return torch.ops.sgl_kernel_sm120, ""
+    name = expected_module()
+    try:
+        importlib.import_module(f"{__package__}.{name}")  # registers torch.ops.sgl_kernel_sm120
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.{name}":
+            return None, f"loading sgl_kernel_sm120.{name} failed: {exc}"
+        return None, missing_reason()
     except (ImportError, OSError) as exc:
-        return None, f"{BUILD_HINT} Loading {override or '_C'} failed with: {exc}"
+        return None, f"sgl_kernel_sm120.{name} exists but does not load: {exc}. {BUILD_HINT}"
     return torch.ops.sgl_kernel_sm120, ""
 
 
@@ -39,8 +83,13 @@ def kernels_available() -> bool:
     return _load()[0] is not None
 
 
+def unavailable_reason() -> str | None:
+    """None when the kernels load, else the one-paragraph reason (what is missing and how to build it)."""
+    return _load()[1] or None
+
+
 def ops():
-    """The torch ops namespace of the extension; raises KernelsNotBuiltError with the build command."""
+    """The torch ops namespace of the extension; raises KernelsNotBuiltError saying what is missing."""
     namespace, why = _load()
     if namespace is None:
         raise KernelsNotBuiltError(why)

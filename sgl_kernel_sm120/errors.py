@@ -2,7 +2,7 @@
 
 
 class KernelsNotBuiltError(ImportError):
-    """The compiled extension `sgl_kernel_sm120._C` is missing or failed to load."""
+    """The compiled extension for the running torch (`sgl_kernel_sm120._C_torch*`) is missing or failed to load."""
 
 
 class IpcAllReduceError(RuntimeError):

@@ -315,6 +315,13 @@ class IpcAllReduce:
         """Calls completed on this workspace, as counted on the device."""
         return int(_ext.ops().ws_sequence(self._handle))
 
+    def calls_completed(self) -> int:
+        """Calls completed on this workspace, counted on the device (CUDA-graph replays included), read without
+        synchronizing: safe from a monitoring thread while the serving stream runs. May lag calls in flight."""
+        if self._handle == 0:
+            raise IpcAllReduceError("IpcAllReduce is closed")
+        return int(_ext.ops().ws_calls_completed(self._handle))
+
     # ----------------------------------------------------------------------------------------------------
     def _resolve_variant(self, variant, inp: torch.Tensor) -> Variant:
         if variant is None:

@@ -78,3 +78,30 @@ def placement(groups: list[list[int]], rank: int) -> tuple[list[int], list[int],
             twins = [g[index] for g in groups]
             return list(members), twins, island, index
     raise ValueError(f"rank {rank} is in no island of {groups}")
+
+
+def schedule(max_bytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> list[tuple[int, int, Variant]]:
+    """The variant of every message size from 1 to `max_bytes` bytes, as (first byte count, last, variant)
+    ranges: what a log line or the doctor says about a workspace. Assumes, as choose_variant guarantees, that
+    each variant serves one contiguous range of sizes."""
+    ranges: list[tuple[int, int, Variant]] = []
+    low = 1
+    while low <= max_bytes:
+        variant = choose_variant(low, world_size, link, num_islands)
+        lo, hi = low, max_bytes
+        while lo < hi:  # largest size still served by `variant`
+            mid = (lo + hi + 1) // 2
+            if choose_variant(mid, world_size, link, num_islands) is variant:
+                lo = mid
+            else:
+                hi = mid - 1
+        ranges.append((low, lo, variant))
+        low = lo + 1
+    return ranges
+
+
+def describe_schedule(max_bytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> str:
+    """'ONESHOT up to 16384 B, ISLAND up to 458752 B' for the given workspace."""
+    return ", ".join(
+        f"{variant.name} up to {high} B" for _, high, variant in schedule(max_bytes, world_size, link, num_islands)
+    )

@@ -159,9 +159,37 @@ def test_missing_extension_raises_with_build_command(monkeypatch):
         _ext.ops()
 
 
+def test_library_for_another_torch_is_reported_as_that(tmp_path):
+    import importlib.machinery
+
+    from sgl_kernel_sm120 import _abi
+
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    other = _abi.extension_module("1.99.0+cu118", "11.8")
+    (tmp_path / (other + suffix)).write_bytes(b"")
+    reason = _ext.missing_reason(str(tmp_path))
+    assert "built for another torch (torch 1.99.0, CUDA 11.8)" in reason, reason
+    assert f"this environment runs torch {torch.__version__.split('+')[0]}" in reason, reason
+    assert "pip install --no-build-isolation -e" in reason, reason
+
+
+def test_no_library_at_all_is_reported_as_not_built(tmp_path):
+    reason = _ext.missing_reason(str(tmp_path))
+    assert "are not built" in reason and _ext.expected_module() in reason, reason
+
+
+def test_extension_name_carries_torch_and_cuda():
+    from sgl_kernel_sm120 import _abi
+
+    assert _abi.extension_module("2.14.1+cu130", "13.0") == "_C_torch2_14_1_cuda13_0"
+    assert _abi.extension_module("2.11.0", "13.0") != _abi.extension_module("2.14.1", "13.0")
+    assert _abi.describe_tag("_C_torch2_11_0_cuda13_0") == "torch 2.11.0, CUDA 13.0"
+
+
 def test_extension_registers_every_op():
     ops = _ext.ops()
-    for name in ("ws_create", "ws_open_peers", "ws_destroy", "all_reduce", "all_reduce_add_rmsnorm"):
+    for name in ("ws_create", "ws_open_peers", "ws_destroy", "ws_calls_completed", "all_reduce",
+                 "all_reduce_add_rmsnorm"):
         assert hasattr(ops, name), name
 
 

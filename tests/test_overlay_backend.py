@@ -4,6 +4,7 @@ threads sharing an in-memory c10d store; the kernel workspace is a fake."""
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import threading
 import types
@@ -232,3 +233,84 @@ def test_build_skipped_when_gate_disabled(fake_kernel_module):
     backend.decision = GateDecision(False, "no")
     assert not backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
     assert not FakeIpcAllReduce.instances
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "sglang_sm120"]
+
+
+def test_activation_is_one_warning_line_with_bound_schedule_and_islands(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    bound = ByteBound(8 * 4 * 7168 * 2, "max CUDA-graph batch 8 x 4 token(s) per request")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
+        enabled_backend(r, 2, store, "tp:line")))
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines  # rank 0 only, once
+    line = lines[0]
+    assert "sm120 IPC all-reduce ENABLED for TP group tp:line (2 ranks, mode auto)" in line, line
+    assert f"up to {bound.max_bytes} B" in line and f"ONESHOT up to {bound.max_bytes} B" in line, line
+    assert "32 tokens x 7168" in line and "islands none (flat)" in line and "link pcie" in line, line
+    assert "max CUDA-graph batch 8" in line, line
+    # the counter the server info reports: calls as the workspace counted them
+    backend = backends[0]
+    backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+    assert backend.describe()["device_calls"] == 1
+    backend.close()
+    assert backend.describe()["device_calls"] is None
+
+
+def test_disabled_gate_is_one_warning_line_with_the_reason(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((9, 0)))
+    run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:off").resolve_gate())
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines
+    assert "sm120 IPC all-reduce DISABLED for TP group tp:off (2 ranks, mode auto)" in lines[0], lines
+    assert "compute capability 12.0" in lines[0] and "SGLang's own all-reduce paths are used" in lines[0], lines
+
+
+def test_failed_build_is_one_disabled_warning_line(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:dtype-line")
+    assert not backend.build(7168, torch.float32, ByteBound(1 << 16, "t"))
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and "float32" in lines[0], lines
+
+
+def test_mode_off_is_one_disabled_warning_line(monkeypatch, caplog):
+    from sglang_sm120 import config, hooks_distributed
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
+    group = types.SimpleNamespace(unique_name="tp:0", world_size=2, rank_in_group=0, device=torch.device("cuda", 0))
+    assert hooks_distributed.attach(group) is None
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED for TP group tp:0 (2 ranks, mode off)" in lines[0], lines
+
+
+def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkeypatch):
+    from sglang_sm120 import hooks_distributed, hooks_server_info
+
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:info")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    for _ in range(3):
+        backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+    output = types.SimpleNamespace(internal_state={"last_gen_throughput": 1.0})
+    report = hooks_server_info.wrap_get_internal_state(lambda self, req: output)
+
+    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backend)
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backend)
+    state = report(object(), object()).internal_state
+    assert state["last_gen_throughput"] == 1.0
+    ours = state[hooks_server_info.STATE_KEY]
+    assert ours["active"] and ours["device_calls"] == 3 and ours["stats"]["sm120"] == 3, ours
+    import json
+
+    json.dumps(state)  # the server sends it as JSON
+
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: None)
+    state = report(object(), object()).internal_state
+    assert state[hooks_server_info.STATE_KEY]["active"] is False

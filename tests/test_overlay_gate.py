@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from sglang_sm120 import gate
 from sglang_sm120.gate import decide
 
 CAPS = {"sm120": (12, 0), "sm121": (12, 1), "hopper": (9, 0), "blackwell_dc": (10, 0)}
@@ -103,3 +104,15 @@ def test_every_enabled_decision_has_a_reason():
 def test_unknown_mode_raises():
     with pytest.raises(ValueError):
         decide("maybe", [(12, 0)] * 2, 2, 1, full_p2p(2), False)
+
+
+def test_geforce_without_p2p_is_told_so_not_iommu_advice():
+    no_p2p = [[True, False], [False, True]]
+    decision = gate.decide("auto", [(12, 0), (12, 0)], 2, 1, no_p2p, False,
+                           names=["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 5090"])
+    assert not decision.enabled
+    assert "GeForce" in decision.reason and "disables P2P" in decision.reason, decision.reason
+    assert "IOMMU" not in decision.reason and "RTX PRO 6000" in decision.reason, decision.reason
+    workstation = gate.decide("auto", [(12, 0), (12, 0)], 2, 1, no_p2p, False,
+                              names=["NVIDIA RTX PRO 6000 Blackwell Workstation Edition"] * 2)
+    assert not workstation.enabled and "IOMMU" in workstation.reason and "GeForce" not in workstation.reason

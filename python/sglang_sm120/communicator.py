@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from sgl_kernel_sm120.variants import describe_schedule
+
 from . import exchange
 from .config import ByteBound
 from .facts import group_facts, local_facts
@@ -32,6 +34,16 @@ from .topology import kernel_islands, probe
 logger = logging.getLogger("sglang_sm120")
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str) -> str:
+    """The one line (WARNING, rank 0) that says at server start whether the backend serves this TP group. It is
+    a warning on purpose: launchers show SGLang's INFO lines only once its logging is set up, and a user must be
+    able to see which all-reduce runs without raising the log level."""
+    state = "ENABLED" if enabled else "DISABLED"
+    tail = "" if enabled else "; SGLang's own all-reduce paths are used"
+    head = f"sglang_sm120: sm120 IPC all-reduce {state} for TP group {group} ({world_size} ranks, mode {mode})"
+    return f"{head}: {detail}{tail}"
 
 
 class Sm120Communicator:
@@ -143,22 +155,23 @@ class Sm120Communicator:
                 self.deterministic,
                 kernel_errors=gathered.kernel_errors,
                 modes=gathered.modes,
+                names=gathered.names,
             )
         except Exception as exc:
             decision = GateDecision(False, f"gate agreement failed, all-reduces stay on NCCL: {exc}")
             logger.warning("sglang_sm120 [%s rank %d]: %s", self.name, self.rank_in_group, decision.reason)
         self.decision = decision
         if decision.enabled:
+            # The ENABLED line waits for the workspace (built right before CUDA-graph capture): only then are the
+            # byte bound and the schedule known, and only then is the backend really serving.
             self._log_rank0(
                 logging.INFO,
-                "sglang_sm120 [%s, %d ranks, mode=%s]: sm120 IPC all-reduce ENABLED: %s "
-                "(workspace is built before CUDA-graph capture)",
-                self.name, self.world_size, self.mode, decision.reason,
+                "sglang_sm120 [%s, %d ranks, mode=%s]: gate passed (%s); the IPC workspace is built before "
+                "CUDA-graph capture", self.name, self.world_size, self.mode, decision.reason,
             )
         else:
             self._log_rank0(
-                logging.INFO, "sglang_sm120 [%s, %d ranks, mode=%s]: sm120 IPC all-reduce disabled: %s",
-                self.name, self.world_size, self.mode, decision.reason,
+                logging.WARNING, "%s", activation_line(False, self.name, self.world_size, self.mode, decision.reason)
             )
         return decision
 
@@ -235,19 +248,30 @@ class Sm120Communicator:
         self.max_bytes = max_numel * element_size
         self.max_fused_tokens = max_numel // int(hidden_size)
         self.bound_explanation = bound.explanation
-        self._log_rank0(
-            logging.INFO,
-            "sglang_sm120 [%s]: IPC workspace ready: all-reduces up to %d B (%s) -> sm120, larger -> NCCL; fused "
-            "all-reduce+add+RMSNorm up to %d tokens x %d; islands=%s link=%s",
-            self.name, self.max_bytes, bound.explanation, self.max_fused_tokens, self.hidden_size,
-            kernel_islands(self.islands, self.world_size) or "flat", self.link,
-        )
+        self._log_rank0(logging.WARNING, "%s", activation_line(True, self.name, self.world_size, self.mode,
+                                                                self.serving_summary()))
         return True
+
+    def serving_summary(self) -> str:
+        """What the built workspace serves, for the activation line: bound, schedule, fused bound, islands."""
+        comm = self.comm
+        link = getattr(comm, "link", self.link)
+        link = getattr(link, "value", link)
+        islands = getattr(comm, "islands", None)
+        schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
+        return (
+            f"all-reduces up to {self.max_bytes} B go to the sm120 kernels ({schedule}; fused all-reduce + "
+            f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}), larger ones to "
+            f"NCCL; islands {islands or 'none (flat)'}, link {link}; bound: {self.bound_explanation}; "
+            f"gate: {self.decision.reason if self.decision else '?'}"
+        )
 
     def _give_up(self, reason: str) -> bool:
         self.build_error = reason
         self.comm = None
-        logger.warning("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
+        # Every rank keeps its own view in its log; the user-facing verdict is one line, from rank 0.
+        logger.info("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
+        self._log_rank0(logging.WARNING, "%s", activation_line(False, self.name, self.world_size, self.mode, reason))
         return False
 
     # ------------------------------------------------------------------------------------------------------
@@ -285,6 +309,18 @@ class Sm120Communicator:
         if comm is not None:
             _close_quietly(comm, self.device)
 
+    def device_calls(self) -> int | None:
+        """Calls the kernels completed, counted on the GPU (CUDA-graph replays included; the Python-side `stats`
+        see a captured call once). None when there is no workspace or the read failed."""
+        comm = self.comm
+        if comm is None:
+            return None
+        try:
+            return int(comm.calls_completed())
+        except Exception as exc:
+            logger.debug("sglang_sm120: reading the device call counter failed: %s", exc)
+            return None
+
     def describe(self) -> dict[str, Any]:
         return {
             "group": self.name,
@@ -298,6 +334,7 @@ class Sm120Communicator:
             "islands": self.islands,
             "link": self.link,
             "stats": dict(self.stats),
+            "device_calls": self.device_calls(),
         }
 
 

@@ -25,40 +25,58 @@ AGREEMENT_TIMEOUT_ENV = "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S"
 MODES = ("auto", "on", "off")
 DEFAULT_MODE = "auto"
 DEFAULT_AGREEMENT_TIMEOUT_S = 60.0
+MAX_AGREEMENT_TIMEOUT_S = 3600.0
 
 # Names of the attributes stored on ServerArgs instances (and of the argparse destinations).
 MODE_ATTR = "sm120_allreduce"
 MAX_BYTES_ATTR = "sm120_allreduce_max_bytes"
 
 # The derived default is capped: past a few MiB NCCL's ring is as fast on PCIe and the IPC scratch
-# (allocated on every rank) would grow with the largest CUDA-graph batch. An explicit value is not capped.
+# (allocated on every rank) would grow with the largest CUDA-graph batch.
 DERIVED_MAX_BYTES_CAP = 8 << 20
+# An explicit bound is taken as given up to this cap: the scratch is about 2 x world x bound per GPU (1 GiB at
+# TP=8), and NCCL is as fast as the IPC kernel well below it (16 MB crossover measured on 2x H200). Below
+# MIN_MAX_BYTES not even one 16-byte vector fits.
+MAX_EXPLICIT_BYTES = 64 << 20
+MIN_MAX_BYTES = 16
 # Used when the server arguments name no CUDA-graph batch size at all (e.g. CUDA graphs disabled).
 FALLBACK_MAX_TOKENS = 64
+
+
+class SettingError(ValueError):
+    """A bad value of one of the overlay's flags or environment variables. Its text is one line that names the
+    flag or variable, the value, and what is allowed, so launchers can print it without a traceback."""
 
 
 def parse_mode(value: object, source: str) -> str:
     text = str(value).strip().lower()
     if text not in MODES:
-        raise ValueError(f"{source}={value!r} is not a valid sm120 all-reduce mode; use one of {', '.join(MODES)}")
+        raise SettingError(f"{source}={value!r} is not a valid mode; allowed: {', '.join(MODES)}")
     return text
 
 
 def parse_max_bytes(value: object, source: str) -> int | None:
-    """A positive byte count, or None for "derive it". Accepts plain integers (also as strings)."""
+    """A byte count in [MIN_MAX_BYTES, MAX_EXPLICIT_BYTES], or None for "derive it" (None, "", "auto")."""
+    allowed = (
+        f"allowed: an integer byte count from {MIN_MAX_BYTES} to {MAX_EXPLICIT_BYTES} ({MAX_EXPLICIT_BYTES >> 20} MiB; "
+        "the IPC scratch on every GPU is about 2 x TP size x this bound), or 'auto' to derive it"
+    )
     if value is None:
         return None
+    number = value
     if isinstance(value, str):
         text = value.strip()
-        if text == "" or text.lower() in ("auto", "none"):
+        if text == "" or text.lower() == "auto":
             return None
         try:
-            value = int(text, 0)
-        except ValueError as exc:
-            raise ValueError(f"{source}={value!r} is not an integer byte count") from exc
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}={value!r} must be a positive integer byte count")
-    return value
+            number = int(text, 0)
+        except ValueError:
+            raise SettingError(f"{source}={value!r} is not an integer; {allowed}") from None
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise SettingError(f"{source}={value!r} is not an integer; {allowed}")
+    if not MIN_MAX_BYTES <= number <= MAX_EXPLICIT_BYTES:
+        raise SettingError(f"{source}={value!r} is out of range; {allowed}")
+    return number
 
 
 def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
@@ -77,10 +95,35 @@ def agreement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     raw = environ.get(AGREEMENT_TIMEOUT_ENV)
     if raw in (None, ""):
         return DEFAULT_AGREEMENT_TIMEOUT_S
-    value = float(raw)
-    if value <= 0:
-        raise ValueError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} must be positive")
+    allowed = f"allowed: seconds, a number above 0 and at most {MAX_AGREEMENT_TIMEOUT_S:.0f}"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is not a number; {allowed}") from None
+    if not 0 < value <= MAX_AGREEMENT_TIMEOUT_S:  # also rejects nan
+        raise SettingError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is out of range; {allowed}")
     return value
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every SGLANG_SM120_* variable now, raising SettingError for the first bad one. Called before
+    SGLang's own setup (argument parsing, ServerArgs construction), so a typo stops the launch at once."""
+    mode_from_env(environ)
+    max_bytes_from_env(environ)
+    agreement_timeout_s(environ)
+
+
+def _cli_type(parse, flag: str):
+    """An argparse `type` whose error message is ours (argparse would say "invalid <lambda> value")."""
+
+    def convert(text: str):
+        try:
+            return parse(text, flag)
+        except SettingError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = flag.lstrip("-").replace("-", "_")
+    return convert
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +134,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sm120-allreduce",
         dest=MODE_ATTR,
-        type=str.lower,
+        type=_cli_type(parse_mode, "--sm120-allreduce"),
         choices=MODES,
         default=None,
         help=(
@@ -105,13 +148,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sm120-allreduce-max-bytes",
         dest=MAX_BYTES_ATTR,
-        type=lambda text: parse_max_bytes(text, "--sm120-allreduce-max-bytes"),
+        type=_cli_type(parse_max_bytes, "--sm120-allreduce-max-bytes"),
         default=None,
         metavar="N",
         help=(
             "Largest all-reduce (in bytes) sent to the sm120 kernel; larger ones stay on NCCL. Default: the "
             "largest captured decode/verify batch x speculative draft tokens x hidden size x element size "
-            f"(capped at {DERIVED_MAX_BYTES_CAP} bytes). Environment equivalent: {MAX_BYTES_ENV}."
+            f"(capped at {DERIVED_MAX_BYTES_CAP} bytes); an explicit value may be {MIN_MAX_BYTES} to "
+            f"{MAX_EXPLICIT_BYTES}, or 'auto'. Environment equivalent: {MAX_BYTES_ENV}."
         ),
     )
 

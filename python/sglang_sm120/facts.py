@@ -43,14 +43,11 @@ def kernel_error() -> str | None:
     try:
         if sgl_kernel_sm120.kernels_available():
             return None
-    except Exception as exc:
-        return f"sgl_kernel_sm120.kernels_available() raised {type(exc).__name__}: {exc}"
-    try:
-        from sgl_kernel_sm120._ext import _load
+        from sgl_kernel_sm120._ext import unavailable_reason
 
-        return _load()[1] or "compiled kernels not available"
-    except Exception:
-        return "compiled kernels not available (sgl_kernel_sm120._C missing)"
+        return unavailable_reason() or "compiled kernels not available"
+    except Exception as exc:
+        return f"checking sgl_kernel_sm120's kernels raised {type(exc).__name__}: {exc}"
 
 
 def p2p_row(device_index: int) -> dict[str, bool]:
@@ -79,6 +76,7 @@ def local_facts(device, mode: str) -> dict[str, Any]:
         "node": node_identity(),
         "capability": None,
         "uuid": None,
+        "name": None,
         "p2p": None,
         "kernel_error": None,
     }
@@ -90,6 +88,7 @@ def local_facts(device, mode: str) -> dict[str, Any]:
             props = torch.cuda.get_device_properties(index)
             facts["capability"] = [int(props.major), int(props.minor)]
             facts["uuid"] = gpu_uuid(props)
+            facts["name"] = str(props.name)
             if mode == "on" or facts["capability"] == [12, 0]:
                 facts["p2p"] = p2p_row(index)
                 facts["kernel_error"] = kernel_error()
@@ -107,6 +106,7 @@ class GroupFacts:
     p2p: list[list[bool]] | None
     kernel_errors: list[str | None]
     uuids: list[str | None]
+    names: list[str | None]
 
 
 def group_facts(all_facts: list[dict[str, Any]]) -> GroupFacts:
@@ -126,4 +126,5 @@ def group_facts(all_facts: list[dict[str, Any]]) -> GroupFacts:
         p2p=p2p,
         kernel_errors=[f.get("kernel_error") for f in all_facts],
         uuids=uuids,
+        names=[f.get("name") for f in all_facts],
     )

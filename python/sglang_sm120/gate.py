@@ -21,6 +21,11 @@ class GateDecision:
     reason: str
 
 
+def is_geforce(name: str) -> bool:
+    """GeForce cards (RTX 5090, 5080, ...) report "GeForce" in their name; their driver refuses CUDA P2P."""
+    return "geforce" in name.lower()
+
+
 def _fmt_cap(cap: Capability) -> str:
     return "no CUDA device" if cap is None else f"{cap[0]}.{cap[1]}"
 
@@ -41,6 +46,7 @@ def decide(
     deterministic: bool,
     kernel_errors: Sequence[str | None] | None = None,
     modes: Sequence[str] | None = None,
+    names: Sequence[str | None] | None = None,
 ) -> GateDecision:
     """Should the TP group use the sm120 IPC backend?
 
@@ -48,6 +54,7 @@ def decide(
     capabilities: (major, minor) per rank, None for a rank without a CUDA device.
     nnodes: distinct nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's GPU (None: unprobed).
     kernel_errors: per rank, None when sgl_kernel_sm120's kernels load there, else why not.
+    names: per rank, the GPU's marketing name (None: unknown); only used to explain a missing P2P.
 
     "auto": every GPU exactly 12.0, world 2/4/8, one node, P2P between every pair, deterministic off.
     "on": any CUDA GPU; still needs world 2/4/8, one node and working P2P, which the kernel cannot do without.
@@ -88,6 +95,15 @@ def decide(
     ]
     if missing:
         shown = ", ".join(f"{i}->{j}" for i, j in missing[:12]) + (" ..." if len(missing) > 12 else "")
+        geforce = sorted({n for n in (names or []) if n and is_geforce(n)})
+        if geforce:
+            return GateDecision(
+                False,
+                f"CUDA P2P access is missing between ranks {shown}: {', '.join(geforce)} is a GeForce card, and "
+                "the NVIDIA driver disables P2P on GeForce cards by policy (no BIOS or kernel setting changes "
+                "that); the IPC kernels need P2P, so only workstation/datacenter cards such as the RTX PRO 6000 "
+                "Blackwell are supported",
+            )
         return GateDecision(
             False,
             f"CUDA P2P access is missing between ranks {shown} (check IOMMU/ACS settings; "

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from . import config
-from .communicator import Sm120Communicator
+from .communicator import Sm120Communicator, activation_line
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -60,7 +60,8 @@ def attach(group) -> Sm120Communicator | None:
     settings = config.settings_from_server_args(server_args)
     if settings.mode == "off":
         if group.rank_in_group == 0:
-            logger.info("sglang_sm120 [%s]: mode off; SGLang's all-reduce paths unchanged", group.unique_name)
+            logger.warning("%s", activation_line(False, group.unique_name, group.world_size, "off",
+                                                 "mode off (--sm120-allreduce / SGLANG_SM120_ALLREDUCE)"))
         return None
     comm = Sm120Communicator.for_group(
         group,

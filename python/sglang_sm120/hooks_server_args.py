@@ -1,9 +1,12 @@
 """Replacements for ServerArgs seams: the two flags, and how their values reach every process.
 
 - `add_cli_args` (staticmethod): adds the flags, so they show in `--help`.
-- `from_cli_args` (classmethod): copies the parsed values onto the instance and into the environment.
-- `__post_init__`: fills the values from the environment when the instance did not come from argparse
-  (`sglang.Engine(**kwargs)`), and keeps FlashInfer's TRT-LLM all-reduce fusion off on SM120.
+- `from_cli_args` (classmethod): checks the SGLANG_SM120_* environment before SGLang builds anything (a bad
+  value ends the launch with one line naming it, like argparse's own errors), then copies the parsed values
+  onto the instance and into the environment.
+- `__post_init__`: checks the environment first for the same reason, then fills the values from it when the
+  instance did not come from argparse (`sglang.Engine(**kwargs)`: a bad value raises `config.SettingError`
+  there), and keeps FlashInfer's TRT-LLM all-reduce fusion off on SM120.
 
 Instance attributes of the ServerArgs dataclass survive the pickling that hands it to scheduler processes;
 the environment copy covers code that rebuilds ServerArgs from its fields (dataclasses.replace/asdict).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 
 from . import config
 
@@ -68,11 +72,22 @@ def wrap_add_cli_args(original):
     return staticmethod(add_cli_args)
 
 
+def exit_on_setting_error(check) -> None:
+    """Run `check`; on a SettingError end the command-line launch with its one-line message (exit code 2, as
+    argparse does for a bad flag) instead of a traceback from deep inside SGLang's setup."""
+    try:
+        check()
+    except config.SettingError as exc:
+        print(f"error: sglang_sm120: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def wrap_from_cli_args(original):
     func = original.__func__ if isinstance(original, classmethod) else original
 
     @functools.wraps(func)
     def from_cli_args(cls, args):
+        exit_on_setting_error(config.check_environment)
         server_args = func(cls, args)
         mode = getattr(args, config.MODE_ATTR, None)
         max_bytes = getattr(args, config.MAX_BYTES_ATTR, None)
@@ -91,8 +106,9 @@ def wrap_from_cli_args(original):
 def wrap_post_init(original):
     @functools.wraps(original)
     def __post_init__(self):
+        # Before SGLang's own checks (which need a GPU and take time): a typo in a variable raises at once.
+        config.check_environment()
         original(self)
-        # Invalid environment values raise here, at ServerArgs construction, with the variable's name.
         if getattr(self, config.MODE_ATTR, None) is None:
             setattr(self, config.MODE_ATTR, config.mode_from_env())
         if getattr(self, config.MAX_BYTES_ATTR, None) is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from .. import hooks_distributed as dist_hooks
 from .. import hooks_fusion as fusion_hooks
 from .. import hooks_server_args as args_hooks
+from .. import hooks_server_info as info_hooks
 from .base import Seam
 
 SGLANG_VERSION = "0.5.13.post1"
@@ -80,5 +81,10 @@ SEAMS = [
         "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM.set_dflash_layers_to_capture",
         fusion_hooks.wrap_set_layers_to_capture,
         "same hazard for DFLASH aux captures",
+    ),
+    Seam(
+        "sglang.srt.managers.scheduler:Scheduler.get_internal_state",
+        info_hooks.wrap_get_internal_state,
+        "adds the backend's state and device-side call counters to /get_server_info",
     ),
 ]
