@@ -477,8 +477,9 @@ class Bench:
                 continue
             labels = common.iter_unique(r["label"] for r in rs)
             keys = common.iter_unique((r["rows"], r["bytes"]) for r in rs)
-            print(f"\n== {op}  (us per call, median of slowest rank; (x) = time / {base}'s, >1 means ours is faster)")
-            print(f"{'shape':<16}{'bytes':>9} " + "".join(f"{lb[:22]:>24}" for lb in labels))
+            common.table_print(f"\n== {op}  (us per call, median of slowest rank; (x) = time / {base}'s, "
+                               ">1 means ours is faster)")
+            common.table_print(f"{'shape':<16}{'bytes':>9} " + "".join(f"{lb[:22]:>24}" for lb in labels))
             for rows, nb in keys:
                 cells = {r["label"]: r for r in rs if r["rows"] == rows and r["bytes"] == nb}
                 ours = cells.get(base, {}).get("median_us")
@@ -492,17 +493,17 @@ class Bench:
                     else:
                         rt = common.ratio(c["median_us"], ours)
                         line += f"{c['median_us']:>15.2f}" + (f" ({rt:5.2f}x)" if rt else " " * 9)
-                print(line)
-        print(f"\ncrossover_bytes (ours <= NCCL at every size up to here): {doc['crossover_bytes']}")
+                common.table_print(line)
+        common.table_print(f"\ncrossover_bytes (ours <= NCCL at every size up to here): {doc['crossover_bytes']}")
         if doc["skipped"]:
-            print("skipped:")
+            common.table_print("skipped:")
             grouped: dict = {}
             for s in doc["skipped"]:
                 grouped.setdefault((s.get("label", s["impl"]), s.get("op"), s["reason"]), []).append(s.get("bytes"))
             for (label, op, reason), sizes in grouped.items():
                 where = f" [{op}; {len(sizes)} shape(s)]" if op else ""
-                print(f"  {label}{where}: {reason}")
-        print(f"wrote {self.out_json}")
+                common.table_print(f"  {label}{where}: {reason}")
+        common.table_print(f"wrote {self.out_json}")
 
     def plot(self) -> None:
         doc = self.doc()

@@ -786,12 +786,12 @@ class Bench:
             if not rs:
                 continue
             backends = common.iter_unique(r["backend"] for r in rs)
-            print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}: one verify forward "
+            common.table_print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}: one verify forward "
                   f"({pat['n_allreduce']} all-reduces; sm120 fuses {pat['n_fused']}); us, median of slowest rank")
             hdr = f"{'T':>4} {'bytes/AR':>9} " + "".join(f"{b + ' step':>16}" for b in backends)
             hdr += "".join(f"{b + ' comm':>16}" for b in backends if b != "none")
             hdr += f"{'speed-up':>10}{'comm x':>8}"
-            print(hdr)
+            common.table_print(hdr)
             for T in sorted({r["tokens"] for r in rs}):
                 cells = {r["backend"]: r for r in rs if r["tokens"] == T}
                 line = f"{T:>4} {common.format_bytes(T * self.cfg.bytes_per_token):>9} "
@@ -806,24 +806,26 @@ class Bench:
                 cr = common.ratio(n["comm_us"], s["comm_us"]) if n and s and n["comm_us"] and s["comm_us"] else None
                 line += f"{sp:>9.2f}x" if sp else f"{'-':>10}"
                 line += f"{cr:>7.2f}x" if cr else f"{'-':>8}"
-                print(line)
+                common.table_print(line)
         bad = [c for c in doc["checks"] if not c["ok"]]
         worst = [(c["backend"], c["compute"], c["tokens"]) for c in bad]
-        print(f"\nfinal hidden states vs NCCL: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} within "
+        common.table_print(f"\nfinal hidden states vs NCCL: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} "
+                           "within "
               f"rms(diff) <= {FINAL_REL_TOL:g} x rms" + (f"; OUT OF TOLERANCE: {worst}" if bad else ""))
         nonbit = [(r["backend"], r["compute"], r["tokens"]) for r in doc["results"]
                   if r["bitwise_across_ranks"] is False]
-        print("bitwise identical across ranks: " + ("all" if not nonbit else f"NOT for {nonbit}"))
+        common.table_print("bitwise identical across ranks: " + ("all" if not nonbit else f"NOT for {nonbit}"))
         for e in doc["e2e_estimate"]:
-            print(f"ESTIMATE (not measured): T={e['tokens']}, compute {e['compute_ms']:g} ms + measured comm: "
+            common.table_print(f"ESTIMATE (not measured): T={e['tokens']}, compute {e['compute_ms']:g} ms + "
+                               "measured comm: "
                   f"step {e['step_ms_nccl']:.2f} -> {e['step_ms_ours']:.2f} ms ({e['step_speedup']:.2f}x); "
                   f"accept_len {e['accept_len']:.2f} ({e['accept_len_source']}): {e['tok_s_nccl']:.1f} -> "
                   f"{e['tok_s_ours']:.1f} tok/s (no speculation: {e['tok_s_nospec']:g} tok/s)")
         if doc["skipped"]:
-            print("skipped:")
+            common.table_print("skipped:")
             for s in doc["skipped"]:
-                print(f"  {s['impl']}: {s['reason']}")
-        print(f"wrote {self.out_json}")
+                common.table_print(f"  {s['impl']}: {s['reason']}")
+        common.table_print(f"wrote {self.out_json}")
 
     def plot(self) -> None:
         doc = self.doc()

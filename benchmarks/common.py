@@ -625,6 +625,16 @@ def nccl_version() -> str | None:
         return None
 
 
+# Prefix of every line the benchmarks print in their result tables. Empty on GPUs; cpu_smoke.py sets it so that
+# no line of a CPU control-flow run, copied out of context, reads like a measurement.
+TABLE_TAG = ""
+
+
+def table_print(text: str = "") -> None:
+    for line in text.split("\n"):
+        print(f"{TABLE_TAG}{line}" if line.strip() else line)
+
+
 def hardware_info(d: Dist | None = None) -> dict:
     import torch
 

@@ -156,6 +156,7 @@ def install_fakes() -> None:
                 "cuda": None, "torch": torch.__version__, "nccl": None, "world_size": d.world_size if d else 1,
                 "versions": {}, "env": {}, "note": "benchmarks/cpu_smoke.py: control-flow test, numbers meaningless"}
 
+    common.TABLE_TAG = "[CPU smoke, fake numbers] "
     common.require_multi_gpu = lambda *a, **k: None
     common.init_distributed = fake_init_distributed
     common.capture_graph = fake_capture_graph

@@ -19,6 +19,17 @@ def _run(which, argv, timeout_s=240):
     return logs
 
 
+def assert_every_table_line_says_cpu_smoke(logs):
+    # A row of numbers copied out of a CPU run must still say it is fake: rows start with a shape or a T value.
+    import re
+
+    rows = [line for line in logs.splitlines() if re.search(r"\d+\.\d\d", line)]
+    table = [line for line in rows if re.match(r"^(\[CPU smoke, fake numbers\] )?\s*(\[\d+, \d+\]|flat|\d+ )", line)]
+    assert table, logs
+    untagged = [line for line in table if not line.startswith("[CPU smoke, fake numbers] ")]
+    assert not untagged, untagged
+
+
 def test_allreduce_smoke(tmp_path):
     # sglang_car_v2 is left out: on a CPU machine with nvcc its JIT build alone takes ~20 s before it fails.
     logs = _run("allreduce", ["--out", str(tmp_path), "--sizes", "1K,64K", "--rows", "1,3", "--iters", "3",
@@ -39,13 +50,14 @@ def test_allreduce_smoke(tmp_path):
     assert any(s.get("label") == "sm120[ISLAND]" and "island" in s["reason"].lower() for s in doc["skipped"])
     assert doc["crossover_bytes"] in (None, 1024, 65536)
     assert files[0].with_suffix(".png").is_file()
+    assert_every_table_line_says_cpu_smoke(logs)
 
 
 def test_verify_smoke_and_merge(tmp_path):
     base = ["--out", str(tmp_path), "--config", "tiny_test", "--tokens", "1,3", "--iters", "2", "--warmup", "1",
             "--e2e-tokens", "3"]
-    _run("verify", base + ["--compute", "none"])
-    _run("verify", base + ["--compute", "gemm", "--no-plot"])  # merges into the same file
+    logs = _run("verify", base + ["--compute", "none"])
+    logs += _run("verify", base + ["--compute", "gemm", "--no-plot"])  # merges into the same file
     files = list(tmp_path.glob("verify_*_tp2.json"))
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
@@ -67,3 +79,4 @@ def test_verify_smoke_and_merge(tmp_path):
     est = doc["e2e_estimate"]
     assert [e["compute_ms"] for e in est] == [5.0, 8.0] and all(e["tokens"] == 3 for e in est)
     assert all("ESTIMATE" in e["label"] for e in est)
+    assert_every_table_line_says_cpu_smoke(logs)

@@ -233,19 +233,26 @@ def _int_tensor(shape, seed: int):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.doctor", description=__doc__)
-    parser.add_argument("--mode", choices=("auto", "on"), default=None,
-                        help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
+    parser.add_argument("--mode", type=config._cli_type(config.parse_mode, "--mode"), choices=config.MODES,
+                        default=None, help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
     parser.add_argument("--hidden", type=int, default=7168, help="hidden size for the dispatch table (Kimi-K2.5: 7168)")
     parser.add_argument("--max-bs", type=int, default=32, help="largest CUDA-graph batch assumed for the bound")
     parser.add_argument("--draft-tokens", type=int, default=4, help="EAGLE draft tokens assumed for the bound")
-    parser.add_argument("--max-bytes", type=int, default=None, help="explicit bound (overrides the derived one)")
+    parser.add_argument("--max-bytes", type=config._cli_type(config.parse_max_bytes, "--max-bytes"), default=None,
+                        help="explicit bound (overrides the derived one)")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
     parser.add_argument("--self-test-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    mode = args.mode or config.mode_from_env()
-    if mode == "off":
-        mode = "auto"
     problems: list[str] = []
+    try:
+        # A bad SGLANG_SM120_* value would stop the server at launch: report it the same way, without a traceback.
+        config.check_environment()
+    except config.SettingError as exc:
+        print(f"setting error: {exc}")
+        return _finish([str(exc)])
+    mode = args.mode or config.mode_from_env()
+    mode_source = "--mode" if args.mode else (f"${config.MODE_ENV}" if os.environ.get(config.MODE_ENV) else "default")
+    print(f"mode: {mode} (from {mode_source})")
 
     report_versions()
     section("GPUs")
@@ -305,19 +312,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     section(f"gate (mode={mode})")
     kernels = kernel_error()
     usable_world = None
+    # With mode off the server would not use the backend at all; still say what `auto` would do on this box.
+    evaluated = "auto" if mode == "off" else mode
+    if mode == "off":
+        print("mode off: the overlay leaves SGLang untouched on every TP size; with mode auto it would be:")
+        problems.append(f"mode off (from {mode_source}): the sm120 backend is switched off")
     for world in SUPPORTED_WORLD_SIZES:
         if world > count:
             continue
         sub = [row[:world] for row in matrix[:world]]
-        decision = decide(mode, [g["capability"] for g in found[:world]], world, 1, sub, False,
-                          kernel_errors=[kernels] * world)
-        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'disabled'}: {decision.reason}")
+        decision = decide(evaluated, [g["capability"] for g in found[:world]], world, 1, sub, False,
+                          kernel_errors=[kernels] * world, names=[g["name"] for g in found[:world]])
+        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'DISABLED'}: {decision.reason}")
         if decision.enabled:
             usable_world = world
         elif world == max(w for w in SUPPORTED_WORLD_SIZES if w <= count):
             problems.append(f"TP={world}: {decision.reason}")
     if count < 2:
         problems.append("fewer than 2 GPUs: nothing to all-reduce across")
+    if mode == "off":
+        usable_world = None
 
     if usable_world is not None and not args.no_self_test:
         section(f"self-test over {usable_world} GPUs")
