@@ -3,11 +3,13 @@
 #   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
 #   stages: build kernel bench verify oversubscribed negative overlay probe
 #   (default: all but probe, in that order: the benchmarks come before the slow correctness-only tests)
-# Builds sgl_kernel_sm120._C for TORCH_CUDA_ARCH_LIST (default 9.0a), runs the GPU tests and the benchmarks.
+# Builds the kernels (sgl_kernel_sm120/_C_torch<ver>_cuda<ver>*.so, in place) for TORCH_CUDA_ARCH_LIST, by
+# default the architectures of the visible GPUs only (9.0a on the H200s, 12.0a on an RTX PRO 6000 box), then runs
+# the GPU tests and the benchmarks.
 # Logs, junit XML, JSON and plots go to $WORK (default /tmp/gpu-suite); after every step $OUT receives an
 # up-to-date gpu-suite.tar.gz of it, the result JSON/PNG files, and summary.log (the device tool brings back
 # at most 8 files, and whatever is in $OUT when a command is cut off).
-# Wheels for SGLang's CPU-side stack (../shared/tools/fetch_sglang_gpu_wheels.sh) are taken from ./.whl when
+# Wheels for SGLang's CPU-side stack (see the project's shared tools) are taken from ./.whl when
 # present and installed into a scratch folder put first on PYTHONPATH; nothing is fetched from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,10 +17,17 @@ OUT=${OUT:-$PWD/gpu-out}
 WORK=${WORK:-/tmp/gpu-suite}
 mkdir -p "$OUT" "$WORK/logs" "$WORK/results"
 stages=${*:-build kernel bench verify oversubscribed negative overlay}
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+PY=${PY:-python3}
+visible_archs() {  # "9.0a" / "12.0a" / "9.0a;12.0a": one entry per distinct capability of the visible GPUs
+  $PY -c "import torch; print(';'.join(sorted({'%d.%d' % c + ('a' if c[0] >= 9 else '') for c in
+          (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))})))"
+}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(visible_archs)}
+[ -n "$TORCH_CUDA_ARCH_LIST" ] || { echo "no visible CUDA GPU: set TORCH_CUDA_ARCH_LIST"; exit 1; }
+echo ">>> building for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PY:-python3}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 status=0
 publish() {

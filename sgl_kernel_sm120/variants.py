@@ -23,9 +23,9 @@ class Link(str, enum.Enum):
 
 # Seeds. At 2 ranks one-shot beat two-shot at every size measured on 2x H200
 # (benchmarks/results/allreduce_h200_tp2.json). The 4- and 8-rank bounds are unmeasured starting points: the
-# NVLink one from the one-shot's (W-1)x traffic, the PCIe ones from the PCIe anchors in shared/notes
+# NVLink one from the one-shot's (W-1)x traffic, the PCIe ones from published PCIe Gen5 P2P figures
 # (all-to-all posted writes collapse on root complexes past a few tens of KB, so larger messages move to the
-# staged schedules). Issue 6's run is where they get measured.
+# staged schedules). They wait for a run on a PCIe box to be measured.
 NVLINK_ONESHOT_MAX_BYTES = 512 * 1024
 PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
 

@@ -206,3 +206,14 @@ def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
         monkeypatch.delenv(_ext.LIBRARY_OVERRIDE_ENV)
         _ext._load.cache_clear()
     assert k.kernels_available()
+
+
+def test_schedule_describes_every_size_once():
+    from sgl_kernel_sm120.variants import PCIE_ONESHOT_MAX_BYTES, Variant, describe_schedule, schedule
+
+    ranges = schedule(458752, 8, "pcie", num_islands=2)
+    assert ranges == [(1, PCIE_ONESHOT_MAX_BYTES[8], Variant.ONESHOT),
+                      (PCIE_ONESHOT_MAX_BYTES[8] + 1, 458752, Variant.ISLAND)]
+    assert schedule(1 << 20, 2, "pcie") == [(1, 1 << 20, Variant.ONESHOT)]
+    expected = f"ONESHOT up to {PCIE_ONESHOT_MAX_BYTES[8]} B, TWOSHOT up to 458752 B"
+    assert describe_schedule(458752, 8, "pcie", 1) == expected
