@@ -120,9 +120,9 @@ class Sm120(Impl):
                 if numel != max_numel:
                     self.retry_note = f"built with max_numel={numel} after: {first_error}"
                 return
-            if self.ar is not None:
+            if self.ar is not None:  # peers may not hold one: no collective close
                 with contextlib.suppress(Exception):
-                    self.ar.close()
+                    self.ar.close(collective=False)
             self.ar = None
             if numel == max_numel:
                 first_error = why

@@ -69,7 +69,7 @@ struct OneShotSlots {
       pending |= p != ws.rank && half_pack_has_empty(v[p]);
     }
     if (pending) {
-      const unsigned long long start = global_timer_ns();
+      const long long start = static_cast<long long>(global_timer_ns());
       unsigned int spins = 0;
       while (pending) {
         pending = false;
@@ -84,11 +84,7 @@ struct OneShotSlots {
             }
           }
         }
-        if (pending && (++spins & 255u) == 0u) {
-          const unsigned long long waited = global_timer_ns() - start;
-          if (waited > static_cast<unsigned long long>(ws.timeout_ns))
-            report_timeout_and_trap(ws, missing, kPhaseOneShot, seq, waited);
-        }
+        if (pending && (++spins & 255u) == 0u) check_wait_bounds(ws, start, missing, kPhaseOneShot, seq);
       }
     }
 #ifndef SGL_SM120_DEBUG_NO_CLEAR

@@ -41,7 +41,7 @@ struct Workspace {
   long long slab_bytes = 0;
   char* local = nullptr;
   bool peer_opened[kMaxWorld] = {};
-  ErrorRecord* error_host = nullptr;
+  HostRecords* host_records = nullptr;  // host-mapped: the timeout record (I7) and the slow-wait report (I9)
   WorkspaceView view{};
 };
 
@@ -51,6 +51,7 @@ struct WorkspaceConfig {
   int world;
   long long max_numel;  // elements of 2 bytes
   long long timeout_ns;
+  long long warn_ns;
   Topology flat;
   Topology islands;  // num_islands == 0: none
 };
@@ -59,6 +60,10 @@ struct WorkspaceConfig {
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out);
 std::string workspace_ipc_handle(const Workspace* ws, cudaIpcMemHandle_t* handle);
 std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handles);
+// Unmaps the peers' slabs (idempotent). Close protocol: every rank closes its imports, the group confirms it
+// (a barrier on the host), and only then does each rank free its own slab, so no rank frees memory that a
+// peer still maps (freeing an exported allocation that is still imported elsewhere is undefined in CUDA).
+std::string workspace_close_peers(Workspace* ws);
 std::string workspace_destroy(Workspace* ws);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);

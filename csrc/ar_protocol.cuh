@@ -28,6 +28,10 @@
 //      gets a CUDA error rather than a hang and the Python side can name the peer that never arrived.
 //  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
 //      a launch are co-resident (grid <= SM count), so no CTA waits on a peer CTA that cannot be scheduled.
+//  I9  A late peer is not a dead one: a wait longer than warn_ns (seconds) is reported once per call, without
+//      trapping, in host-mapped memory (rank, peer, phase, seq, time waited), and the host logs it; only
+//      timeout_ns (minutes by default) ends in I7. Times are signed differences of %globaltimer, so a timer
+//      that steps backwards reads as no wait rather than as an instant timeout.
 #pragma once
 
 #include <cstdint>
@@ -110,23 +114,48 @@ __device__ __noinline__ void report_timeout_and_trap(const WorkspaceView& ws, in
   __trap();
 }
 
-// Spin until the pack at `addr` (local scratch written by `peer`) is ready (I3), bounded by I7.
+// I9: report that this call has waited `waited` ns for `peer`, once per call across all threads of the rank.
+// Every thread past warn_ns comes here every 256 polls (keeping a per-thread "reported" flag would cost a
+// register in every spin loop, fused kernels included); the plain read keeps the atomic off that slow path.
+__device__ __forceinline__ void report_slow_wait(const WorkspaceView& ws, int peer, int phase, unsigned long long seq,
+                                              long long waited) {
+  if (*reinterpret_cast<volatile unsigned long long*>(&ws.ctrl->slow_reported) >= seq + 1ull) return;
+  if (atomicMax(&ws.ctrl->slow_reported, seq + 1ull) < seq + 1ull) {
+    volatile SlowRecord* rec = ws.slow;
+    rec->rank = ws.rank;
+    rec->peer = peer;
+    rec->phase = phase;
+    rec->waited_ns = waited;
+    __threadfence_system();
+    rec->call_plus_one = static_cast<long long>(seq + 1ull);
+    __threadfence_system();
+  }
+}
+
+// Called every 256 polls of a spin-wait that started at `start`: I9 (report once per call, go on), then I7 (trap).
+__device__ __forceinline__ void check_wait_bounds(const WorkspaceView& ws, long long start, int peer, int phase,
+                                                  unsigned long long seq) {
+  const long long waited = static_cast<long long>(global_timer_ns()) - start;
+  if (waited > ws.warn_ns) {
+    if (waited > ws.timeout_ns) report_timeout_and_trap(ws, peer, phase, seq, static_cast<unsigned long long>(waited));
+    report_slow_wait(ws, peer, phase, seq, waited);
+  }
+}
+
+// Spin until the pack at `addr` (local scratch written by `peer`) is ready (I3), bounded by I7, reported by I9.
 template <bool kWordPack>
 __device__ __forceinline__ uint4 wait_for_pack(const WorkspaceView& ws, const void* addr, int peer, int phase,
                                                unsigned long long seq) {
   uint4 v = load_volatile(addr);
   bool empty = kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
   if (!empty) return v;
-  const unsigned long long start = global_timer_ns();
+  const long long start = static_cast<long long>(global_timer_ns());
   unsigned int spins = 0;
   while (true) {
     v = load_volatile(addr);
     empty = kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
     if (!empty) return v;
-    if ((++spins & 255u) == 0u) {
-      const unsigned long long waited = global_timer_ns() - start;
-      if (waited > static_cast<unsigned long long>(ws.timeout_ns)) report_timeout_and_trap(ws, peer, phase, seq, waited);
-    }
+    if ((++spins & 255u) == 0u) check_wait_bounds(ws, start, peer, phase, seq);
   }
 }
 

@@ -23,6 +23,7 @@ constexpr int kMaxCounters = 256;  // >= SM count of every supported GPU; the gr
 struct Ctrl {
   unsigned long long seq[kMaxCounters];  // number of calls completed on this workspace (I5)
   unsigned int report_claim;              // first timed-out thread claims the report (I7)
+  unsigned long long slow_reported;       // seq + 1 of the latest call reported slow (I9), atomicMax'ed
 };
 static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 
@@ -34,6 +35,25 @@ struct ErrorRecord {
   int phase;
   long long seq;
   long long waited_ns;
+};
+
+// Host-mapped report of a slow wait (I9), which is not an error: a peer may be late (lazy compilation in its
+// first forward) without being dead. The first thread of a call to wait longer than warn_ns writes the fields,
+// then `call_plus_one` last behind a system fence, so a reader that sees the same call_plus_one before and
+// after reading the fields has read one report whole.
+struct SlowRecord {
+  long long call_plus_one;  // seq + 1 of the reported call; 0 = nothing reported yet
+  int rank;
+  int peer;
+  int phase;
+  int pad;
+  long long waited_ns;
+};
+
+// Both host-mapped records live in one cudaHostAllocMapped block.
+struct HostRecords {
+  ErrorRecord error;
+  SlowRecord slow;
 };
 
 enum Phase : int { kPhaseOneShot = 1, kPhaseReduceScatter = 2, kPhaseCrossIsland = 3, kPhaseAllGather = 4 };
@@ -59,7 +79,9 @@ struct WorkspaceView {
   long long chunk_slot_bytes;    // hierarchical: one slot per sender, one owner's share of the max payload
   Ctrl* ctrl;
   ErrorRecord* error;  // device pointer of the host-mapped record
+  SlowRecord* slow;    // device pointer of the host-mapped slow-wait report (I9)
   long long timeout_ns;
+  long long warn_ns;   // a wait this long is reported (I9); capped at timeout_ns by the host
   int num_counters;  // seq slots in use: the workspace's largest grid (<= kMaxCounters)
   Topology flat;
   Topology islands;

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -38,7 +39,7 @@ Topology make_topology(const std::vector<int64_t>& island_ranks, const std::vect
 }
 
 // flat_* describe the one-island (two-shot) placement; isl_* the island placement (empty lists: none).
-int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, double timeout_s,
+int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, double timeout_s, double warn_s,
                   std::vector<int64_t> flat_island_ranks, std::vector<int64_t> flat_twin_ranks,
                   int64_t flat_my_island, int64_t flat_my_index, std::vector<int64_t> isl_island_ranks,
                   std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island, int64_t isl_my_index) {
@@ -47,7 +48,9 @@ int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel
   cfg.rank = static_cast<int>(rank);
   cfg.world = static_cast<int>(world);
   cfg.max_numel = max_numel;
+  TORCH_CHECK(timeout_s > 0 && timeout_s < 9e9 && warn_s > 0, "sgl_kernel_sm120: timeout_s and warn_s must be > 0");
   cfg.timeout_ns = static_cast<long long>(timeout_s * 1e9);
+  cfg.warn_ns = static_cast<long long>(std::min(warn_s, timeout_s) * 1e9);
   cfg.flat = make_topology(flat_island_ranks, flat_twin_ranks, flat_my_island, flat_my_index);
   cfg.islands = make_topology(isl_island_ranks, isl_twin_ranks, isl_my_island, isl_my_index);
   Workspace* ws = nullptr;
@@ -75,11 +78,18 @@ void ws_open_peers(int64_t handle, const at::Tensor& handles) {
   check_ok(workspace_open_peers(ws, hs.data()));
 }
 
+void ws_close_peers(int64_t handle) { check_ok(workspace_close_peers(as_workspace(handle))); }
+
 void ws_destroy(int64_t handle) { check_ok(workspace_destroy(reinterpret_cast<Workspace*>(handle))); }
 
-// Address of the host-mapped ErrorRecord, read from Python through ctypes without any CUDA call (the
-// context may be dead after a timeout trap).
-int64_t ws_error_record_address(int64_t handle) { return reinterpret_cast<int64_t>(as_workspace(handle)->error_host); }
+// Addresses of the host-mapped ErrorRecord and SlowRecord, read from Python through ctypes without any CUDA
+// call (the context may be dead after a timeout trap).
+int64_t ws_error_record_address(int64_t handle) {
+  return reinterpret_cast<int64_t>(&as_workspace(handle)->host_records->error);
+}
+int64_t ws_slow_record_address(int64_t handle) {
+  return reinterpret_cast<int64_t>(&as_workspace(handle)->host_records->slow);
+}
 
 int64_t ws_dirty_halves(int64_t handle) {
   long long n = 0;
@@ -177,14 +187,16 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
 TORCH_LIBRARY(sgl_kernel_sm120, m) {
   using namespace sgl_sm120;
   m.def(
-      "ws_create(int device, int rank, int world, int max_numel, float timeout_s, int[] flat_island_ranks, "
+      "ws_create(int device, int rank, int world, int max_numel, float timeout_s, float warn_s, int[] flat_island_ranks, "
       "int[] flat_twin_ranks, int flat_my_island, int flat_my_index, int[] isl_island_ranks, "
       "int[] isl_twin_ranks, int isl_my_island, int isl_my_index) -> int",
       &ws_create);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
+  m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
   m.def("ws_destroy(int ws) -> ()", &ws_destroy);
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
+  m.def("ws_slow_record_address(int ws) -> int", &ws_slow_record_address);
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
   m.def("ws_sequence(int ws) -> int", &ws_sequence);
   m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);

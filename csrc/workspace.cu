@@ -76,10 +76,15 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
     fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes), 2 * region / 4);
     err = cudaGetLastError();
   }
-  if (err == cudaSuccess) err = cudaHostAlloc(&ws->error_host, sizeof(ErrorRecord), cudaHostAllocMapped);
+  if (err == cudaSuccess) err = cudaHostAlloc(&ws->host_records, sizeof(HostRecords), cudaHostAllocMapped);
   if (err == cudaSuccess) {
-    std::memset(ws->error_host, 0, sizeof(ErrorRecord));
-    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&ws->view.error), ws->error_host, 0);
+    std::memset(ws->host_records, 0, sizeof(HostRecords));
+    HostRecords* device_view = nullptr;
+    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->host_records, 0);
+    if (err == cudaSuccess) {
+      ws->view.error = &device_view->error;
+      ws->view.slow = &device_view->slow;
+    }
   }
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
@@ -96,6 +101,7 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   v.chunk_slot_bytes = chunk_slot;
   v.ctrl = reinterpret_cast<Ctrl*>(ws->local);
   v.timeout_ns = cfg.timeout_ns;
+  v.warn_ns = cfg.warn_ns;
   v.num_counters = std::min(ws->sm_count, kMaxCounters);
   v.flat = cfg.flat;
   v.islands = cfg.islands;
@@ -122,6 +128,20 @@ std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handle
   return "";
 }
 
+std::string workspace_close_peers(Workspace* ws) {
+  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
+  std::string first_error;
+  for (int r = 0; r < kMaxWorld; ++r) {
+    if (!ws->peer_opened[r]) continue;
+    const cudaError_t err = cudaIpcCloseMemHandle(ws->view.bases[r]);
+    if (err != cudaSuccess && first_error.empty())
+      first_error = cuda_failure(("cudaIpcCloseMemHandle of rank " + std::to_string(r)).c_str(), err);
+    ws->peer_opened[r] = false;
+    ws->view.bases[r] = nullptr;
+  }
+  return first_error;
+}
+
 std::string workspace_destroy(Workspace* ws) {
   if (ws == nullptr) return "";
   std::string first_error;
@@ -133,7 +153,7 @@ std::string workspace_destroy(Workspace* ws) {
     if (ws->peer_opened[r]) note("cudaIpcCloseMemHandle", cudaIpcCloseMemHandle(ws->view.bases[r]));
   }
   if (ws->local) note("cudaFree", cudaFree(ws->local));
-  if (ws->error_host) note("cudaFreeHost", cudaFreeHost(ws->error_host));
+  if (ws->host_records) note("cudaFreeHost", cudaFreeHost(ws->host_records));
   delete ws;
   return first_error;
 }

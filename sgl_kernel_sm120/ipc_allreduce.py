@@ -19,6 +19,7 @@ are pure functions of group-identical inputs so that this holds by construction.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import logging
 import os
 import threading
@@ -34,8 +35,15 @@ from .variants import Link, Variant, choose_variant, placement, validate_islands
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-DEFAULT_TIMEOUT_S = 5.0
+# A late peer is not a dead one (csrc/ar_protocol.cuh, I9): in a server's first forward one rank can be tens of
+# seconds behind its peers while Triton/DeepGEMM/torch.compile compile lazily on a cold cache. So the bound that
+# ends a wait in IpcAllReduceTimeoutError is minutes, and a wait past WARN is logged (naming call, phase, peer)
+# without failing anything.
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_WARN_S = 5.0
 TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
+CLOSE_BARRIER_TIMEOUT_S = 60.0
+WARN_ENV = "SGL_SM120_AR_WARN_S"
 
 
 def plain_threads(nbytes: int) -> int:
@@ -47,6 +55,28 @@ def plain_threads(nbytes: int) -> int:
 MAX_FUSED_HIDDEN = 65536  # kMaxFusedHidden in csrc/ar_launch.h: the fused kernels keep a row in registers
 PDL_ENV = "SGL_SM120_AR_PDL"  # "0" launches without programmatic dependent launch
 _PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}
+
+
+class _SlowRecord(ctypes.Structure):
+    # Mirrors struct SlowRecord in csrc/ar_types.h.
+    _fields_ = [
+        ("call_plus_one", ctypes.c_longlong),
+        ("rank", ctypes.c_int),
+        ("peer", ctypes.c_int),
+        ("phase", ctypes.c_int),
+        ("pad", ctypes.c_int),
+        ("waited_ns", ctypes.c_longlong),
+    ]
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
 
 
 class _ErrorRecord(ctypes.Structure):
@@ -82,6 +112,7 @@ class IpcAllReduce:
         islands=None,
         link: str = "auto",
         timeout_s: float | None = None,
+        warn_after_s: float | None = None,
     ):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -89,15 +120,20 @@ class IpcAllReduce:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.max_numel = int(max_numel)
         self.dtype = dtype
-        if timeout_s is None:
-            timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = (
+            float(timeout_s) if timeout_s is not None else _seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+        )
+        self.warn_after_s = (
+            float(warn_after_s) if warn_after_s is not None else _seconds_from_env(WARN_ENV, DEFAULT_WARN_S)
+        )
         self.threads: int | None = None  # plain kernels' CTA size; None: plain_threads(nbytes)
         # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
         # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
         self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
         self._handle = 0
         self._record = None
+        self._slow = None
+        self._last_slow_call = 0
         self._stop_watchdog = threading.Event()
         self._watchdog = None
 
@@ -115,8 +151,10 @@ class IpcAllReduce:
                 raise ValueError(f"world size must be 1, 2, 4 or 8, got {self.world_size}")
             if self.max_numel <= 0 or self.max_numel % 8:
                 raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel}")
-            if self.timeout_s <= 0:
-                raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            if not 0 < self.timeout_s < 1e9:  # also rejects nan
+                raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+            if not 0 < self.warn_after_s < 1e9:
+                raise ValueError(f"warn_after_s must be > 0 seconds, got {self.warn_after_s}")
             if link not in ("auto", "nvlink", "pcie"):
                 raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
             groups = validate_islands(islands, self.world_size)
@@ -124,7 +162,7 @@ class IpcAllReduce:
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
         _joint_check(group, error, "argument check")
-        signature = (self.world_size, self.max_numel, str(dtype), groups, link, self.timeout_s)
+        signature = (self.world_size, self.max_numel, str(dtype), groups, link, self.timeout_s, self.warn_after_s)
         signatures: list = [None] * self.world_size
         dist.all_gather_object(signatures, signature, group=group)
         if any(s != signature for s in signatures):
@@ -145,7 +183,8 @@ class IpcAllReduce:
         error = None
         try:
             self._handle = ops.ws_create(
-                self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, *flat, *isl
+                self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, self.warn_after_s,
+                *flat, *isl
             )
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -168,10 +207,11 @@ class IpcAllReduce:
         self.sm_count = int(ops.ws_sm_count(self._handle))
         self.max_blocks = self.sm_count
         self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
+        self._slow = _SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle)))
         self._watchdog = threading.Thread(target=self._watch_for_timeouts, name="sgl-sm120-ar-watchdog", daemon=True)
         self._watchdog.start()
         logger.info(
-            "IpcAllReduce rank %d/%d on %s: link=%s islands=%s max_numel=%d timeout=%.1fs",
+            "IpcAllReduce rank %d/%d on %s: link=%s islands=%s max_numel=%d timeout=%.1fs warn=%.1fs",
             self.rank,
             self.world_size,
             self.device,
@@ -179,6 +219,7 @@ class IpcAllReduce:
             self.islands,
             self.max_numel,
             self.timeout_s,
+            self.warn_after_s,
         )
 
     # ----------------------------------------------------------------------------------------------------
@@ -278,13 +319,38 @@ class IpcAllReduce:
         return outs[0], outs[1]
 
     # ----------------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Release IPC mappings, the slab and the error record. Local (not collective); idempotent.
+    def close(self, *, collective: bool = True, barrier_timeout_s: float = CLOSE_BARRIER_TIMEOUT_S) -> None:
+        """Release the IPC mappings, the slab and the host records; idempotent.
 
-        Callers must make sure no launched call is still running (synchronize first)."""
+        Collective by default (every rank calls it at the same point): wait for this rank's calls to finish,
+        unmap the peers' slabs, wait until every rank has unmapped ours (a gloo barrier bounded by
+        `barrier_timeout_s`), and only then free our slab: CUDA leaves freeing an allocation that another
+        process still maps undefined. With `collective=False`, or after a kernel timeout (the CUDA context is
+        then unusable and peers may be dead), the same steps run locally, without the barrier."""
         self._stop_watchdog.set()
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
+        if self._handle == 0:
+            return
+        local_only = not collective or self.timeout_error() is not None or self.world_size == 1
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # a trapped kernel: the context is gone, free what can be freed
+            logger.warning("IpcAllReduce rank %d: synchronize before close failed (%s); closing locally", self.rank,
+                           exc)
+            local_only = True
+        try:
+            _ext.ops().ws_close_peers(self._handle)
+        except Exception as exc:
+            logger.warning("IpcAllReduce rank %d: unmapping the peers' slabs failed: %s", self.rank, exc)
+        if not local_only:
+            try:
+                dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=barrier_timeout_s))
+            except Exception as exc:
+                logger.warning(
+                    "IpcAllReduce rank %d: not every rank confirmed within %.0f s that it unmapped this rank's slab "
+                    "(%s); freeing it anyway", self.rank, barrier_timeout_s, exc,
+                )
         self._release()
 
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
@@ -338,14 +404,40 @@ class IpcAllReduce:
         if self._handle == 0:
             raise IpcAllReduceError("IpcAllReduce is closed")
 
+    def slow_wait(self) -> tuple[int, int, str, float] | None:
+        """The latest slow wait a kernel reported (I9) as (call, peer, phase, seconds waited), or None. A CPU read
+        of host-mapped memory; the record is re-read until it is the same before and after (the kernel writes
+        `call_plus_one` last)."""
+        rec = self._slow
+        if rec is None:
+            return None
+        for _ in range(3):
+            first = rec.call_plus_one
+            if first == 0:
+                return None
+            found = (first - 1, rec.peer, _PHASES.get(rec.phase, str(rec.phase)), rec.waited_ns / 1e9)
+            if rec.call_plus_one == first:
+                return found
+        return None
+
     def _watch_for_timeouts(self) -> None:
         # Log the timeout as soon as a kernel records it, so the server log names the missing peer even when
-        # the CUDA error surfaces somewhere else first.
+        # the CUDA error surfaces somewhere else first; log each slow wait once (I9), as a warning only.
         while not self._stop_watchdog.wait(0.25):
             err = self.timeout_error()
             if err is not None:
                 logger.error("%s", err)
                 return
+            slow = self.slow_wait()
+            if slow is not None and slow[0] + 1 != self._last_slow_call:
+                call, peer, phase, waited = slow
+                self._last_slow_call = call + 1
+                logger.warning(
+                    "sgl_kernel_sm120 all-reduce on rank %d: call #%d has waited %.1f s in the %s phase for rank %d "
+                    "(a peer still compiling or loading can be this late; the call fails with "
+                    "IpcAllReduceTimeoutError only after %.0f s, %s)",
+                    self.rank, call, waited, phase, peer, self.timeout_s, TIMEOUT_ENV,
+                )
 
     def _release(self) -> None:
         if self._handle:

@@ -217,3 +217,41 @@ def test_schedule_describes_every_size_once():
     assert schedule(1 << 20, 2, "pcie") == [(1, 1 << 20, Variant.ONESHOT)]
     expected = f"ONESHOT up to {PCIE_ONESHOT_MAX_BYTES[8]} B, TWOSHOT up to 458752 B"
     assert describe_schedule(458752, 8, "pcie", 1) == expected
+
+
+def test_slow_wait_record_is_read_whole_and_logged_once_per_call(caplog):
+    import logging
+    import threading
+    import time
+
+    from sgl_kernel_sm120 import ipc_allreduce as mod
+
+    ar = mod.IpcAllReduce.__new__(mod.IpcAllReduce)  # no GPU: only the host-side record logic
+    ar._record, ar._slow = mod._ErrorRecord(), mod._SlowRecord()
+    ar._last_slow_call, ar.rank, ar.timeout_s = 0, 0, 300.0
+    ar._stop_watchdog = threading.Event()
+    assert ctypes_size(mod._SlowRecord) == 32  # struct SlowRecord in csrc/ar_types.h
+    assert ar.slow_wait() is None
+    caplog.set_level(logging.WARNING, logger="sgl_kernel_sm120.ipc_allreduce")
+    watchdog = threading.Thread(target=ar._watch_for_timeouts, daemon=True)
+    watchdog.start()
+    try:
+        ar._slow.rank, ar._slow.peer, ar._slow.phase, ar._slow.waited_ns = 0, 1, 1, 5_500_000_000
+        ar._slow.call_plus_one = 8  # call #7, written last as the kernel does
+        assert ar.slow_wait() == (7, 1, "one-shot", 5.5)
+        time.sleep(0.8)
+        ar._slow.call_plus_one = 9
+        time.sleep(0.8)
+    finally:
+        ar._stop_watchdog.set()
+        watchdog.join(2)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "call #7 has waited 5.5 s in the one-shot phase for rank 1" in messages[0], messages
+    assert "call #8" in messages[1] and "IpcAllReduceTimeoutError only after 300 s" in messages[1], messages
+
+
+def ctypes_size(struct) -> int:
+    import ctypes
+
+    return ctypes.sizeof(struct)

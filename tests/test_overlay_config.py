@@ -185,3 +185,17 @@ def test_bad_environment_raises_before_sglang_post_init_runs(monkeypatch):
     with pytest.raises(config.SettingError, match="SGLANG_SM120_ALLREDUCE='sometimes'"):
         post_init(object())
     assert calls == []
+
+
+def test_kernel_timeout_follows_dist_timeout_unless_the_kernel_variable_is_set():
+    class Args:
+        dist_timeout = 1800
+
+    assert config.kernel_timeout_s(Args(), {}) == (1800.0, "--dist-timeout")
+    assert config.kernel_timeout_s(Args(), {config.KERNEL_TIMEOUT_ENV: "30"}) == (None, config.KERNEL_TIMEOUT_ENV)
+    assert config.kernel_timeout_s(None, {}) == (None, "sgl_kernel_sm120 default")
+
+    class NoTimeout:
+        dist_timeout = None
+
+    assert config.kernel_timeout_s(NoTimeout(), {})[0] is None

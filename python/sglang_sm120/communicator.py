@@ -176,7 +176,9 @@ class Sm120Communicator:
         return decision
 
     # ------------------------------------------------------------------------------------------------------
-    def build(self, hidden_size: int, dtype: torch.dtype, bound: ByteBound) -> bool:
+    def build(
+        self, hidden_size: int, dtype: torch.dtype, bound: ByteBound, kernel_timeout_s: float | None = None
+    ) -> bool:
         """Collective: create the IpcAllReduce workspace. Every rank ends with it, or none does. Runs once;
         later calls (the draft model's runner) keep the first workspace, which captured graphs reference."""
         if not self.gate_enabled or self.build_attempted:
@@ -228,6 +230,7 @@ class Sm120Communicator:
                 dtype,
                 islands=kernel_islands(self.islands, self.world_size),
                 link=self.link,
+                timeout_s=kernel_timeout_s,
             )
         except Exception as exc:  # IpcAllReduce raises on every rank together; the agreement below checks it
             error = f"{type(exc).__name__}: {exc}"
@@ -237,8 +240,8 @@ class Sm120Communicator:
         except Exception as exc:
             failed = {self.rank_in_group: f"post-build agreement failed: {exc}"}
         if failed:
-            if comm is not None:
-                _close_quietly(comm)
+            if comm is not None:  # the ranks that failed hold none: a local close
+                _close_quietly(comm, collective=False)
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
             return self._give_up(f"building the IPC workspace failed ({detail})")
 
@@ -259,10 +262,13 @@ class Sm120Communicator:
         link = getattr(link, "value", link)
         islands = getattr(comm, "islands", None)
         schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
+        waits = ""
+        if getattr(comm, "timeout_s", None) is not None:
+            waits = f"; a wait for a peer is logged after {comm.warn_after_s:g} s and fails after {comm.timeout_s:g} s"
         return (
             f"all-reduces up to {self.max_bytes} B go to the sm120 kernels ({schedule}; fused all-reduce + "
             f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}), larger ones to "
-            f"NCCL; islands {islands or 'none (flat)'}, link {link}; bound: {self.bound_explanation}; "
+            f"NCCL; islands {islands or 'none (flat)'}, link {link}{waits}; bound: {self.bound_explanation}; "
             f"gate: {self.decision.reason if self.decision else '?'}"
         )
 
@@ -307,7 +313,7 @@ class Sm120Communicator:
     def close(self) -> None:
         comm, self.comm = self.comm, None
         if comm is not None:
-            _close_quietly(comm, self.device)
+            _close_quietly(comm, collective=True)
 
     def device_calls(self) -> int | None:
         """Calls the kernels completed, counted on the GPU (CUDA-graph replays included; the Python-side `stats`
@@ -338,14 +344,15 @@ class Sm120Communicator:
         }
 
 
-def _close_quietly(comm, device=None) -> None:
+# At shutdown every TP rank destroys its groups at the same point; a rank that does not (it died) must not
+# hold the others for long.
+SHUTDOWN_CLOSE_BARRIER_S = 10.0
+
+
+def _close_quietly(comm, *, collective: bool) -> None:
+    """IpcAllReduce.close() synchronizes the device first (no launched kernel may still use the mappings) and,
+    when collective, frees its slab only once every rank has unmapped it."""
     try:
-        # close() must not race a launched kernel that still uses the mappings.
-        if device is not None and torch.cuda.is_available():
-            torch.cuda.synchronize(device)
-    except Exception as exc:
-        logger.warning("sglang_sm120: synchronize before closing the workspace failed: %s", exc)
-    try:
-        comm.close()
+        comm.close(collective=collective, barrier_timeout_s=SHUTDOWN_CLOSE_BARRIER_S)
     except Exception as exc:
         logger.warning("sglang_sm120: closing the IPC workspace failed: %s", exc)

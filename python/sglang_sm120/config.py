@@ -105,6 +105,22 @@ def agreement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
     return value
 
 
+KERNEL_TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"  # read by sgl_kernel_sm120 itself when no value is passed
+
+
+def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | None = None) -> tuple[float | None, str]:
+    """The bound of the kernels' spin-waits, and where it came from. SGL_SM120_AR_TIMEOUT_S wins (the kernel
+    package reads it); else SGLang's `--dist-timeout`, the time NCCL would wait for a late peer; else None,
+    the kernel package's default (minutes)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(KERNEL_TIMEOUT_ENV, "").strip():
+        return None, KERNEL_TIMEOUT_ENV
+    dist_timeout = getattr(server_args, "dist_timeout", None) if server_args is not None else None
+    if isinstance(dist_timeout, int | float) and not isinstance(dist_timeout, bool) and dist_timeout > 0:
+        return float(dist_timeout), "--dist-timeout"
+    return None, "sgl_kernel_sm120 default"
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Parse every SGLANG_SM120_* variable now, raising SettingError for the first bad one. Called before
     SGLang's own setup (argument parsing, ServerArgs construction), so a typo stops the launch at once."""

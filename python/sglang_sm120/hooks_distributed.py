@@ -160,7 +160,8 @@ def prepare_tp_backend(server_args, hidden_size: int, dtype: torch.dtype) -> Sm1
     settings = config.settings_from_server_args(server_args)
     element_size = torch.empty((), dtype=dtype).element_size()
     bound = config.resolve_max_bytes(settings.max_bytes, server_args, hidden_size, element_size)
-    if comm.build(hidden_size, dtype, bound):
+    timeout_s, _ = config.kernel_timeout_s(server_args)
+    if comm.build(hidden_size, dtype, bound, kernel_timeout_s=timeout_s):
         comm.fusion_groups_ok = fusion_groups_are(group)
         if not comm.fusion_groups_ok and comm.rank_in_group == 0:
             logger.info("sglang_sm120 [%s]: attention-TP/MoE groups differ from the TP group; fused "

@@ -300,7 +300,9 @@ def test_graph_of_50_mixed_calls_replayed_100_times():
 
 
 # --------------------------------------------------------------------------------------------------------
-def _scenario_create_close(rank, world, cycles):
+def _scenario_create_close(rank, world, cycles, delayed_rank=None):
+    import time
+
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
     ar = _make(world, rank, 64 * 7168)  # warm up CUDA/IPC state once
@@ -313,6 +315,8 @@ def _scenario_create_close(rank, world, cycles):
         out = ar.all_reduce(x)
         torch.cuda.synchronize()
         assert torch.equal(out, torch.full_like(x, world)), "wrong sum during create/close cycles"
+        if rank == delayed_rank:
+            time.sleep(0.05)  # its peers reach close first: they must wait for it before freeing their slabs
         ar.close()
     del out
     torch.cuda.synchronize()
@@ -324,6 +328,11 @@ def _scenario_create_close(rank, world, cycles):
 @_need(2)
 def test_create_close_100_times_does_not_leak():
     run_ranks(2, _scenario_create_close, 100)
+
+
+@_need(2)
+def test_create_close_100_times_with_a_delayed_peer_no_error_no_leak():
+    run_ranks(2, _scenario_create_close, 100, 1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -351,10 +360,56 @@ def _scenario_rank_skips_a_call(rank, world):
         else:
             raise AssertionError("a timed-out workspace accepted another call")
     dist.barrier()
-    if rank != 0:
-        ar.close()
+    # rank 0's context is unusable after the trap: its close is local; rank 1 must not wait for it either
+    ar.close(collective=False)
 
 
 @_need(2)
 def test_rank_skipping_a_call_ends_in_timeout_error_not_hang():
     run_ranks(2, _scenario_rank_skips_a_call, timeout_s=120)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_late_peer(rank, world, late_call, sleep_s):
+    # I9: a peer that is late (a cold-cache compile in its first forward) is waited for, and the wait is
+    # reported once, as a warning naming the call, the phase and the peer; nothing fails.
+    import logging
+    import time
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    log = logging.getLogger("sgl_kernel_sm120.ipc_allreduce")
+    log.addHandler(Collect(level=logging.WARNING))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168, warn_after_s=2.0, timeout_s=60.0)
+    try:
+        for call in range(late_call + 3):
+            if call == late_call and rank == world - 1:
+                time.sleep(sleep_s)
+            x = _int_tensor((3, 7168), torch.bfloat16, _stable_seed(call, rank), dev)
+            out = ar.all_reduce(x)
+            ar.synchronize()
+            expect = reference_all_reduce(
+                [_int_tensor((3, 7168), torch.bfloat16, _stable_seed(call, r), "cpu") for r in range(world)]
+            ).to(dev)
+            assert torch.equal(out, expect), f"wrong sum at call {call}"
+        time.sleep(1.0)  # the watchdog polls every 0.25 s
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        if rank == world - 1:
+            assert not warnings, f"the late rank itself waited for nobody, yet warned: {warnings}"
+        else:
+            assert len(warnings) == 1, f"expected one slow-wait warning, got {warnings}"
+            text = warnings[0]
+            assert f"call #{late_call}" in text and f"for rank {world - 1}" in text and "phase" in text, text
+        assert ar.timeout_error() is None
+    finally:
+        ar.close()
+
+
+@_need(2)
+def test_late_peer_is_waited_for_and_warned_about_not_an_error():
+    run_ranks(2, _scenario_late_peer, 3, 8.0, timeout_s=180)

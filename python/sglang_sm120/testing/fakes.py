@@ -48,8 +48,9 @@ class FakeIpcAllReduce:
         # the real one counts on the device, graph replays included; here every call is an eager one
         return len(self.calls)
 
-    def close(self):
+    def close(self, *, collective=True, barrier_timeout_s=None):
         self.closed = True
+        self.closed_collectively = collective
 
 
 class FakeGroupCoordinator:
