@@ -313,7 +313,9 @@ def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expect
     backend = fake_backend()
     backend.comm = None
     built = []
-    monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False)
+    monkeypatch.setattr(
+        backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False
+    )
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
     server_args = SimpleNamespace(
         cuda_graph_max_bs=8, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="EAGLE3",
