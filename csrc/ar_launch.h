@@ -65,6 +65,9 @@ std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handle
 // peer still maps (freeing an exported allocation that is still imported elsewhere is undefined in CUDA).
 std::string workspace_close_peers(Workspace* ws);
 std::string workspace_destroy(Workspace* ws);
+// Runs the data-path probe (probe.cu) after the peers are open: outcomes[p] (kMaxWorld entries) is what this
+// rank received from peer p. Synchronizes the device; run it before the workspace's first call.
+std::string workspace_probe(Workspace* ws, long long timeout_ns, int drop_peer, int* outcomes);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);
 std::string workspace_sequence(const Workspace* ws, unsigned long long* seq);

@@ -98,8 +98,9 @@ __device__ __forceinline__ uint32_t remap_word(uint32_t w) { return w == kEmptyW
 __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord); }
 
 // I7: record the first timeout of this rank where the host can read it, then abort the kernel.
-__device__ __noinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
-                                                     unsigned long long seq, unsigned long long waited) {
+// static: this header is included by more than one translation unit (a __noinline__ function has a symbol).
+static __device__ __noinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
+                                                            unsigned long long seq, unsigned long long waited) {
   if (atomicCAS(&ws.ctrl->report_claim, 0u, 1u) == 0u) {
     volatile ErrorRecord* rec = ws.error;
     rec->rank = ws.rank;

@@ -56,6 +56,9 @@ struct HostRecords {
   SlowRecord slow;
 };
 
+// Outcome of the data-path probe (probe.cu) for one peer, as the receiving rank saw it.
+enum ProbeOutcome : int { kProbeOk = 1, kProbeMissing = 2, kProbeWrong = 3 };
+
 enum Phase : int { kPhaseOneShot = 1, kPhaseReduceScatter = 2, kPhaseCrossIsland = 3, kPhaseAllGather = 4 };
 
 // Rank placement for the hierarchical schedule: `num_islands` islands of `island_size` ranks each.

@@ -78,6 +78,14 @@ void ws_open_peers(int64_t handle, const at::Tensor& handles) {
   check_ok(workspace_open_peers(ws, hs.data()));
 }
 
+std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t drop_peer) {
+  Workspace* ws = as_workspace(handle);
+  TORCH_CHECK(timeout_s > 0 && timeout_s < 3600, "sgl_kernel_sm120: probe timeout must be in (0, 3600) s");
+  int outcomes[kMaxWorld] = {};
+  check_ok(workspace_probe(ws, static_cast<long long>(timeout_s * 1e9), static_cast<int>(drop_peer), outcomes));
+  return std::vector<int64_t>(outcomes, outcomes + ws->view.world);
+}
+
 void ws_close_peers(int64_t handle) { check_ok(workspace_close_peers(as_workspace(handle))); }
 
 void ws_destroy(int64_t handle) { check_ok(workspace_destroy(reinterpret_cast<Workspace*>(handle))); }
@@ -194,6 +202,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
+  m.def("ws_probe(int ws, float timeout_s, int drop_peer) -> int[]", &ws_probe);
   m.def("ws_destroy(int ws) -> ()", &ws_destroy);
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
   m.def("ws_slow_record_address(int ws) -> int", &ws_slow_record_address);

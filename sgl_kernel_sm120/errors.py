@@ -9,6 +9,21 @@ class IpcAllReduceError(RuntimeError):
     """A collective step of the workspace failed on at least one rank (raised on every rank)."""
 
 
+class IpcAllReduceProbeError(IpcAllReduceError):
+    """The data-path probe at construction found peer pairs whose writes did not arrive (or arrived wrong),
+    although the driver allows P2P between them. Raised on every rank; `pairs` lists (sender, receiver, what)."""
+
+    def __init__(self, pairs: list[tuple[int, int, str]]):
+        self.pairs = list(pairs)
+        shown = ", ".join(f"rank {s} -> rank {r}: {what}" for s, r, what in self.pairs[:16])
+        more = f" (+{len(self.pairs) - 16} more)" if len(self.pairs) > 16 else ""
+        super().__init__(
+            f"CUDA P2P data path probe failed for {len(self.pairs)} pair(s): {shown}{more}. The driver allows P2P "
+            "between these GPUs, but writes do not arrive: typical causes are PCIe ACS redirection on a switch or "
+            "root port, or an IOMMU in translated mode (use iommu=pt); `python -m sglang_sm120.doctor` checks both"
+        )
+
+
 class IpcAllReduceTimeoutError(IpcAllReduceError):
     """A spin-wait in the kernel ran past its bound: a peer never arrived.
 

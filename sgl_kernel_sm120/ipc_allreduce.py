@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ext
-from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
+from .errors import IpcAllReduceError, IpcAllReduceProbeError, IpcAllReduceTimeoutError
 from .link import local_gpu_has_nvlink
 from .variants import Link, Variant, choose_variant, placement, validate_islands
 
@@ -43,6 +43,34 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_WARN_S = 5.0
 TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
 CLOSE_BARRIER_TIMEOUT_S = 60.0
+# The probe runs right after a gloo collective, so every rank's pushes land within milliseconds on a healthy
+# fabric; a few seconds also covers ranks time-slicing one GPU in the tests.
+PROBE_TIMEOUT_S = 5.0
+# Debug switch for the tests: "SRC:DST" makes rank SRC's probe skip its write to rank DST.
+PROBE_DROP_ENV = "SGL_SM120_DEBUG_PROBE_DROP"
+_PROBE_OUTCOMES = {1: "ok", 2: "write never arrived", 3: "wrong data arrived"}
+
+
+def probe_drop_target(rank: int, environ=None) -> int:
+    """The peer whose probe write this rank drops (debug switch), else -1."""
+    raw = (os.environ if environ is None else environ).get(PROBE_DROP_ENV, "").strip()
+    if not raw:
+        return -1
+    try:
+        src, dst = (int(part) for part in raw.split(":"))
+    except ValueError:
+        raise ValueError(f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST (two rank numbers)") from None
+    return dst if src == rank else -1
+
+
+def failed_probe_pairs(outcomes_by_receiver: list[list[int]]) -> list[tuple[int, int, str]]:
+    """(sender, receiver, what) for every pair whose probe pack did not arrive intact."""
+    return [
+        (sender, receiver, _PROBE_OUTCOMES.get(outcome, f"outcome {outcome}"))
+        for receiver, row in enumerate(outcomes_by_receiver)
+        for sender, outcome in enumerate(row)
+        if sender != receiver and outcome != 1
+    ]
 WARN_ENV = "SGL_SM120_AR_WARN_S"
 
 
@@ -158,6 +186,7 @@ class IpcAllReduce:
             if link not in ("auto", "nvlink", "pcie"):
                 raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
             groups = validate_islands(islands, self.world_size)
+            drop_peer = probe_drop_target(self.rank)
             _ext.ops()  # kernels built?
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
@@ -201,6 +230,8 @@ class IpcAllReduce:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             _joint_check(group, error, "opening peer IPC handles")
+            if self.world_size > 1:
+                self._probe_data_path(ops, drop_peer)
         except Exception:
             self._release()
             raise
@@ -221,6 +252,24 @@ class IpcAllReduce:
             self.timeout_s,
             self.warn_after_s,
         )
+
+    def _probe_data_path(self, ops, drop_peer: int) -> None:
+        """Step 5: every rank pushes a pattern to every peer through the kernels' own path (csrc/probe.cu) and
+        reports what arrived; all ranks agree; any failed pair raises IpcAllReduceProbeError on every rank."""
+        error, outcomes = None, None
+        try:
+            outcomes = [int(o) for o in ops.ws_probe(self._handle, min(PROBE_TIMEOUT_S, self.timeout_s), drop_peer)]
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        _joint_check(self.group, error, "data-path probe")
+        table: list = [None] * self.world_size
+        dist.all_gather_object(table, outcomes, group=self.group)
+        failed = failed_probe_pairs(table)
+        if failed:
+            # A write that is only slow could still land: unmap, let every rank do the same, then free (close()).
+            ops.ws_close_peers(self._handle)
+            dist.barrier(group=self.group)
+            raise IpcAllReduceProbeError(failed)
 
     # ----------------------------------------------------------------------------------------------------
     # Eligibility: pure functions of shape, dtype, contiguity and immutable attributes (same on every rank).

@@ -255,3 +255,26 @@ def ctypes_size(struct) -> int:
     import ctypes
 
     return ctypes.sizeof(struct)
+
+
+def test_probe_outcomes_name_the_failing_pairs():
+    from sgl_kernel_sm120.ipc_allreduce import failed_probe_pairs, probe_drop_target
+
+    ok = [[1, 1], [1, 1]]
+    assert failed_probe_pairs(ok) == []
+    # row = receiver: rank 0 never got rank 1's pack, rank 1 got garbage from rank 0
+    assert failed_probe_pairs([[1, 2], [3, 1]]) == [(1, 0, "write never arrived"), (0, 1, "wrong data arrived")]
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == 0
+    assert probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == -1
+    assert probe_drop_target(0, {}) == -1
+    with pytest.raises(ValueError, match="SRC:DST"):
+        probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1-0"})
+    err = k.IpcAllReduceProbeError([(1, 0, "write never arrived")])
+    assert isinstance(err, k.IpcAllReduceError) and err.pairs == [(1, 0, "write never arrived")]
+    assert "rank 1 -> rank 0: write never arrived" in str(err) and "iommu=pt" in str(err)
+
+
+def test_extension_registers_the_probe_and_close_ops():
+    ops = _ext.ops()
+    for name in ("ws_probe", "ws_close_peers", "ws_slow_record_address"):
+        assert hasattr(ops, name), name

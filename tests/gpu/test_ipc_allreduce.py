@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from sgl_kernel_sm120 import (
     IpcAllReduce,
+    IpcAllReduceProbeError,
     IpcAllReduceTimeoutError,
     Variant,
     reference_all_reduce,
@@ -413,3 +414,36 @@ def _scenario_late_peer(rank, world, late_call, sleep_s):
 @_need(2)
 def test_late_peer_is_waited_for_and_warned_about_not_an_error():
     run_ranks(2, _scenario_late_peer, 3, 8.0, timeout_s=180)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_probe_drop(rank, world):
+    # The debug switch drops rank 1's probe write to rank 0: construction must fail on every rank with the pair
+    # named (a broken P2P data path ends at start-up, never as a timeout trap in the first forward), and a
+    # workspace built afterwards without the switch must work (the failed one was torn down cleanly).
+    import os
+
+    os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = "1:0"
+    try:
+        _make(world, rank, 64 * 7168)
+    except IpcAllReduceProbeError as err:
+        assert err.pairs == [(1, 0, "write never arrived")], err.pairs
+        assert "rank 1 -> rank 0" in str(err) and "ACS" in str(err), str(err)
+    else:
+        raise AssertionError("the probe did not notice a dropped write")
+    finally:
+        del os.environ["SGL_SM120_DEBUG_PROBE_DROP"]
+    ar = _make(world, rank, 64 * 7168)
+    try:
+        x = torch.ones(3, 7168, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device()))
+        out = ar.all_reduce(x)
+        ar.synchronize()
+        assert torch.equal(out, torch.full_like(x, world)), "wrong sum after a failed probe"
+        assert ar.scratch_dirty_count() == 0, "the probe left scratch dirty"
+    finally:
+        ar.close()
+
+
+@_need(2)
+def test_probe_names_a_dropped_pair_on_every_rank():
+    run_ranks(2, _scenario_probe_drop, timeout_s=120)
