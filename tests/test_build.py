@@ -137,25 +137,44 @@ def test_cu_compiles_for_sm120a_and_sm90a(src, tmp_path):
         assert arch in elfs, f"{obj} lacks {arch} (cuobjdump lists {elfs})"
 
 
-# The SGLang modules the overlay touches must import on a CPU-only machine with requirements/ci.txt
-# (+ sglang installed --no-deps): this guards the pins, not the overlay.
-SGLANG_MODULES = (
-    "sglang.srt.layers.communicator",
-    "sglang.srt.layers.layernorm",
-    "sglang.srt.server_args",
-    "sglang.srt.distributed.parallel_state",
-    "sglang.srt.model_executor.model_runner",
-    "sglang.srt.models.deepseek_v2",
-    "sglang.srt.models.kimi_k25",
-    "sglang.srt.plugins",
-)
+# The SGLang modules the overlay touches must import on a CPU-only machine with the pinned requirements
+# (+ sglang installed --no-deps): this guards the pins, not the overlay. One list per supported SGLang.
+SGLANG_MODULES = {
+    "0.5.13.post1": (
+        "sglang.srt.layers.communicator",
+        "sglang.srt.layers.layernorm",
+        "sglang.srt.server_args",
+        "sglang.srt.distributed.parallel_state",
+        "sglang.srt.model_executor.model_runner",
+        "sglang.srt.models.deepseek_v2",
+        "sglang.srt.models.kimi_k25",
+        "sglang.srt.plugins",
+    ),
+    "0.5.23": (
+        "sglang.srt.layers.layer_boundary.fusions.allreduce",
+        "sglang.srt.layers.layer_boundary.exit",
+        "sglang.srt.layers.layer_boundary.stage",
+        "sglang.srt.layers.layernorm",
+        "sglang.srt.server_args",
+        "sglang.srt.arg_groups.model_hook",
+        "sglang.srt.distributed.parallel_state",
+        "sglang.srt.distributed.device_communicators.pcie_ipc_ar",
+        "sglang.srt.model_executor.runner.base_runner",
+        "sglang.srt.models.deepseek_v2",
+        "sglang.srt.models.kimi_k25",
+        "sglang.srt.plugins",
+    ),
+}
 
 
 def test_pinned_env_imports_sglang_modules():
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed (requirements/sglang-nodeps.txt)")
+    version = importlib.metadata.version("sglang")
+    if version not in SGLANG_MODULES:
+        pytest.skip(f"no module list for sglang {version}")
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
-    res = subprocess.run([sys.executable, "-c", code, *SGLANG_MODULES], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code, *SGLANG_MODULES[version]], capture_output=True, text=True)
     assert res.returncode == 0, f"importing SGLang modules failed:\n{res.stderr[-4000:]}"
 
 

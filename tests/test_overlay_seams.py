@@ -15,6 +15,10 @@ pytest.importorskip("sglang")
 import sglang_sm120  # noqa: E402
 from sglang_sm120 import config, plugin, seams  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
+from tests.sglang_versions import requires_sglang  # noqa: E402
+
+# Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
+ONLY_0513 = requires_sglang("0.5.13.post1")
 
 
 @pytest.fixture
@@ -73,6 +77,7 @@ def test_unknown_version_is_refused_naming_supported_ones(monkeypatch):
     assert base.applied_targets() == []
 
 
+@ONLY_0513
 def test_the_pinned_version_has_a_table():
     assert seams.sglang_version() == "0.5.13.post1"
     assert seams.load_table().SGLANG_VERSION == "0.5.13.post1"
@@ -139,6 +144,7 @@ def test_flags_reach_a_pickled_server_args(overlay):
     assert os.environ[config.MODE_ENV] == "on" and os.environ[config.MAX_BYTES_ENV] == "65536"
 
 
+@ONLY_0513
 def test_flag_defaults(overlay):
     from sglang.srt.server_args import ServerArgs
 
@@ -154,6 +160,7 @@ def test_bad_flag_values_are_rejected(overlay, capsys):
         parser_with_flags().parse_args(["--model-path", "dummy", "--sm120-allreduce-max-bytes", "-5"])
 
 
+@ONLY_0513
 def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
@@ -165,6 +172,7 @@ def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096)
 
 
+@ONLY_0513
 def test_bad_env_value_fails_at_server_args_construction(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
