@@ -37,8 +37,8 @@ def upstream_has_pcie_ipc() -> bool:
 def upstream_pcie_ipc_requested() -> bool:
     """True when the operator asked SGLang for its own PCIe-IPC all-reduce and this SGLang has one. For the
     activation log line: if our backend is also enabled, ours takes the TP group and upstream's workspace is
-    not built. Reads the variable with SGLang's own parser, so the answer is the one SGLang acts on (an
-    invalid value raises there as it would in SGLang)."""
+    not built. Reads the variable with SGLang's own parser, so the answer is the one SGLang acts on (for an
+    invalid value SGLang warns and keeps its path off; so does this)."""
     if not upstream_has_pcie_ipc():
         return False
     from sglang.srt.environ import envs
