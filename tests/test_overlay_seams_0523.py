@@ -300,3 +300,15 @@ def test_missing_piecewise_probe_is_loud_and_keeps_sglangs_path(monkeypatch, cap
     with caplog.at_level("ERROR", logger="sglang_sm120"):
         assert hooks_distributed._in_piecewise_cuda_graph() is True
     assert "no piecewise-CUDA-graph probe" in caplog.text
+
+
+def test_deterministic_switch_is_the_resolved_one(clean_env):
+    from sglang.srt.arg_groups.overrides import declare_resolution
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path="dummy")
+    assert not hooks_distributed.deterministic_inference(server_args)
+    # what SGLang's handle_deterministic_inference declares for --rl-on-policy-target
+    declare_resolution(server_args, "test", enable_deterministic_inference=True)
+    assert server_args.enable_deterministic_inference is False
+    assert hooks_distributed.deterministic_inference(server_args)

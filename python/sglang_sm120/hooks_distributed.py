@@ -65,6 +65,18 @@ def _is_tp_group(group) -> bool:
     return str(getattr(group, "unique_name", "")).split(":")[0] == TP_GROUP_NAME
 
 
+def deterministic_inference(server_args) -> bool:
+    """The resolved switch where SGLang resolves it (0.5.19+: resolution can turn it on, e.g. for
+    --rl-on-policy-target, by a declaration that leaves the raw field False), else the field."""
+    if server_args is None:
+        return False
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+    except ImportError:
+        return bool(getattr(server_args, "enable_deterministic_inference", False))
+    return bool(resolution_result(server_args, "enable_deterministic_inference", False))
+
+
 def attach(group) -> Sm120Communicator | None:
     """Resolve the gate for a freshly built TP GroupCoordinator and attach the backend (or nothing)."""
     if not _is_tp_group(group) or group.world_size <= 1:
@@ -80,7 +92,7 @@ def attach(group) -> Sm120Communicator | None:
     comm = Sm120Communicator.for_group(
         group,
         mode=settings.mode,
-        deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
+        deterministic=deterministic_inference(server_args),
         timeout_s=config.agreement_timeout_s(),
     )
     comm.resolve_gate()
