@@ -164,7 +164,7 @@ def derive_max_bytes(
     if speculative_algorithm and speculative_num_draft_tokens:
         tokens_per_request = max(1, int(speculative_num_draft_tokens))
     if decode_rows:
-        # SGLang >= 0.5.21 computes the rows itself (draft tokens included, clamped to the request pool).
+        # SGLang 0.5.23 computes the rows itself (draft tokens included, clamped to the request pool).
         tokens = int(decode_rows)
         why = f"widest captured decode/verify reduction {tokens} rows (SGLang's count)"
     elif sizes:

@@ -25,9 +25,9 @@ TP_GROUP_NAME = "tp"
 def runtime_server_args():
     """The ServerArgs of this scheduler process, or None (e.g. a bare `init_distributed_environment`).
 
-    SGLang >= 0.5.17 owns it in `runtime_context` (`get_global_server_args()` only raises from 0.5.19 on);
-    older releases have only the global accessor. Either way this is the raw record the launcher pickled to
-    the process, which carries our attributes."""
+    0.5.23 owns it in `runtime_context` (its `get_global_server_args()` only raises); 0.5.13.post1 has no
+    runtime_context, only the global accessor. Either way this is the raw record the launcher pickled to the
+    process, which carries our attributes."""
     try:
         from sglang.srt.runtime_context import get_server_args
     except ImportError:
@@ -50,8 +50,9 @@ def group_communicator(group) -> Sm120Communicator | None:
 
 
 def tp_communicator() -> Sm120Communicator | None:
-    # The getter, not the module global: from 0.5.21 on, groups live in the runtime context, which a
-    # model-owned context (`runtime_context.use_context`) can swap; older getters assert before init.
+    # The getter, not the module global: in 0.5.23 groups live in the runtime context, which a model-owned
+    # context (`runtime_context.use_context`) can swap; 0.5.13.post1's getter also honours PD-multiplexing's
+    # prefill group. Both raise before init.
     try:
         from sglang.srt.distributed import parallel_state
 
@@ -66,8 +67,8 @@ def _is_tp_group(group) -> bool:
 
 
 def deterministic_inference(server_args) -> bool:
-    """The resolved switch where SGLang resolves it (0.5.19+: resolution can turn it on, e.g. for
-    --rl-on-policy-target, by a declaration that leaves the raw field False), else the field."""
+    """The resolved switch where SGLang resolves it (0.5.23: resolution can turn it on, e.g. for
+    --rl-on-policy-target, by a declaration that leaves the raw field False), else the field (0.5.13.post1)."""
     if server_args is None:
         return False
     try:
@@ -117,11 +118,11 @@ def wrap_group_init(original):
 # Where SGLang keeps its "inside a torch.compile piecewise CUDA graph" flag, per release. The seam table of
 # each version lists its location in READS, so activation fails if it moved again.
 PIECEWISE_PROBES = (
-    ("sglang.srt.compilation.piecewise_context_manager", "is_in_piecewise_cuda_graph"),  # <= 0.5.20
+    ("sglang.srt.compilation.piecewise_context_manager", "is_in_piecewise_cuda_graph"),  # 0.5.13.post1
     (
         "sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager",
         "is_in_tc_piecewise_cuda_graph",
-    ),  # 0.5.21+
+    ),  # 0.5.23
 )
 _piecewise_probe = None
 
@@ -155,7 +156,7 @@ def _in_piecewise_cuda_graph() -> bool:
 def _must_use_original(inp: torch.Tensor) -> bool:
     # torch.compile traces SGLang's custom ops; a piecewise CUDA graph splits at inplace_all_reduce. Both
     # rely on SGLang's own ops, so we stay out of them (the same answer on every rank: same code path).
-    # 0.5.21+ breakable prefill CUDA graphs are NOT excluded: they are plain stream captures cut at eager
+    # 0.5.23's breakable prefill CUDA graphs are NOT excluded: they are plain stream captures cut at eager
     # break points (attention and the like, never an all-reduce); a call of ours between two break points is
     # captured like one in a decode graph. SGLang itself lets its FlashInfer fusion and its PCIe-IPC
     # all-reduce run there (neither gate asks `is_in_breakable_cuda_graph`), and the workspace is built in
@@ -199,7 +200,7 @@ def fusion_groups_are(group) -> bool:
 
         attn = ps.get_attn_tp_group()
         try:
-            # 0.5.21+ names the group a deferred MoE sum is completed over (TP when EP x MoE-TP merge into it).
+            # 0.5.23 names the group a deferred MoE sum is completed over (TP when EP x MoE-TP merge into it).
             from sglang.srt.layers.moe.utils import post_experts_reduction_group
         except ImportError:
             post_experts_reduction_group = None
@@ -216,7 +217,7 @@ def prepare_tp_backend(
     server_args, hidden_size: int, dtype: torch.dtype, decode_rows: int | None = None
 ) -> Sm120Communicator | None:
     """Build the TP group's workspace (collective; every TP rank must call it at the same point).
-    `decode_rows`: rows of the widest captured decode/verify reduction, where SGLang computes it (0.5.21+);
+    `decode_rows`: rows of the widest captured decode/verify reduction, where SGLang computes it (0.5.23);
     otherwise the bound is derived from the server arguments."""
     from sglang.srt.distributed import parallel_state as ps
 

@@ -74,7 +74,7 @@ def norm_matches_kernel(norm_module) -> bool:
         and not getattr(norm_module, "cast_x_before_out_mul", False)
         and not getattr(norm_module, "fp32_residual", False)
         and getattr(norm_module, "override_orig_dtype", None) is None
-        # 0.5.21+: a norm that also quantizes its output for the next projection (RMSNorm.fuse_input_quant)
+        # 0.5.23: a norm that also quantizes its output for the next projection (RMSNorm.fuse_input_quant)
         # must hand that projection what its own forward produces.
         and getattr(norm_module, "_quant_linear", None) is None
         and hasattr(norm_module, "variance_epsilon")

@@ -1,4 +1,4 @@
-"""Coexistence with SGLang's own PCIe all-reduce (0.5.21+: `distributed/device_communicators/pcie_ipc_ar.py`,
+"""Coexistence with SGLang's own PCIe all-reduce (0.5.23: `distributed/device_communicators/pcie_ipc_ar.py`,
 FlashInfer's PcieIpcAllReduceWorkspace, opt-in with SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1).
 
 Rule: when our backend is enabled for the TP group, ours wins, and upstream's workspace is never built.
