@@ -53,7 +53,12 @@ def tiny_model(tmp_path):
         "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
     }
     (tmp_path / "config.json").write_text(json.dumps(config_json))
-    return str(tmp_path)
+    # SGLang's resolution exports settings to os.environ (handle_environment_variables); keep them out of
+    # the tests that follow.
+    saved = dict(os.environ)
+    yield str(tmp_path)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_installed_version_selects_the_0523_table():
