@@ -317,3 +317,44 @@ def test_deterministic_switch_is_the_resolved_one(clean_env):
     declare_resolution(server_args, "test", enable_deterministic_inference=True)
     assert server_args.enable_deterministic_inference is False
     assert hooks_distributed.deterministic_inference(server_args)
+
+
+def test_seams_run_inside_sglangs_own_distributed_init_on_cpu():
+    """publish() + init_distributed_environment (gloo, one rank) + initialize_model_parallel, in a fresh
+    interpreter: our GroupCoordinator.__init__ runs on SGLang's real TP group and the published record is the
+    one runtime_server_args finds. (One CPU rank: the backend itself stays off, as it must off CUDA.)"""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = textwrap.dedent(
+        f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        import torch
+        import sglang_sm120
+        sglang_sm120.activate()
+        from sglang.srt.runtime_context import SpawnRanks, publish
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.distributed import parallel_state as ps
+        from sglang_sm120 import hooks_distributed
+        from sglang_sm120.seams import base
+        server_args = ServerArgs(model_path="dummy", device="cpu")
+        server_args.resolve_once()
+        publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+        assert hooks_distributed.runtime_server_args() is server_args
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method="tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel()
+        assert base.is_ours(ps.GroupCoordinator.__dict__["__init__"])
+        tp = ps.get_tp_group()
+        assert tp.unique_name.startswith("tp:") and "sm120_comm" in vars(tp) and tp.sm120_comm is None
+        x = torch.ones(2, 8)
+        assert tp.all_reduce(x) is x
+        print("OK")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python"), REPO]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
