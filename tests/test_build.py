@@ -44,7 +44,7 @@ def _nvcc() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _cuobjdump() -> str | None:
-    """cuobjdump from the `nvidia-cuda-cuobjdump` wheel (pinned in requirements/ci.txt), else the toolkit's."""
+    """cuobjdump from the `nvidia-cuda-cuobjdump` wheel (pinned in requirements/<stack>/ci.txt), else the toolkit's."""
     try:
         dist = importlib.metadata.distribution("nvidia-cuda-cuobjdump")
         for f in dist.files or ():

@@ -314,3 +314,21 @@ def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkey
     monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: None)
     state = report(object(), object()).internal_state
     assert state[hooks_server_info.STATE_KEY]["active"] is False
+
+
+def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(fake_kernel_module, monkeypatch,
+                                                                                  caplog):
+    from sglang_sm120 import upstream_pcie
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: True)
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:coexist")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    line = _warnings(caplog)[-1]
+    assert "ENABLED" in line and "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set too" in line, line
+    assert "PCIe-IPC workspace is not built" in line, line
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P").endswith(
+        "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set: SGLang's own PCIe-IPC all-reduce is used")
+    monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P").endswith(
+        "SGLang's own all-reduce paths are used")

@@ -14,6 +14,10 @@ from sglang_sm120 import hooks_distributed, hooks_fusion  # noqa: E402
 from sglang_sm120.communicator import Sm120Communicator  # noqa: E402
 from sglang_sm120.gate import GateDecision  # noqa: E402
 from sglang_sm120.testing.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
+from tests.sglang_versions import requires_sglang  # noqa: E402
+
+# Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
+ONLY_0513 = requires_sglang("0.5.13.post1")
 
 HIDDEN = 64
 WORLD = 2
@@ -68,6 +72,7 @@ def rmsnorm():
 # fusion gate
 
 
+@ONLY_0513
 def test_fusion_gate_yes_only_when_enabled_and_tokens_fit(overlay, backend, monkeypatch):
     from sglang.srt.layers import communicator
 
@@ -181,6 +186,7 @@ def marked(causal_lm):
             if getattr(layer.layer_communicator, hooks_fusion.KEEP_MLP_ALLREDUCE, False)]
 
 
+@ONLY_0513
 @pytest.mark.parametrize("layer_ids,expected", [(None, [1, 29, 57]), ([1, 29, 57], [1, 29, 57]), ([3, 10], [2, 9])])
 def test_eagle3_capture_marks_previous_layers(overlay, layer_ids, expected):
     from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -209,6 +215,7 @@ def test_should_fuse_is_false_for_marked_layers_only_with_backend(monkeypatch):
     assert hooks_fusion.wrap_should_fuse_mlp(lambda self, fb: False)(plain, None) is False
 
 
+@ONLY_0513
 def test_should_fuse_seam_is_installed(overlay):
     from sglang.srt.layers.communicator import LayerCommunicator
 
@@ -290,6 +297,7 @@ def test_attach_filters_groups_and_mode(monkeypatch):
     ) is None
 
 
+@ONLY_0513
 def test_pre_capture_seam_builds_with_derived_bound(overlay, monkeypatch):
     from sglang.srt.model_executor.model_runner import ModelRunner
 

@@ -7,6 +7,8 @@ import argparse
 import importlib.metadata
 import os
 import pickle
+import re
+import sys
 
 import pytest
 
@@ -15,6 +17,10 @@ pytest.importorskip("sglang")
 import sglang_sm120  # noqa: E402
 from sglang_sm120 import config, plugin, seams  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
+from tests.sglang_versions import requires_sglang  # noqa: E402
+
+# Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
+ONLY_0513 = requires_sglang("0.5.13.post1")
 
 
 @pytest.fixture
@@ -73,6 +79,7 @@ def test_unknown_version_is_refused_naming_supported_ones(monkeypatch):
     assert base.applied_targets() == []
 
 
+@ONLY_0513
 def test_the_pinned_version_has_a_table():
     assert seams.sglang_version() == "0.5.13.post1"
     assert seams.load_table().SGLANG_VERSION == "0.5.13.post1"
@@ -139,6 +146,7 @@ def test_flags_reach_a_pickled_server_args(overlay):
     assert os.environ[config.MODE_ENV] == "on" and os.environ[config.MAX_BYTES_ENV] == "65536"
 
 
+@ONLY_0513
 def test_flag_defaults(overlay):
     from sglang.srt.server_args import ServerArgs
 
@@ -154,6 +162,7 @@ def test_bad_flag_values_are_rejected(overlay, capsys):
         parser_with_flags().parse_args(["--model-path", "dummy", "--sm120-allreduce-max-bytes", "-5"])
 
 
+@ONLY_0513
 def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
@@ -165,6 +174,7 @@ def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096)
 
 
+@ONLY_0513
 def test_bad_env_value_fails_at_server_args_construction(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
@@ -232,3 +242,78 @@ def test_seams_of_modules_not_yet_imported_apply_on_import(tmp_path, monkeypatch
     finally:
         base.restore_all()
     assert late.answer() == 41
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every target resolves at activation, or activation fails naming it (both tables, whichever SGLang is here)
+
+
+def table_modules():
+    import importlib
+
+    return {version: importlib.import_module(name) for version, name in seams.SEAM_TABLES.items()}
+
+
+@pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
+@pytest.mark.parametrize("bad_target,named", [
+    ("sglang.srt.no_such_module:anything", "module sglang.srt.no_such_module not found"),
+    ("sglang.srt.server_args:ServerArgs.no_such_attribute", "has no attribute 'no_such_attribute'"),
+    ("sglang.srt.layers.no_such_pkg.deeper:thing", "module sglang.srt.layers.no_such_pkg.deeper not found"),
+])
+def test_unresolved_target_fails_activation_naming_it(monkeypatch, version, bad_target, named):
+    import sglang.srt.server_args  # noqa: F401  (imported: its attributes are checked, not only located)
+
+    table = table_modules()[version]
+    fake = base.Seam(bad_target, lambda original: original, "test")
+    monkeypatch.setattr(table, "SEAMS", list(table.SEAMS) + [fake])
+    with pytest.raises(base.UnresolvedSeamTarget, match=re.escape(named)) as caught:
+        if version == seams.sglang_version():
+            sglang_sm120.activate()
+        else:  # the other release's table also names its own targets here; ours must be among them
+            base.apply(table.SEAMS)
+    assert any(problem.startswith(bad_target) for problem in caught.value.problems)
+    assert not plugin.is_active()
+    assert base.applied_targets() == [] and base.pending_targets() == []
+
+
+@pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
+def test_a_missing_read_fails_activation_naming_it(monkeypatch, version):
+    table = table_modules()[version]
+    monkeypatch.setattr(table, "READS", list(getattr(table, "READS", [])) + ["sglang.srt.no_such_module:flag"])
+    with pytest.raises(base.UnresolvedSeamTarget, match="sglang.srt.no_such_module:flag"):
+        seams.load_table(version) if version == seams.sglang_version() else base.check_resolvable(table.READS)
+
+
+def test_the_other_versions_table_does_not_resolve_here():
+    """What the check is for: a table applied to the wrong SGLang fails at activation, naming its targets."""
+    installed = seams.sglang_version()
+    others = {v: t for v, t in table_modules().items() if v != installed}
+    assert others, "expected a second table"
+    for version, table in others.items():
+        with pytest.raises(base.UnresolvedSeamTarget) as caught:
+            base.check_resolvable([seam.target for seam in table.SEAMS] + list(getattr(table, "READS", [])))
+        assert caught.value.problems, version
+    table = seams.load_table()
+    base.check_resolvable([seam.target for seam in table.SEAMS] + list(getattr(table, "READS", [])))
+
+
+def test_locating_a_module_imports_nothing(tmp_path, monkeypatch):
+    package = tmp_path / "sm120_locate_probe"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('imported the parent')\n")
+    (package / "sub" / "__init__.py").write_text("raise RuntimeError('imported the package')\n")
+    (package / "sub" / "leaf.py").write_text("raise RuntimeError('imported the leaf')\n")
+    (tmp_path / "sm120_ns_probe" / "inner").mkdir(parents=True)  # namespace portions, no __init__.py
+    (tmp_path / "sm120_ns_probe" / "inner" / "leaf.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base.check_resolvable(["sm120_locate_probe.sub.leaf:x", "sm120_ns_probe.inner.leaf:x"])
+    assert not any(name.startswith(("sm120_locate_probe", "sm120_ns_probe")) for name in sys.modules)
+    with pytest.raises(base.UnresolvedSeamTarget, match="sm120_ns_probe.inner.missing"):
+        base.check_resolvable(["sm120_ns_probe.inner.missing:x"])
+
+
+def test_upstream_pcie_ipc_is_not_requested_where_sglang_has_none(monkeypatch):
+    from sglang_sm120 import upstream_pcie
+
+    monkeypatch.setenv(upstream_pcie.ENV, "1")
+    assert upstream_pcie.upstream_pcie_ipc_requested() is upstream_pcie.upstream_has_pcie_ipc()

@@ -79,10 +79,14 @@ def test_sglang_layers_import_with_standins():
         """
         from sglang_sm120.testing import standins
         standins.install()
+        import importlib
         import sglang_sm120
+        from sglang_sm120 import seams
+        from sglang_sm120.seams import base
         sglang_sm120.activate()
-        import sglang.srt.layers.communicator, sglang.srt.layers.layernorm
-        import sglang.srt.distributed.parallel_state
+        for module in sorted({seam.module_name for seam in seams.load_table().SEAMS}):
+            importlib.import_module(module)
+        assert base.pending_targets() == [], base.pending_targets()
         print("OK")
         """
     )

@@ -36,12 +36,28 @@ logger = logging.getLogger("sglang_sm120")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def upstream_pcie_note(enabled: bool) -> str:
+    """What the activation line says about SGLang's own PCIe-IPC all-reduce (0.5.23+, opt-in) when it was asked
+    for: with ours enabled, ours takes the group and upstream's workspace is not built (upstream_pcie.py)."""
+    try:
+        from .upstream_pcie import ENV, upstream_pcie_ipc_requested
+
+        if not upstream_pcie_ipc_requested():
+            return ""
+    except Exception as exc:  # reading SGLang's env registry failed: say so rather than guess
+        return f"; could not tell whether SGLang's own PCIe-IPC all-reduce was requested ({exc})"
+    if enabled:
+        return (f"; {ENV} is set too: the sm120 backend takes the TP group's all-reduces (it also fuses the "
+                "residual-add + RMSNorm) and SGLang's PCIe-IPC workspace is not built")
+    return f"; {ENV} is set: SGLang's own PCIe-IPC all-reduce is used"
+
+
 def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str) -> str:
     """The one line (WARNING, rank 0) that says at server start whether the backend serves this TP group. It is
     a warning on purpose: launchers show SGLang's INFO lines only once its logging is set up, and a user must be
     able to see which all-reduce runs without raising the log level."""
     state = "ENABLED" if enabled else "DISABLED"
-    tail = "" if enabled else "; SGLang's own all-reduce paths are used"
+    tail = upstream_pcie_note(enabled) or ("" if enabled else "; SGLang's own all-reduce paths are used")
     head = f"sglang_sm120: sm120 IPC all-reduce {state} for TP group {group} ({world_size} ranks, mode {mode})"
     return f"{head}: {detail}{tail}"
 

@@ -209,6 +209,7 @@ def derive_max_bytes(
     speculative_num_draft_tokens: int | None = None,
     speculative_algorithm: str | None = None,
     cap: int = DERIVED_MAX_BYTES_CAP,
+    decode_rows: int | None = None,
 ) -> ByteBound:
     """The default dispatch bound: the largest tensor a captured decode or EAGLE verify step all-reduces.
 
@@ -222,7 +223,11 @@ def derive_max_bytes(
     tokens_per_request = 1
     if speculative_algorithm and speculative_num_draft_tokens:
         tokens_per_request = max(1, int(speculative_num_draft_tokens))
-    if sizes:
+    if decode_rows:
+        # SGLang 0.5.23 computes the rows itself (draft tokens included, clamped to the request pool).
+        tokens = int(decode_rows)
+        why = f"widest captured decode/verify reduction {tokens} rows (SGLang's count)"
+    elif sizes:
         max_bs = max(sizes)
         tokens = max_bs * tokens_per_request
         why = f"max CUDA-graph batch {max_bs} x {tokens_per_request} token(s) per request"
@@ -240,13 +245,15 @@ def derive_max_bytes(
 
 
 def resolve_max_bytes(
-    explicit: int | None, server_args: object | None, hidden_size: int, element_size: int
+    explicit: int | None, server_args: object | None, hidden_size: int, element_size: int,
+    decode_rows: int | None = None,
 ) -> ByteBound:
     if explicit is not None:
         return ByteBound(int(explicit), f"set explicitly ({MAX_BYTES_ATTR} / {MAX_BYTES_ENV})")
     return derive_max_bytes(
         hidden_size=hidden_size,
         element_size=element_size,
+        decode_rows=decode_rows,
         cuda_graph_max_bs=getattr(server_args, "cuda_graph_max_bs", None),
         cuda_graph_bs=getattr(server_args, "cuda_graph_bs", None),
         speculative_num_draft_tokens=getattr(server_args, "speculative_num_draft_tokens", None),

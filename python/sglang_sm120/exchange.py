@@ -52,10 +52,11 @@ def default_store():
 
         return _get_default_store()
     except Exception:  # private API: degrade to SGLang's global TCP store when it moves
+        # The accessor exists in every supported release (0.5.23 no longer has the module global).
         try:
-            from sglang.srt.distributed.utils import _global_tcp_store
+            from sglang.srt.distributed.utils import get_global_tcp_store
 
-            return _global_tcp_store
+            return get_global_tcp_store()
         except Exception:
             return None
 

@@ -23,7 +23,20 @@ TP_GROUP_NAME = "tp"
 
 
 def runtime_server_args():
-    """The ServerArgs of this scheduler process, or None (e.g. a bare `init_distributed_environment`)."""
+    """The ServerArgs of this scheduler process, or None (e.g. a bare `init_distributed_environment`).
+
+    0.5.23 owns it in `runtime_context` (its `get_global_server_args()` only raises); 0.5.13.post1 has no
+    runtime_context, only the global accessor. Either way this is the raw record the launcher pickled to the
+    process, which carries our attributes."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+    except ImportError:
+        get_server_args = None
+    if get_server_args is not None:
+        try:
+            return get_server_args()
+        except Exception:  # not published yet in this process
+            return None
     try:
         from sglang.srt.server_args import get_global_server_args
 
@@ -37,10 +50,13 @@ def group_communicator(group) -> Sm120Communicator | None:
 
 
 def tp_communicator() -> Sm120Communicator | None:
+    # The getter, not the module global: in 0.5.23 groups live in the runtime context, which a model-owned
+    # context (`runtime_context.use_context`) can swap; 0.5.13.post1's getter also honours PD-multiplexing's
+    # prefill group. Both raise before init.
     try:
         from sglang.srt.distributed import parallel_state
 
-        tp = parallel_state._TP
+        tp = parallel_state.get_tp_group()
     except Exception:
         return None
     return group_communicator(tp) if tp is not None else None
@@ -48,6 +64,18 @@ def tp_communicator() -> Sm120Communicator | None:
 
 def _is_tp_group(group) -> bool:
     return str(getattr(group, "unique_name", "")).split(":")[0] == TP_GROUP_NAME
+
+
+def deterministic_inference(server_args) -> bool:
+    """The resolved switch where SGLang resolves it (0.5.23: resolution can turn it on, e.g. for
+    --rl-on-policy-target, by a declaration that leaves the raw field False), else the field (0.5.13.post1)."""
+    if server_args is None:
+        return False
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+    except ImportError:
+        return bool(getattr(server_args, "enable_deterministic_inference", False))
+    return bool(resolution_result(server_args, "enable_deterministic_inference", False))
 
 
 def attach(group) -> Sm120Communicator | None:
@@ -66,7 +94,7 @@ def attach(group) -> Sm120Communicator | None:
     comm = Sm120Communicator.for_group(
         group,
         mode=settings.mode,
-        deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
+        deterministic=deterministic_inference(server_args),
         timeout_s=config.agreement_timeout_s(),
     )
     comm.resolve_gate()
@@ -88,24 +116,53 @@ def wrap_group_init(original):
     return __init__
 
 
+# Where SGLang keeps its "inside a torch.compile piecewise CUDA graph" flag, per release. The seam table of
+# each version lists its location in READS, so activation fails if it moved again.
+PIECEWISE_PROBES = (
+    ("sglang.srt.compilation.piecewise_context_manager", "is_in_piecewise_cuda_graph"),  # 0.5.13.post1
+    (
+        "sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager",
+        "is_in_tc_piecewise_cuda_graph",
+    ),  # 0.5.23
+)
 _piecewise_probe = None
+
+
+def _find_piecewise_probe():
+    import importlib
+
+    for module_name, name in PIECEWISE_PROBES:
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 def _in_piecewise_cuda_graph() -> bool:
     global _piecewise_probe
     if _piecewise_probe is None:
-        try:
-            from sglang.srt.compilation.piecewise_context_manager import is_in_piecewise_cuda_graph
-        except Exception:
-            def is_in_piecewise_cuda_graph():
-                return False
-        _piecewise_probe = is_in_piecewise_cuda_graph
+        probe = _find_piecewise_probe()
+        if probe is None:
+            # Not knowing is treated as "inside": SGLang's own path is always correct there, ours is not.
+            logger.error("sglang_sm120: no piecewise-CUDA-graph probe in this SGLang (looked for %s); all-reduces "
+                         "stay on SGLang's paths", ", ".join(f"{m}.{n}" for m, n in PIECEWISE_PROBES))
+
+            def probe():
+                return True
+        _piecewise_probe = probe
     return bool(_piecewise_probe())
 
 
 def _must_use_original(inp: torch.Tensor) -> bool:
     # torch.compile traces SGLang's custom ops; a piecewise CUDA graph splits at inplace_all_reduce. Both
     # rely on SGLang's own ops, so we stay out of them (the same answer on every rank: same code path).
+    # 0.5.23's breakable prefill CUDA graphs are NOT excluded: they are plain stream captures cut at eager
+    # break points (attention and the like, never an all-reduce); a call of ours between two break points is
+    # captured like one in a decode graph. SGLang itself lets its FlashInfer fusion and its PCIe-IPC
+    # all-reduce run there (neither gate asks `is_in_breakable_cuda_graph`), and the workspace is built in
+    # the runner warm-up, before any capture. Reasoning in docs/overlay.md; GPU check in
+    # tests/gpu/test_breakable_graph.py.
     return torch.compiler.is_compiling() or _in_piecewise_cuda_graph()
 
 
@@ -143,14 +200,26 @@ def fusion_groups_are(group) -> bool:
         from sglang.srt.distributed import parallel_state as ps
 
         attn = ps.get_attn_tp_group()
-        moe = ps.get_moe_ep_group() if ps.get_moe_ep_group().world_size > 1 else ps.get_moe_tp_group()
+        try:
+            # 0.5.23 names the group a deferred MoE sum is completed over (TP when EP x MoE-TP merge into it).
+            from sglang.srt.layers.moe.utils import post_experts_reduction_group
+        except ImportError:
+            post_experts_reduction_group = None
+        if post_experts_reduction_group is not None:
+            moe = post_experts_reduction_group()
+        else:
+            moe = ps.get_moe_ep_group() if ps.get_moe_ep_group().world_size > 1 else ps.get_moe_tp_group()
         return attn is group and moe is group
     except Exception:
         return False
 
 
-def prepare_tp_backend(server_args, hidden_size: int, dtype: torch.dtype) -> Sm120Communicator | None:
-    """Build the TP group's workspace (collective; every TP rank must call it at the same point)."""
+def prepare_tp_backend(
+    server_args, hidden_size: int, dtype: torch.dtype, decode_rows: int | None = None
+) -> Sm120Communicator | None:
+    """Build the TP group's workspace (collective; every TP rank must call it at the same point).
+    `decode_rows`: rows of the widest captured decode/verify reduction, where SGLang computes it (0.5.23);
+    otherwise the bound is derived from the server arguments."""
     from sglang.srt.distributed import parallel_state as ps
 
     group = ps.get_tp_group()
@@ -159,7 +228,9 @@ def prepare_tp_backend(server_args, hidden_size: int, dtype: torch.dtype) -> Sm1
         return comm
     settings = config.settings_from_server_args(server_args)
     element_size = torch.empty((), dtype=dtype).element_size()
-    bound = config.resolve_max_bytes(settings.max_bytes, server_args, hidden_size, element_size)
+    bound = config.resolve_max_bytes(
+        settings.max_bytes, server_args, hidden_size, element_size, decode_rows=decode_rows
+    )
     timeout_s, _ = config.kernel_timeout_s(server_args)
     if comm.build(hidden_size, dtype, bound, kernel_timeout_s=timeout_s):
         comm.fusion_groups_ok = fusion_groups_are(group)

@@ -1,4 +1,5 @@
-"""Replacements for the fused all-reduce + residual-add + RMSNorm boundary of SGLang 0.5.13.post1.
+"""Replacements for the fused all-reduce + residual-add + RMSNorm boundary (0.5.13.post1 names below; 0.5.23's
+gate is `layers.layer_boundary...flashinfer_ar_fusion_applies`, same signature, see seams/v0_5_23.py).
 
 The fusion gate `layers.communicator.apply_flashinfer_allreduce_fusion(T)` decides, per layer boundary, whether
 the all-reduce is skipped at its source and done by `RMSNorm.forward_with_allreduce_fusion` at the next norm,
@@ -73,6 +74,9 @@ def norm_matches_kernel(norm_module) -> bool:
         and not getattr(norm_module, "cast_x_before_out_mul", False)
         and not getattr(norm_module, "fp32_residual", False)
         and getattr(norm_module, "override_orig_dtype", None) is None
+        # 0.5.23: a norm that also quantizes its output for the next projection (RMSNorm.fuse_input_quant)
+        # must hand that projection what its own forward produces.
+        and getattr(norm_module, "_quant_linear", None) is None
         and hasattr(norm_module, "variance_epsilon")
     )
 

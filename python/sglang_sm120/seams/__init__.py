@@ -9,6 +9,7 @@ from types import ModuleType
 # version string (as importlib.metadata reports it) -> module holding SEAMS
 SEAM_TABLES = {
     "0.5.13.post1": "sglang_sm120.seams.v0_5_13_post1",
+    "0.5.23": "sglang_sm120.seams.v0_5_23",
 }
 
 
@@ -39,4 +40,10 @@ def load_table(version: str | None = None) -> ModuleType:
             "Install a supported sglang, or leave the overlay out (uninstall sglang-sm120, or name only other "
             "plugins in SGLANG_PLUGINS)."
         )
-    return importlib.import_module(module_name)
+    table = importlib.import_module(module_name)
+    # Names the hooks read but do not patch (a table's READS): a missing one would make a hook take a
+    # wrong branch at run time, so it is an activation error like a missing seam.
+    from .base import check_resolvable
+
+    check_resolvable(list(getattr(table, "READS", ())))
+    return table

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -57,6 +60,83 @@ class _Applied:
 
 _lock = threading.RLock()
 _applied: list[_Applied] = []
+
+
+class UnresolvedSeamTarget(AttributeError):
+    """A seam (or a name a hook reads) that the installed SGLang does not have. Raised at activation: a
+    target whose module never exists would otherwise stay pending forever and the overlay would be
+    silently partial."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(
+            "sglang_sm120: seam targets that do not resolve in the installed SGLang: " + "; ".join(problems)
+        )
+
+
+def find_module_spec(name: str):
+    """The module's spec, found without importing it or its parent packages (a parent's `__init__` can be
+    heavy, or fail where GPU-only packages are absent). Imported modules answer from sys.modules."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return getattr(module, "__spec__", None) or importlib.machinery.ModuleSpec(name, None)
+    parts = name.split(".")
+    spec = importlib.util.find_spec(parts[0])  # a top-level name is located, not imported
+    for depth in range(2, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return None
+        fullname = ".".join(parts[:depth])
+        module = sys.modules.get(fullname)
+        if module is not None:
+            spec = getattr(module, "__spec__", None)
+            continue
+        spec = _find_child_spec(fullname, list(spec.submodule_search_locations))
+    return spec
+
+
+def _find_child_spec(fullname: str, locations: list[str]):
+    try:
+        return importlib.machinery.PathFinder.find_spec(fullname, locations)
+    except KeyError:
+        # A namespace portion (SGLang's `srt/` has no __init__.py): PathFinder builds its search path from the
+        # parent module, which is not imported. Collect the portion's directories by hand.
+        tail = fullname.rpartition(".")[2]
+        dirs = [os.path.join(loc, tail) for loc in locations if os.path.isdir(os.path.join(loc, tail))]
+        if not dirs:
+            return None
+        spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+        spec.submodule_search_locations = dirs
+        return spec
+
+
+def target_problem(target: str) -> str | None:
+    """Why `module:Owner.attr` does not resolve, or None. Modules that are not imported yet are only
+    located; for imported ones the attribute chain must exist too."""
+    module_name, _, path = target.partition(":")
+    try:
+        spec = find_module_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        return f"{target}: locating module {module_name} failed ({type(exc).__name__}: {exc})"
+    if spec is None:
+        return f"{target}: module {module_name} not found"
+    module = sys.modules.get(module_name)
+    if module is None or not path:
+        return None
+    owner: Any = module
+    walked = module_name
+    for name in path.split("."):
+        if not hasattr(owner, name):
+            return f"{target}: {walked} has no attribute {name!r}"
+        owner = getattr(owner, name)
+        walked += f".{name}"
+    return None
+
+
+def check_resolvable(targets: list[str]) -> None:
+    """Raise UnresolvedSeamTarget naming every target that does not resolve."""
+    problems = [problem for problem in (target_problem(t) for t in targets) if problem is not None]
+    if problems:
+        raise UnresolvedSeamTarget(problems)
 
 
 def _raw(owner: Any, name: str) -> Any:
@@ -152,9 +232,11 @@ _finder: _DeferredSeamFinder | None = None
 
 def apply(seams: list[Seam]) -> int:
     """Patch the seams of imported modules now (all or none) and the others right after their import.
-    Returns how many were patched now."""
+    Every target must resolve first (UnresolvedSeamTarget otherwise, nothing patched). Returns how many were
+    patched now."""
     global _finder
     with _lock:
+        check_resolvable([s.target for s in seams])
         now = [s for s in seams if s.module_name in sys.modules]
         later = [s for s in seams if s.module_name not in sys.modules]
         done = _apply_now(now)

@@ -88,3 +88,13 @@ SEAMS = [
         "adds the backend's state and device-side call counters to /get_server_info",
     ),
 ]
+
+# Names the hooks read (not patched); activation fails naming any that is missing.
+READS = [
+    "sglang.srt.server_args:get_global_server_args",
+    "sglang.srt.compilation.piecewise_context_manager:is_in_piecewise_cuda_graph",
+    "sglang.srt.distributed.utils:get_global_tcp_store",
+    "sglang.srt.distributed.parallel_state:get_tp_group",
+    "sglang.srt.distributed.parallel_state:get_attn_tp_group",
+    "sglang.srt.layers.dp_attention:is_dp_attention_enabled",
+]
