@@ -129,3 +129,31 @@ def test_plugin_entry_point_declared():
     assert any(ep.name == "sm120_allreduce" and ep.value == "sglang_sm120.plugin:activate" for ep in eps), (
         f"entry point sglang.srt.plugins/sm120_allreduce missing ({list(eps)}): run `pip install -e .`"
     )
+
+
+def _setup_py(args, tmp_path, **env):
+    run_env = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "setup.py", *args], cwd=REPO_ROOT, env=run_env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_install_fails_saying_what_is_missing_when_nvcc_is_absent(tmp_path):
+    res = _setup_py(["-q", "egg_info", "--egg-base", str(tmp_path)], tmp_path, CUDA_HOME=str(tmp_path / "no-cuda"))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert "cannot build the CUDA kernels: nvcc not found" in out and "SGL_SM120_SKIP_EXT=1" in out, out
+
+
+def test_install_pins_the_torch_the_kernels_are_built_against(tmp_path):
+    import torch
+
+    if _nvcc() is None:
+        _missing("nvcc not found (set CUDA_HOME)")
+    res = _setup_py(["-q", "egg_info", "--egg-base", str(tmp_path)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (requires,) = glob.glob(str(tmp_path / "*.egg-info" / "requires.txt"))
+    first = open(requires).read().split("\n[", 1)[0].split()
+    assert first == [f"torch=={torch.__version__.split('+')[0]}"], first
+    skipped = _setup_py(["-q", "egg_info", "--egg-base", str(tmp_path)], tmp_path, SGL_SM120_SKIP_EXT="1",
+                        CUDA_HOME=str(tmp_path / "no-cuda"))
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
