@@ -64,6 +64,28 @@ def require_gpus(n: int) -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture
+def clean_env(monkeypatch):
+    """The overlay's variables (and SGLang's PCIe-IPC switch) unset for the test. setenv-then-delenv records
+    "unset" as the value to restore, so values the code under test writes into os.environ (from_cli_args
+    exports the flags) are removed after the test."""
+    from sglang_sm120 import config
+
+    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def overlay(clean_env):
+    """The overlay activated on the installed SGLang for the test, restored after it."""
+    import sglang_sm120
+
+    sglang_sm120.activate()
+    yield
+    sglang_sm120.deactivate()
+
+
 @pytest.fixture(name="require_gpus")
 def require_gpus_fixture():
     """`require_gpus(n)` inside a test: skip it unless n GPUs are visible."""

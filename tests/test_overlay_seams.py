@@ -23,22 +23,6 @@ from tests.sglang_versions import requires_sglang  # noqa: E402
 ONLY_0513 = requires_sglang("0.5.13.post1")
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    # setenv-then-delenv records "unset" as the value to restore, so values the code under test writes into
-    # os.environ (from_cli_args exports the flags) are removed after the test.
-    for name in (config.MODE_ENV, config.MAX_BYTES_ENV):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def overlay(clean_env):
-    sglang_sm120.activate()
-    yield
-    sglang_sm120.deactivate()
-
-
 def current(target):
     return base._raw(*base.Seam(target, None, "").locate())
 

@@ -23,25 +23,10 @@ from tests.sglang_versions import requires_sglang
 pytestmark = requires_sglang("0.5.23")
 pytest.importorskip("sglang")
 
-import sglang_sm120  # noqa: E402
 from sglang_sm120 import config, hooks_distributed, hooks_v0_5_23, seams  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
-@pytest.fixture
-def overlay(clean_env):
-    sglang_sm120.activate()
-    yield
-    sglang_sm120.deactivate()
 
 
 @pytest.fixture
