@@ -40,7 +40,7 @@ for _p in (_ROOT / "python", _ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, sglang_compat  # noqa: E402
 from benchmarks import verify_pattern as vp  # noqa: E402
 from benchmarks.common import parse_int_list, short_exc  # noqa: E402
 from benchmarks.schema import e2e_estimate, validate_verify_doc  # noqa: E402
@@ -670,6 +670,11 @@ class Bench:
         if not ok:
             self.skip("sglang", why)
             return
+        ok, _, why = d.attempt(lambda: sglang_compat.publish_for_benchmark(d.world_size, d.rank, d.local_rank),
+                               f"publish the scheduler's server args (sglang {sglang_compat.sglang_version()})")
+        if not ok:
+            self.skip("sglang", why)
+            return
         ok, _, why = d.attempt(lambda: ps.init_distributed_environment(
             world_size=d.world_size, rank=d.rank, distributed_init_method="env://", local_rank=d.local_rank,
             backend="nccl"), "sglang init_distributed_environment")
@@ -700,8 +705,7 @@ class Bench:
                 return
         try:
             d.attempt(lambda: ps.set_custom_all_reduce(a.sglang_custom_ar == "on"), "set_custom_all_reduce")
-            ok, _, why = d.attempt(lambda: ps.initialize_model_parallel(tensor_model_parallel_size=d.world_size),
-                                   "initialize_model_parallel")
+            ok, _, why = d.attempt(lambda: sglang_compat.initialize_tp(ps, d.world_size), "initialize_model_parallel")
             if not ok:
                 self.skip(name, why)
                 return
@@ -753,7 +757,6 @@ class Bench:
 
     def _sglang_objects(self, ps):
         import torch
-        from sglang.srt.layers import communicator
         from sglang.srt.layers.layernorm import RMSNorm
 
         tp = ps.get_tp_group()
@@ -775,7 +778,7 @@ class Bench:
         # Identical on every rank: take rank 0's verdict if the ranks disagree (they should not).
         verdict = self.d.all_gather_obj(module_norm_ok)
         module_norm_ok = all(verdict)
-        return tp, norm_module, communicator.apply_flashinfer_allreduce_fusion, module_norm_ok, note
+        return tp, norm_module, sglang_compat.fusion_gate(), module_norm_ok, note
 
     # ------------------------------------------------------------------ reporting
     def print_tables(self) -> None:
