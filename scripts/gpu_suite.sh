@@ -58,6 +58,21 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 else
   export PYTHONPATH="$PWD:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# FlashInfer's PCIe IPC all-reduce for the bench peer flashinfer_pcie_ipc: a trimmed FlashInfer in .fi/site and the
+# wheels it needs in .fi/wheels, made by scripts/pack_flashinfer_pcie.sh (carry ".fi"). Only the bench stage sees it:
+# the other stages import SGLang broadly, which on a GPU machine expects the stand-ins for a missing FlashInfer
+# (python/sglang_sm120/testing/standins.py), and this copy holds the PCIe all-reduce only. Its tvm-ffi goes first
+# (FlashInfer 0.7.2 asks >= 0.1.11; .whl's SGLang 0.5.13.post1 pins 0.1.9).
+FI_PATH=
+if [ -d .fi/site ]; then
+  FI_DEPS=$(mktemp -d)
+  if ls .fi/wheels/*.whl > /dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$FI_DEPS" .fi/wheels/*.whl \
+      > "$WORK/logs/fi-wheels.log" 2>&1 || echo ">>> .fi wheel install failed (see logs/fi-wheels.log)"
+  fi
+  FI_PATH="$PWD/.fi/site:$FI_DEPS:"
+  echo ">>> bench stage gets FlashInfer (PCIe IPC only) from .fi/site" | tee -a "$OUT/summary.log"
+fi
 
 for stage in $stages; do
   case $stage in
@@ -65,7 +80,7 @@ for stage in $stages; do
     probe) step probe torchrun --nproc-per-node "$NGPU" scripts/probe_latency.py ;;
     kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
               --junitxml="$WORK/results/junit-kernel.xml" ;;
-    bench) BENCH_TIME_LIMIT_S=${BENCH_TIME_LIMIT_S:-170} step bench-allreduce torchrun --nproc-per-node "$NGPU" benchmarks/bench_allreduce.py --out "$WORK/results" ;;
+    bench) PYTHONPATH="$FI_PATH$PYTHONPATH" BENCH_TIME_LIMIT_S=${BENCH_TIME_LIMIT_S:-170} step bench-allreduce torchrun --nproc-per-node "$NGPU" benchmarks/bench_allreduce.py --out "$WORK/results" ;;
     verify)
       BENCH_TIME_LIMIT_S=${VERIFY_TIME_LIMIT_S:-220} step bench-verify torchrun --nproc-per-node "$NGPU" \
         benchmarks/bench_verify.py --compute none,gemm --via-sglang --sglang-custom-ar on \
