@@ -9,12 +9,36 @@ kernels of different processes) and say nothing about speed.
 
 from __future__ import annotations
 
+import os
 import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# "1": a test of N ranks runs on fewer GPUs, ranks sharing them (rank r on GPU r % count). Correctness only: CUDA
+# IPC works between processes on one GPU, the tests' own collectives are gloo, and timings mean nothing.
+SHARE_GPUS_ENV = "SGL_SM120_TEST_SHARE_GPUS"
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def enough_gpus_for(ranks: int) -> bool:
+    have = gpu_count()
+    return have >= ranks or (have >= 1 and os.environ.get(SHARE_GPUS_ENV) == "1")
+
+
+def need_ranks(ranks: int):
+    """skipif for a test of `ranks` processes: one GPU each, or any GPUs at all with SGL_SM120_TEST_SHARE_GPUS=1."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not enough_gpus_for(ranks),
+        reason=f"needs {ranks} GPUs (or {SHARE_GPUS_ENV}=1 to let ranks share), found {gpu_count()}",
+    )
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from sgl_kernel_sm120 import (
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
-from tests.gpu.harness import run_ranks
+from tests.gpu.harness import need_ranks, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -33,14 +33,6 @@ HIDDENS = [7168, 6144, 4096, 2048, 8]
 DTYPES = [torch.bfloat16, torch.float16]
 EPS = 1e-6
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _need(n: int):
-    return pytest.mark.skipif(_gpus() < n, reason=f"needs {n} GPUs, found {_gpus()}")
 
 
 def _islands(world: int):
@@ -118,12 +110,12 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
     assert not failures, "\n".join(failures[:20])
 
 
-@_need(2)
+@need_ranks(2)
 def test_exact_sums_all_shapes_variants_dtypes_2gpu():
     run_ranks(2, _scenario_exact_shapes, ROWS, HIDDENS, DTYPES)
 
 
-@_need(2)
+@need_ranks(2)
 @pytest.mark.parametrize("world", [4, 8])
 def test_exact_sums_oversubscribed(world):
     """4 and 8 ranks on the GPUs we have (ranks share GPUs): checks the 4/8-rank schedules' index arithmetic
@@ -152,7 +144,7 @@ def _scenario_random_vs_fp64(rank, world):
     assert not failures, "\n".join(failures)
 
 
-@_need(2)
+@need_ranks(2)
 def test_random_inputs_against_fp64_reference():
     run_ranks(2, _scenario_random_vs_fp64)
 
@@ -187,7 +179,7 @@ def _scenario_special_values(rank, world):
     assert not failures, "\n".join(failures)
 
 
-@_need(2)
+@need_ranks(2)
 def test_zeros_signed_zeros_large_and_tiny_values():
     run_ranks(2, _scenario_special_values)
 
@@ -236,7 +228,7 @@ def _scenario_back_to_back(rank, world, calls):
     assert not failures, "\n".join(failures[:20])
 
 
-@_need(2)
+@need_ranks(2)
 def test_1000_back_to_back_calls_alternating_sizes():
     run_ranks(2, _scenario_back_to_back, 1000)
 
@@ -294,7 +286,7 @@ def _scenario_graph(rank, world, calls_in_graph, replays):
     assert not failures, "\n".join(failures[:20])
 
 
-@_need(2)
+@need_ranks(2)
 def test_graph_of_50_mixed_calls_replayed_100_times():
     assert 1000 % len(SHAPES_CYCLE) == 0  # replay inputs keep the captured shapes
     run_ranks(2, _scenario_graph, 50, 100)
@@ -326,12 +318,12 @@ def _scenario_create_close(rank, world, cycles, delayed_rank=None):
     assert leaked < 8 << 20, f"{leaked / 2**20:.1f} MiB of device memory not returned after {cycles} cycles"
 
 
-@_need(2)
+@need_ranks(2)
 def test_create_close_100_times_does_not_leak():
     run_ranks(2, _scenario_create_close, 100)
 
 
-@_need(2)
+@need_ranks(2)
 def test_create_close_100_times_with_a_delayed_peer_no_error_no_leak():
     run_ranks(2, _scenario_create_close, 100, 1)
 
@@ -365,7 +357,7 @@ def _scenario_rank_skips_a_call(rank, world):
     ar.close(collective=False)
 
 
-@_need(2)
+@need_ranks(2)
 def test_rank_skipping_a_call_ends_in_timeout_error_not_hang():
     run_ranks(2, _scenario_rank_skips_a_call, timeout_s=120)
 
@@ -411,7 +403,7 @@ def _scenario_late_peer(rank, world, late_call, sleep_s):
         ar.close()
 
 
-@_need(2)
+@need_ranks(2)
 def test_late_peer_is_waited_for_and_warned_about_not_an_error():
     run_ranks(2, _scenario_late_peer, 3, 8.0, timeout_s=180)
 
@@ -444,6 +436,6 @@ def _scenario_probe_drop(rank, world):
         ar.close()
 
 
-@_need(2)
+@need_ranks(2)
 def test_probe_names_a_dropped_pair_on_every_rank():
     run_ranks(2, _scenario_probe_drop, timeout_s=120)

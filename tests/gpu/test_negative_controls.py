@@ -19,10 +19,9 @@ import sys
 import tempfile
 
 import pytest
-import torch
 
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-from tests.gpu.harness import run_ranks
+from tests.gpu.harness import need_ranks, run_ranks
 from tests.gpu.test_ipc_allreduce import _scenario_back_to_back
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +46,7 @@ def _build_broken(flag: str, out: str) -> str:
     return path
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@need_ranks(2)
 @pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"])
 def test_broken_protocol_is_caught(flag, monkeypatch):
     with tempfile.TemporaryDirectory() as out:
