@@ -381,13 +381,14 @@ class IpcAllReduce:
             self._watchdog.join(timeout=2.0)
         if self._handle == 0:
             return
-        local_only = not collective or self.timeout_error() is not None or self.world_size == 1
+        context_dead = self.timeout_error() is not None
+        local_only = not collective or context_dead or self.world_size == 1
         try:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # a trapped kernel: the context is gone, free what can be freed
             logger.warning("IpcAllReduce rank %d: synchronize before close failed (%s); closing locally", self.rank,
                            exc)
-            local_only = True
+            local_only = context_dead = True
         try:
             _ext.ops().ws_close_peers(self._handle)
         except Exception as exc:
@@ -400,7 +401,14 @@ class IpcAllReduce:
                     "IpcAllReduce rank %d: not every rank confirmed within %.0f s that it unmapped this rank's slab "
                     "(%s); freeing it anyway", self.rank, barrier_timeout_s, exc,
                 )
-        self._release()
+        try:
+            self._release()
+        except Exception as exc:
+            if not context_dead:
+                raise
+            # After a trap every CUDA call of this process fails; the driver reclaims the memory with the process.
+            logger.warning("IpcAllReduce rank %d: freeing the workspace after a kernel trap failed (%s); the CUDA "
+                           "context is gone and its memory is released when the process ends", self.rank, exc)
 
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
         """The timeout a kernel of this workspace recorded, if any (a CPU read; works after the trap)."""
