@@ -439,3 +439,37 @@ def _scenario_probe_drop(rank, world):
 @need_ranks(2)
 def test_probe_names_a_dropped_pair_on_every_rank():
     run_ranks(2, _scenario_probe_drop, timeout_s=120)
+
+
+# --------------------------------------------------------------------------------------------------------
+def _scenario_device_counter(rank, world):
+    # The counter /get_server_info reports: calls completed as the device counts them, CUDA-graph replays
+    # included (Python sees a captured call once), read without synchronizing the device.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168)
+    try:
+        x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
+        for _ in range(5):
+            ar.all_reduce(x)
+        ar.synchronize()
+        assert ar.calls_completed() == 5, f"after 5 eager calls the device counted {ar.calls_completed()}"
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            ar.all_reduce(x)  # warm-up on the capture stream (one more eager call)
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(3):
+                    out = ar.all_reduce(x)
+        for _ in range(10):
+            graph.replay()
+        ar.synchronize()
+        assert torch.equal(out, torch.full_like(x, world)), "wrong sum in the replayed graph"
+        assert ar.calls_completed() == 5 + 1 + 3 * 10, f"device counted {ar.calls_completed()}, expected 36"
+    finally:
+        ar.close()
+
+
+@need_ranks(2)
+def test_device_call_counter_counts_graph_replays():
+    run_ranks(2, _scenario_device_counter, timeout_s=120)
