@@ -47,7 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn, args, queue) -> None:
+def _child(rank: int, world: int, port: int, fn, args, queue, hang_report_s: float) -> None:
+    import faulthandler
+    import sys
+
+    # A rank that hangs prints where every thread is, shortly before the parent gives up and kills it.
+    faulthandler.dump_traceback_later(hang_report_s, exit=False, file=sys.stderr)
     verdict = None
     try:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -79,7 +84,8 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300.0) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    hang_report_s = max(timeout_s - 15.0, 5.0)
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, queue, hang_report_s)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, str | None] = {}
