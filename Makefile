@@ -3,7 +3,9 @@
 #
 #   make test      from nothing, for every stack: venv (pinned) + build the kernels + ruff + pytest -m "not gpu"
 #   make venv      (re)create the venvs whose requirements changed (stamp keyed on their hash)
-#   make build     build the kernels into each venv's editable install (one library per torch: never another's)
+#   make build     per stack: editable install of the Python parts, and the kernels built into the stack's venv
+#                  (.venvs/<stack>/sm120-ext), outside the source tree, so no other environment's library is touched
+#   make pytest    pytest -m "not gpu" in one stack, loading that build (SGL_SM120_EXT_LIBRARY)
 #   make lint      ruff check
 #   make test-gpu  pytest -m gpu on an existing environment (e.g. `make test-gpu PY=python`)
 #   make clean     build outputs;  make distclean  also the venvs
@@ -23,6 +25,7 @@ BOOT_PY     ?= $(shell command -v python3.11 || command -v python3)
 REQS         = requirements/$(STACK)/ci.txt requirements/$(STACK)/sglang-nodeps.txt
 REQ_HASH     = $(shell cat $(REQS) | sha256sum | cut -c1-16)
 STAMP        = $(VENV)/.stamp-$(REQ_HASH)
+EXT_DIR      = $(VENV)/sm120-ext
 PY          ?= $(VENV_PY)
 
 export CUDA_HOME            ?= /usr/local/cuda
@@ -53,23 +56,25 @@ $(STAMP): $(REQS)
 build:
 	@for s in $(STACKS); do $(MAKE) --no-print-directory build-one STACK=$$s; done
 
-# Editable, so the tests see this checkout; the library is named after the venv's torch
-# (sgl_kernel_sm120/_C_torch<ver>_cuda<ver>*.so) and its objects live in build/<that tag>/, so stacks and a user's
-# own `pip install -e .` never overwrite each other's build.
+# The Python parts as an editable install (the tests see this checkout, the entry point is registered), the
+# kernels built into the venv: a library in the source tree would be the one a user's own `pip install -e .`
+# loads. The library's name still carries the torch it was built for (sgl_kernel_sm120/_abi.py).
 build-one:
 	@echo ">>> [$(STACK)] building sglang-sm120 (TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST), CUDA_HOME=$(CUDA_HOME))"
 	@mkdir -p build
-	@$(PY) -m pip install -v --no-build-isolation --no-deps -e . > build/pip-install-$(STACK).log 2>&1 \
-		|| { cat build/pip-install-$(STACK).log; echo ">>> [$(STACK)] build FAILED (log: build/pip-install-$(STACK).log)"; exit 1; }
-	@grep "sglang-sm120: building" build/pip-install-$(STACK).log || true
-	@tail -n 1 build/pip-install-$(STACK).log
+	@SGL_SM120_SKIP_EXT=1 $(PY) -m pip install -v --no-build-isolation --no-deps -e . > build/pip-install-$(STACK).log 2>&1 \
+		|| { cat build/pip-install-$(STACK).log; echo ">>> [$(STACK)] install FAILED (log: build/pip-install-$(STACK).log)"; exit 1; }
+	@$(PY) setup.py build_ext --build-lib $(EXT_DIR) --build-temp $(VENV)/sm120-build-temp > build/build-ext-$(STACK).log 2>&1 \
+		|| { cat build/build-ext-$(STACK).log; echo ">>> [$(STACK)] build FAILED (log: build/build-ext-$(STACK).log)"; exit 1; }
+	@grep "sglang-sm120: building" build/build-ext-$(STACK).log | tail -n 1
+	@ls $(EXT_DIR)/sgl_kernel_sm120/_C_torch*.so | sed 's/^/>>> built /'
 
 lint:
 	$(PY) -m ruff check .
 
 pytest:
 	@echo ">>> [$(STACK)] pytest -m 'not gpu'"
-	$(PY) -m pytest -m "not gpu"
+	SGL_SM120_EXT_LIBRARY=$$(ls $(abspath $(EXT_DIR))/sgl_kernel_sm120/_C_torch*.so) $(PY) -m pytest -m "not gpu"
 
 test-stack: venv-one
 	$(MAKE) --no-print-directory build-one pytest STACK=$(STACK) PY=$(VENV_PY)

@@ -71,14 +71,20 @@ def _list_elf(path: str) -> list[str]:
     return re.findall(r"\.(sm_\d+[af]?)\.cubin", out.stdout)
 
 
-def _load_ext():
+def _built_library() -> str:
+    """Path of the library this process loads: the one `make` builds out of the tree for each stack (named by
+    SGL_SM120_EXT_LIBRARY), else the in-tree one named for the running torch (a `pip install -e .`)."""
     import torch  # noqa: F401  (loads libtorch before the extension)
 
     from sgl_kernel_sm120 import _ext
 
-    name = _ext.expected_module()
+    override = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)
+    if override:
+        if not _ext.kernels_available():
+            _missing(f"{_ext.unavailable_reason()} (run `make build`)")
+        return override
     try:
-        return importlib.import_module(f"sgl_kernel_sm120.{name}")
+        return importlib.import_module(f"sgl_kernel_sm120.{_ext.expected_module()}").__file__
     except ImportError:
         _missing(f"{_ext.unavailable_reason()} (run `make build`)")
 
@@ -86,8 +92,11 @@ def _load_ext():
 def test_extension_loads_and_registers_ops():
     import torch
 
-    ext = _load_ext()
-    assert ext.__file__ and ext.__file__.endswith(".so"), ext.__file__
+    from sgl_kernel_sm120 import _ext
+
+    path = _built_library()
+    # built for this very torch: the name says so, whichever way it was loaded
+    assert os.path.basename(path).startswith(_ext.expected_module() + "."), path
     ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("sgl_kernel_sm120::"))
     assert ops, "torch.ops.sgl_kernel_sm120 has no ops: csrc/torch_bindings.cpp registered nothing"
     # each registered op resolves through torch.ops
@@ -96,13 +105,13 @@ def test_extension_loads_and_registers_ops():
 
 
 def test_extension_has_sm120a_and_sm90a_for_every_source():
-    ext = _load_ext()
-    elfs = _list_elf(ext.__file__)
+    path = _built_library()
+    elfs = _list_elf(path)
     assert CU_SOURCES, f"no CUDA sources in {os.path.join(REPO_ROOT, 'csrc')}/*.cu"
     for arch in ARCHS:
         # one cubin per arch per translation unit with device code (every csrc/*.cu has kernels)
         assert elfs.count(arch) >= len(CU_SOURCES), (
-            f"{ext.__file__} holds {elfs.count(arch)} {arch} cubins for {len(CU_SOURCES)} .cu files (all ELFs: "
+            f"{path} holds {elfs.count(arch)} {arch} cubins for {len(CU_SOURCES)} .cu files (all ELFs: "
             f"{sorted(elfs)}); build with TORCH_CUDA_ARCH_LIST='9.0a;12.0a' (the Makefile's default)"
         )
 

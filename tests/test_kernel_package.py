@@ -196,6 +196,7 @@ def test_extension_registers_every_op():
 def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
     # The negative-control builds are loaded through this variable; a bad path must be a clear error.
     missing = tmp_path / "no_such_library.so"
+    before = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)  # `make test` loads its out-of-tree build this way
     monkeypatch.setenv(_ext.LIBRARY_OVERRIDE_ENV, str(missing))
     _ext._load.cache_clear()
     try:
@@ -203,7 +204,10 @@ def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
         with pytest.raises(k.KernelsNotBuiltError, match="no_such_library.so"):
             _ext.ops()
     finally:
-        monkeypatch.delenv(_ext.LIBRARY_OVERRIDE_ENV)
+        if before is None:
+            monkeypatch.delenv(_ext.LIBRARY_OVERRIDE_ENV)
+        else:
+            monkeypatch.setenv(_ext.LIBRARY_OVERRIDE_ENV, before)
         _ext._load.cache_clear()
     assert k.kernels_available()
 
