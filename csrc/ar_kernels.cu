@@ -2,6 +2,7 @@
 // all-gather) push, each with a plain and a fused residual-add + RMSNorm epilogue.
 // The protocol invariants I1..I8 are stated in ar_protocol.cuh; comments below name the one they rely on.
 #include <algorithm>
+#include <type_traits>
 
 #include "ar_launch.h"
 #include "ar_protocol.cuh"
@@ -23,9 +24,14 @@ struct CallArgs {
   float inv_hidden;
 };
 
-// Fused kernels keep each thread's packs of a row in registers between the sum and the norm: a row has at
-// most kMaxPacksPerThread x 1024 packs (hidden <= 65536 elements).
-constexpr int kFusedThreads = 1024;
+// Fused kernels: a CTA per row. A row of up to 1024 packs (hidden <= 8192) gets one pack per thread of up to
+// 1024 threads in one-shot, held in registers between the sum and the norm. Wider rows, and the hierarchical
+// kernels, use 512-thread CTAs, where a thread has 128 registers rather than 64 (the waits at 8 ranks need
+// them, see OneShotSlots::reduce_pack): up to kMaxPacksPerThread packs per thread, held when at most
+// kHeldPacks, otherwise re-read from residual_out for the norm. Every fused kernel builds without spills
+// (tests/test_build.py checks the cubins).
+constexpr int kWideThreads = 512;
+constexpr int kHeldPacks = 2;
 
 // ---------------------------------------------------------------------------------------------------------
 // One-shot: every rank pushes its whole input into slot[rank] of every peer, then reduces all slots locally.
@@ -56,17 +62,53 @@ struct OneShotSlots {
     }
   }
 
-  // Wait for every peer's pack g at once, empty the slots (I4), and sum in rank order from bit-identical
-  // operands (I2), so every rank gets the same bits.
-  template <typename T>
+  // Wait for every peer's pack g (all loads issued before any test, I10), empty the slots (I4), and sum in
+  // rank order from bit-identical operands (I2), so every rank gets the same bits.
+  // kBatch < kWorld waits for the ranks in groups of kBatch, adding each group before loading the next: one
+  // more round trip per group, but 4 x kBatch registers of packs instead of 4 x kWorld, for the kernels that
+  // would otherwise spill (see the kernels). The sum's order, and so its bits, does not depend on kBatch.
+  template <typename T, int kBatch = kWorld>
   __device__ __forceinline__ Acc8 reduce_pack(const WorkspaceView& ws, unsigned long long seq, long long g,
                                               uint4 own) const {
+    static_assert(kWorld % kBatch == 0, "batches must tile the ranks");
+    const unsigned peers = ((1u << kWorld) - 1u) & ~(1u << ws.rank);
+    Acc8 acc;
+#pragma unroll
+    for (int base = 0; base < kWorld; base += kBatch) {
+      // v[rank - base] is never loaded: it is `own` from the start, so `own` needs no registers of its own
+      // during the wait (at 8 ranks the wait holds 32 of the 64 registers a 1024-thread CTA leaves a thread).
+      uint4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) v[i] = own;
+      const unsigned wanted = (peers >> base) & ((1u << kBatch) - 1u);
+      auto addr = [&](int i) { return poll(ws, base + i, g); };
+      wait_for_packs<kBatch, false>(ws, v, wanted, addr, [&](int i) { return base + i; }, kPhaseOneShot, seq);
+      empty_packs<kBatch>(wanted, addr);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (base + i == 0) {
+          acc = unpack<T>(v[i]);
+        } else {
+          accumulate<T>(acc, v[i]);
+        }
+      }
+    }
+    return acc;
+  }
+
+  // The polling this file had before I10, kept only for the polling microbenchmark (benchmarks/bench_polling.py,
+  // one-shot bf16 at 8 ranks, see launch_oneshot_serial_poll) to time old against new in one build: each peer's
+  // pack is loaded, waited on and tested before the next load issues (the self branch and the short-circuit
+  // test serialise them).
+  template <typename T>
+  __device__ __forceinline__ Acc8 reduce_pack_serial(const WorkspaceView& ws, unsigned long long seq, long long g,
+                                                     uint4 own) const {
     uint4 v[kWorld];
     bool pending = false;
 #pragma unroll
     for (int p = 0; p < kWorld; ++p) {
       v[p] = p == ws.rank ? own : load_volatile(poll(ws, p, g));
-      pending |= p != ws.rank && half_pack_has_empty(v[p]);
+      pending |= p != ws.rank && legacy_has_empty(v[p]);
     }
     if (pending) {
       const long long start = static_cast<long long>(global_timer_ns());
@@ -76,9 +118,9 @@ struct OneShotSlots {
         int missing = -1;
 #pragma unroll
         for (int p = 0; p < kWorld; ++p) {
-          if (p != ws.rank && half_pack_has_empty(v[p])) {
+          if (p != ws.rank && legacy_has_empty(v[p])) {
             v[p] = load_volatile(poll(ws, p, g));
-            if (half_pack_has_empty(v[p])) {
+            if (legacy_has_empty(v[p])) {
               pending = true;
               missing = p;
             }
@@ -87,20 +129,29 @@ struct OneShotSlots {
         if (pending && (++spins & 255u) == 0u) check_wait_bounds(ws, start, missing, kPhaseOneShot, seq);
       }
     }
-#ifndef SGL_SM120_DEBUG_NO_CLEAR
 #pragma unroll
     for (int p = 0; p < kWorld; ++p)
       if (p != ws.rank) store_volatile(poll(ws, p, g), empty_pack());
-#endif
     Acc8 acc = unpack<T>(v[0]);
 #pragma unroll
     for (int p = 1; p < kWorld; ++p) accumulate<T>(acc, v[p]);
     return acc;
   }
+
+  static __device__ __forceinline__ bool legacy_has_empty(uint4 v) {
+    auto half = [](uint32_t w) { return (w & 0xFFFFu) == kEmptyHalf || (w >> 16) == kEmptyHalf; };
+    return half(v.x) || half(v.y) || half(v.z) || half(v.w);
+  }
+
+  template <typename T, bool kSerialPoll, int kBatch = kWorld>
+  __device__ __forceinline__ Acc8 reduce(const WorkspaceView& ws, unsigned long long seq, long long g, uint4 own) const {
+    if (kSerialPoll) return reduce_pack_serial<T>(ws, seq, g, own);
+    return reduce_pack<T, kBatch>(ws, seq, g, own);
+  }
 };
 
-template <typename T, int kWorld>
-__global__ void __launch_bounds__(1024) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+template <typename T, int kWorld, bool kSerialPoll = false>
+__global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
   pdl_wait_and_release();
   const unsigned long long seq = load_sequence(ws);
   const OneShotSlots<kWorld> slots(ws, parity_of(seq));
@@ -110,15 +161,23 @@ __global__ void __launch_bounds__(1024) oneshot_all_reduce_kernel(const __grid_c
   // Push everything before waiting on anything: no wait below depends on a later push of our own.
   for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
   for (long long g = first; g < a.num_packs; g += stride) {
-    a.out[g] = round_pack<T>(slots.template reduce_pack<T>(ws, seq, g, remap_half_pack(a.inp[g])));
+    a.out[g] = round_pack<T>(slots.template reduce<T, kSerialPoll>(ws, seq, g, remap_half_pack(a.inp[g])));
   }
   finish_call(ws, seq);
 }
 
 // Fused: a CTA per row (rows few, hidden large), so the RMSNorm row sum is a block reduction; a thread's
 // packs j = threadIdx.x + k * blockDim.x, k < kPacks.
-template <typename T, int kWorld, int kPacks>
-__global__ void __launch_bounds__(kFusedThreads) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+// Registers: __launch_bounds__(1024) leaves 64 per thread, and one-shot's wait holds W packs (32 registers at
+// 8 ranks). With one pack per thread (hidden <= 8192) the row's input and residual are loaded before the wait,
+// and the rounded residual and the weight stay in registers for the norm. Wider rows run 512 threads with
+// kPacks = kMaxPacksPerThread: each pack's operands are loaded when it is reduced, and the norm pass reads the
+// residual back from residual_out (this thread's own store, so it sees it) and the weight again.
+template <typename T, int kWorld, int kPacks, bool kSerialPoll = false>
+__global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+  constexpr bool kHoldRow = kPacks == 1;
+  constexpr int kUnroll = kHoldRow ? kPacks : 1;
+  constexpr int kBatch = kWorld;
   __shared__ float s_red[33];
   pdl_wait_and_release();
   const unsigned long long seq = load_sequence(ws);
@@ -126,7 +185,7 @@ __global__ void __launch_bounds__(kFusedThreads) oneshot_add_rmsnorm_kernel(cons
   const int ppr = a.packs_per_row;
 
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < ppr) {
@@ -136,42 +195,55 @@ __global__ void __launch_bounds__(kFusedThreads) oneshot_add_rmsnorm_kernel(cons
     }
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    uint4 r[kPacks], w[kPacks], res[kPacks], own[kPacks];
+    constexpr int kHeld = kHoldRow ? kPacks : 1;
+    uint4 r[kHeld], w[kHeld], res[kHeld], own[kHeld];
+    if (kHoldRow) {
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {  // loads that do not depend on the peers go first
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        own[k] = remap_half_pack(a.inp[g]);
-        res[k] = a.residual[g];
-        w[k] = a.weight[j];
+      for (int k = 0; k < kHeld; ++k) {  // loads that do not depend on the peers go first
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < ppr) {
+          const long long g = static_cast<long long>(row) * ppr + j;
+          own[k] = remap_half_pack(a.inp[g]);
+          res[k] = a.residual[g];
+        }
       }
     }
     float squares = 0.f;
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < ppr) {
         const long long g = static_cast<long long>(row) * ppr + j;
-        Acc8 acc = slots.template reduce_pack<T>(ws, seq, g, own[k]);
-        accumulate<T>(acc, res[k]);
-        r[k] = round_pack<T>(acc);  // residual_out, rounded once
-        a.out[g] = r[k];
-        squares += sum_of_squares<T>(r[k]);  // the norm starts from the rounded residual, as SGLang's
+        const int h = kHoldRow ? k : 0;
+        if (!kHoldRow) own[0] = remap_half_pack(a.inp[g]);
+        Acc8 acc = slots.template reduce<T, kSerialPoll, kBatch>(ws, seq, g, own[h]);
+        accumulate<T>(acc, kHoldRow ? res[h] : a.residual[g]);  // unheld: loaded after the wait
+        r[h] = round_pack<T>(acc);  // residual_out, rounded once
+        a.out[g] = r[h];
+        // The weight is loaded only now: held across the wait it would push the 8-rank kernel past 64
+        // registers; issued here its latency hides behind the row sum.
+        if (kHoldRow) w[h] = a.weight[j];
+        squares += sum_of_squares<T>(r[h]);  // the norm starts from the rounded residual, as SGLang's
       }
     }
     const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) a.norm_out[static_cast<long long>(row) * ppr + j] = scale_pack<T>(r[k], w[k], inv_rms);
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
+        const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
+        a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+      }
     }
   }
   finish_call(ws, seq);
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Hierarchical: packs are owned round-robin by island position (owner = g % I).
+// Hierarchical: packs are owned by island position in blocks of kOwnerBlockPacks consecutive packs, the
+// blocks dealt round-robin (owner = (g / 32) % I), so each warp stores 512 B pieces per destination:
 //  1. reduce-scatter: push each pack to its owner inside the island;
 //  2. the owner sums its island's packs in position order (fp32); with several islands it swaps the fp32
 //     partial with its twins (same position in the other islands) and sums the partials in island order, so
@@ -179,37 +251,48 @@ __global__ void __launch_bounds__(kFusedThreads) oneshot_add_rmsnorm_kernel(cons
 //  3. all-gather: the owner pushes the result to its island.
 // Bytes per rank with I ranks an island and G islands: 2 (I-1)/I x payload inside the island and
 // 2 (G-1)/I x payload (fp32) across. Flat two-shot is G = 1.
+// The fp32 partials cross islands as two planes (low 4 floats of every pack, then the high 4), so that link,
+// the slowest, also gets 512 B pieces.
 // Fused: the owner adds ITS residual. Tensor parallelism replicates the residual on every rank, so this is
 // the caller's residual; the kernel does not check it.
 // ---------------------------------------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, int kIsland>
 struct HierStep {
   const WorkspaceView& ws;
   const Topology& t;
   int parity;
   unsigned long long seq;
-  long long xs_base;  // cross-island slots: G x 2 chunk (fp32), after I reduce-scatter slots
-  long long ag_base;  // all-gather slots: I x chunk, after those
 
   __device__ __forceinline__ HierStep(const WorkspaceView& w, const Topology& topo, unsigned long long s)
-      : ws(w), t(topo), parity(parity_of(s)), seq(s) {
-    xs_base = static_cast<long long>(t.island_size) * ws.chunk_slot_bytes;
-    ag_base = xs_base + 2ll * t.num_islands * ws.chunk_slot_bytes;
+      : ws(w), t(topo), parity(parity_of(s)), seq(s) {}
+
+  // Computed where used rather than kept: at 8 ranks the wait needs nearly every register (see reduce_pack).
+  // cross-island slots: G x 2 planes of a chunk (fp32), after I reduce-scatter slots
+  __device__ __forceinline__ long long xs_base() const { return static_cast<long long>(kIsland) * ws.chunk_slot_bytes; }
+  // all-gather slots: I x chunk, after those
+  __device__ __forceinline__ long long ag_base() const {
+    return xs_base() + 2ll * t.num_islands * ws.chunk_slot_bytes;
   }
 
-  __device__ __forceinline__ int owner(long long g) const { return static_cast<int>(g % t.island_size); }
-  __device__ __forceinline__ long long offset(long long g) const { return g / t.island_size; }
+  __device__ __forceinline__ int owner(long long g) const {
+    return static_cast<int>((g >> kOwnerBlockShift) & (kIsland - 1));
+  }
+  // Position of pack g inside its owner's chunk: the owner's blocks packed one after the other.
+  __device__ __forceinline__ long long offset(long long g) const {
+    return ((g / (kOwnerBlockPacks * kIsland)) << kOwnerBlockShift) | (g & (kOwnerBlockPacks - 1));
+  }
 
   __device__ __forceinline__ char* rs_slot(int rank, int sender_pos, long long g) const {
     return region_of(ws, rank, parity) + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
   }
-  __device__ __forceinline__ char* xs_slot(int rank, int sender_island, long long g) const {
-    return region_of(ws, rank, parity) + xs_base + 2ll * sender_island * ws.chunk_slot_bytes +
-           offset(g) * 2 * kPackBytes;
+  // plane 0: floats 0..3 of the pack's partial, plane 1: floats 4..7
+  __device__ __forceinline__ char* xs_slot(int rank, int sender_island, int plane, long long g) const {
+    return region_of(ws, rank, parity) + xs_base() + (2ll * sender_island + plane) * ws.chunk_slot_bytes +
+           offset(g) * kPackBytes;
   }
   __device__ __forceinline__ char* ag_slot(int rank, int sender_pos, long long g) const {
-    return region_of(ws, rank, parity) + ag_base + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
+    return region_of(ws, rank, parity) + ag_base() + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
   }
 
   // Phase 1, by every rank for every pack it does not own.
@@ -220,15 +303,29 @@ struct HierStep {
 
   // Phase 2, by the owner: returns the fp32 sum over all ranks, identical on every twin.
   __device__ __forceinline__ Acc8 reduce_owned(long long g, uint4 own) const {
+    // I10: the island's packs are loaded together, our own position being `own`, and summed in position
+    // order. (kBatch as in OneShotSlots::reduce_pack; these kernels run at <= 512 threads, with the registers
+    // for all 8.)
+    constexpr int kBatch = kIsland;
+    const unsigned senders = ((1u << kIsland) - 1u) & ~(1u << t.my_index);
     Acc8 part;
-    for (int pos = 0; pos < t.island_size; ++pos) {
-      const uint4 v = pos == t.my_index ? own
-                                        : consume_pack<false>(ws, rs_slot(ws.rank, pos, g), t.island_ranks[pos],
-                                                              kPhaseReduceScatter, seq);
-      if (pos == 0) {
-        part = unpack<T>(v);
-      } else {
-        accumulate<T>(part, v);
+#pragma unroll
+    for (int base = 0; base < kIsland; base += kBatch) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) v[i] = own;  // v[my_index - base] is never loaded
+      const unsigned wanted = (senders >> base) & ((1u << kBatch) - 1u);
+      auto rs = [&](int i) { return rs_slot(ws.rank, base + i, g); };
+      wait_for_packs<kBatch, false>(ws, v, wanted, rs, [&](int i) { return t.island_ranks[base + i]; },
+                                    kPhaseReduceScatter, seq);
+      empty_packs<kBatch>(wanted, rs);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (base + i == 0) {
+          part = unpack<T>(v[i]);
+        } else {
+          accumulate<T>(part, v[i]);
+        }
       }
     }
     if (t.num_islands == 1) return part;
@@ -239,9 +336,8 @@ struct HierStep {
                                 remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
     for (int step = 1; step < t.num_islands; ++step) {
       const int island = (t.my_island + step) % t.num_islands;
-      char* dst = xs_slot(t.twin_ranks[island], t.my_island, g);
-      store_volatile(dst, lo);
-      store_volatile(dst + kPackBytes, hi);
+      store_volatile(xs_slot(t.twin_ranks[island], t.my_island, 0, g), lo);
+      store_volatile(xs_slot(t.twin_ranks[island], t.my_island, 1, g), hi);
     }
     Acc8 total;
     for (int island = 0; island < t.num_islands; ++island) {
@@ -249,10 +345,13 @@ struct HierStep {
       if (island == t.my_island) {
         p = partial_from(lo, hi);
       } else {
-        char* src = xs_slot(ws.rank, island, g);
-        const uint4 l = consume_pack<true>(ws, src, t.twin_ranks[island], kPhaseCrossIsland, seq);
-        const uint4 h = consume_pack<true>(ws, src + kPackBytes, t.twin_ranks[island], kPhaseCrossIsland, seq);
-        p = partial_from(l, h);
+        // I10 within an island pair: both planes are loaded before either is tested.
+        uint4 h[2];
+        auto xs = [&](int plane) { return xs_slot(ws.rank, island, plane, g); };
+        const int twin = t.twin_ranks[island];
+        wait_for_packs<2, true>(ws, h, 3u, xs, [&](int) { return twin; }, kPhaseCrossIsland, seq);
+        empty_packs<2>(3u, xs);
+        p = partial_from(h[0], h[1]);
       }
       if (island == 0) {
         total = p;
@@ -266,8 +365,9 @@ struct HierStep {
 
   // Phase 3 (send), by the owner: the final packed value to every other rank of the island.
   __device__ __forceinline__ void gather_send(long long g, uint4 v) const {
-    for (int step = 1; step < t.island_size; ++step) {
-      const int pos = (t.my_index + step) % t.island_size;
+#pragma unroll
+    for (int step = 1; step < kIsland; ++step) {
+      const int pos = (t.my_index + step) & (kIsland - 1);
       store_volatile(ag_slot(t.island_ranks[pos], t.my_index, g), v);
     }
   }
@@ -279,12 +379,12 @@ struct HierStep {
   }
 };
 
-template <typename T>
-__global__ void __launch_bounds__(1024) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
+template <typename T, int kIsland>
+__global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
   pdl_wait_and_release();
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
@@ -302,17 +402,23 @@ __global__ void __launch_bounds__(1024) hier_all_reduce_kernel(const __grid_cons
   finish_call(ws, step.seq);
 }
 
-template <typename T, int kPacks>
-__global__ void __launch_bounds__(kFusedThreads) hier_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
+// Registers as in oneshot_add_rmsnorm_kernel, at 512 threads: a row is held in registers up to kHeldPacks packs
+// per thread; with more, the norm pass reads residual_out back (this thread wrote every pack of it it reads) and
+// the weight.
+template <typename T, int kIsland, int kPacks>
+__global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
+  constexpr bool kHoldRow = kPacks <= kHeldPacks;
+  constexpr int kUnroll = kHoldRow ? kPacks : 1;
+  constexpr int kHeld = kHoldRow ? kPacks : 1;
   __shared__ float s_red[33];
   pdl_wait_and_release();
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const int ppr = a.packs_per_row;
 
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < ppr) {
@@ -322,39 +428,51 @@ __global__ void __launch_bounds__(kFusedThreads) hier_add_rmsnorm_kernel(const _
     }
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    uint4 r[kPacks], w[kPacks];
-#pragma unroll
+    uint4 r[kHeld], w[kHeld];
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < ppr) {
-        w[k] = a.weight[j];
         const long long g = static_cast<long long>(row) * ppr + j;
         if (step.owner(g) != t.my_index) continue;
         Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
         accumulate<T>(acc, a.residual[g]);
-        r[k] = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
-        a.out[g] = r[k];
-        step.gather_send(g, r[k]);
+        const uint4 v = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
+        if (kHoldRow) r[k % kHeld] = v;
+        a.out[g] = v;
+        step.gather_send(g, v);
       }
     }
     float squares = 0.f;
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < ppr) {
         const long long g = static_cast<long long>(row) * ppr + j;
+        uint4 v;
         if (step.owner(g) != t.my_index) {
-          r[k] = step.gather_receive(g);
-          a.out[g] = r[k];
+          v = step.gather_receive(g);
+          a.out[g] = v;
+        } else {
+          v = kHoldRow ? r[k % kHeld] : a.out[g];
         }
-        squares += sum_of_squares<T>(r[k]);
+        if (kHoldRow) {
+          r[k % kHeld] = v;
+          w[k % kHeld] = a.weight[j];  // loaded after the waits, as in the one-shot kernel
+        }
+        squares += sum_of_squares<T>(v);
       }
     }
     const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll
+#pragma unroll kUnroll
     for (int k = 0; k < kPacks; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) a.norm_out[static_cast<long long>(row) * ppr + j] = scale_pack<T>(r[k], w[k], inv_rms);
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
+        const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
+        a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+      }
     }
   }
   finish_call(ws, step.seq);
@@ -390,12 +508,22 @@ cudaError_t launch_oneshot_plain(const WorkspaceView& ws, const CallArgs& a, int
 template <typename T>
 cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
-  const int threads = static_cast<int>(std::min<long long>(shape.threads, round_up_32(a.num_packs)));
+  const int threads = static_cast<int>(std::min<long long>(std::min(shape.threads, kPlainMaxThreads), round_up_32(a.num_packs)));
   const long long wanted = (a.num_packs + threads - 1) / threads;
   const int blocks = static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, shape.max_blocks)));
+  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks
+    if (!std::is_same<T, __nv_bfloat16>::value || ws.world != 8) return cudaErrorInvalidValue;
+    return launch_kernel(oneshot_all_reduce_kernel<T, 8, true>, blocks, threads, shape, stream, ws, a);
+  }
   if (variant != Variant::kOneShot) {
-    return launch_kernel(hier_all_reduce_kernel<T>, blocks, threads, shape, stream, ws, a,
-                         variant == Variant::kIsland);
+    const bool islands = variant == Variant::kIsland;
+    switch ((islands ? ws.islands : ws.flat).island_size) {
+      case 1: return launch_kernel(hier_all_reduce_kernel<T, 1>, blocks, threads, shape, stream, ws, a, islands);
+      case 2: return launch_kernel(hier_all_reduce_kernel<T, 2>, blocks, threads, shape, stream, ws, a, islands);
+      case 4: return launch_kernel(hier_all_reduce_kernel<T, 4>, blocks, threads, shape, stream, ws, a, islands);
+      case 8: return launch_kernel(hier_all_reduce_kernel<T, 8>, blocks, threads, shape, stream, ws, a, islands);
+      default: return cudaErrorInvalidValue;
+    }
   }
   switch (ws.world) {
     case 1: return launch_oneshot_plain<T, 1>(ws, a, blocks, threads, shape, stream);
@@ -407,12 +535,8 @@ cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArg
 }
 
 template <typename T, int kPacks>
-cudaError_t launch_fused_packs(const WorkspaceView& ws, Variant variant, const CallArgs& a, int blocks,
-                               int threads, const LaunchShape& shape, cudaStream_t stream) {
-  if (variant != Variant::kOneShot) {
-    return launch_kernel(hier_add_rmsnorm_kernel<T, kPacks>, blocks, threads, shape, stream, ws, a,
-                         variant == Variant::kIsland);
-  }
+cudaError_t launch_oneshot_fused(const WorkspaceView& ws, const CallArgs& a, int blocks, int threads,
+                                 const LaunchShape& shape, cudaStream_t stream) {
   switch (ws.world) {
     case 1: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 1, kPacks>, blocks, threads, shape, stream, ws, a);
     case 2: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 2, kPacks>, blocks, threads, shape, stream, ws, a);
@@ -422,18 +546,41 @@ cudaError_t launch_fused_packs(const WorkspaceView& ws, Variant variant, const C
   }
 }
 
+template <typename T, int kPacks>
+cudaError_t launch_hier_fused(const WorkspaceView& ws, bool islands, const CallArgs& a, int blocks, int threads,
+                              const LaunchShape& shape, cudaStream_t stream) {
+  switch ((islands ? ws.islands : ws.flat).island_size) {
+    case 1: return launch_kernel(hier_add_rmsnorm_kernel<T, 1, kPacks>, blocks, threads, shape, stream, ws, a, islands);
+    case 2: return launch_kernel(hier_add_rmsnorm_kernel<T, 2, kPacks>, blocks, threads, shape, stream, ws, a, islands);
+    case 4: return launch_kernel(hier_add_rmsnorm_kernel<T, 4, kPacks>, blocks, threads, shape, stream, ws, a, islands);
+    case 8: return launch_kernel(hier_add_rmsnorm_kernel<T, 8, kPacks>, blocks, threads, shape, stream, ws, a, islands);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <typename T>
 cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
-  const int threads = std::min(kFusedThreads, round_up_32(a.packs_per_row));
   const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
-  const int packs = (a.packs_per_row + threads - 1) / threads;
-  if (packs <= 1) return launch_fused_packs<T, 1>(ws, variant, a, blocks, threads, shape, stream);
-  if (packs <= 2) return launch_fused_packs<T, 2>(ws, variant, a, blocks, threads, shape, stream);
-  if (packs <= 4) return launch_fused_packs<T, 4>(ws, variant, a, blocks, threads, shape, stream);
-  if (packs <= kMaxPacksPerThread) return launch_fused_packs<T, kMaxPacksPerThread>(ws, variant, a, blocks, threads,
-                                                                                    shape, stream);
-  return cudaErrorInvalidValue;  // hidden > kMaxFusedHidden: the Python side sends these to the fallback
+  if (a.packs_per_row > kMaxPacksPerThread * kWideThreads) return cudaErrorInvalidValue;  // the Python side
+  // sends hidden > kMaxFusedHidden to the fallback
+  const int wide_threads = std::min(kWideThreads, round_up_32(a.packs_per_row));
+  const int wide_packs = (a.packs_per_row + wide_threads - 1) / wide_threads;
+  if (variant == Variant::kOneShot || variant == Variant::kOneShotSerialPoll) {
+    if (a.packs_per_row <= 1024) {
+      const int threads = round_up_32(a.packs_per_row);
+      if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks
+        if (!std::is_same<T, __nv_bfloat16>::value || ws.world != 8) return cudaErrorInvalidValue;
+        return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, true>, blocks, threads, shape, stream, ws, a);
+      }
+      return launch_oneshot_fused<T, 1>(ws, a, blocks, threads, shape, stream);
+    }
+    if (variant == Variant::kOneShotSerialPoll) return cudaErrorInvalidValue;
+    return launch_oneshot_fused<T, kMaxPacksPerThread>(ws, a, blocks, wide_threads, shape, stream);
+  }
+  const bool islands = variant == Variant::kIsland;
+  if (wide_packs <= kHeldPacks) return launch_hier_fused<T, kHeldPacks>(ws, islands, a, blocks, wide_threads, shape, stream);
+  return launch_hier_fused<T, kMaxPacksPerThread>(ws, islands, a, blocks, wide_threads, shape, stream);
 }
 
 }  // namespace

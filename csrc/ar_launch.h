@@ -12,7 +12,9 @@
 namespace sgl_sm120 {
 
 // Values are part of the Python API (sgl_kernel_sm120/variants.py): keep them in step.
-enum class Variant : int { kOneShot = 0, kTwoShot = 1, kIsland = 2 };
+enum class Variant : int { kOneShot = 0, kTwoShot = 1, kIsland = 2, kOneShotSerialPoll = 3 };
+// kOneShotSerialPoll: one-shot with the polling used before I10 (ar_protocol.cuh), bf16 at 8 ranks only, for
+// the polling microbenchmark on a loopback workspace; the bindings refuse it on a real workspace.
 enum class ElemType : int { kBFloat16 = 0, kFloat16 = 1 };
 
 struct LaunchShape {
@@ -21,9 +23,12 @@ struct LaunchShape {
   bool pdl;        // launch with programmatic stream serialization
 };
 
-// The fused kernels hold a row's packs in registers: at most 8 per thread of 1024 threads.
-constexpr int kMaxPacksPerThread = 8;
-constexpr int kMaxFusedHidden = kMaxPacksPerThread * 1024 * kElemsPerPack;
+// Plain kernels run at most this many threads per CTA, so a thread has 128 registers (the 8-rank waits hold
+// 8 packs at once, ar_protocol.cuh I10).
+constexpr int kPlainMaxThreads = 512;
+// The fused kernels give a row one CTA: at most 16 packs per thread of 512 threads (ar_kernels.cu).
+constexpr int kMaxPacksPerThread = 16;
+constexpr int kMaxFusedHidden = kMaxPacksPerThread * 512 * kElemsPerPack;
 
 cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp, void* out,
                               long long numel, const LaunchShape& shape, cudaStream_t stream);
@@ -35,13 +40,29 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant varia
 
 // One rank's share of the IPC workspace: its slab (plain cudaMalloc, so legacy IPC export works whatever the
 // torch allocator settings), the peers' slabs once opened, and the host-mapped error record.
+// Where the scratch lives. kDevice: each rank's slab in its own GPU memory, peers reach it through CUDA IPC
+// and P2P. kHost (no P2P, e.g. GeForce): all slabs in one POSIX shared-memory buffer, pinned and mapped into
+// every rank's device address space; pushes and polls cross PCIe to host memory (ar_protocol.cuh I11).
+enum class Memory : int { kDevice = 0, kHost = 1 };
+
 struct Workspace {
   int device = -1;
   int sm_count = 0;
   long long slab_bytes = 0;
-  char* local = nullptr;
+  char* local = nullptr;  // kDevice: this rank's slab (Ctrl + scratch); kHost: only the Ctrl (device memory)
   bool peer_opened[kMaxWorld] = {};
   HostRecords* host_records = nullptr;  // host-mapped: the timeout record (I7) and the slow-wait report (I9)
+  Memory memory = Memory::kDevice;
+  // kHost: the shared buffer (world slabs of slab_bytes), its name and whether this rank created it
+  char* shared = nullptr;
+  long long shared_bytes = 0;
+  bool shared_registered = false;
+  std::string shared_name;
+  bool shared_owner = false;
+  bool shared_linked = false;  // the name still exists in /dev/shm (the creator unlinks it once all mapped)
+  // Loopback (benchmarks only): one process plays rank 0 of `world`; the peers' slabs are local allocations.
+  bool loopback = false;
+  char* loopback_slabs[kMaxWorld] = {};
   WorkspaceView view{};
 };
 
@@ -54,10 +75,20 @@ struct WorkspaceConfig {
   long long warn_ns;
   Topology flat;
   Topology islands;  // num_islands == 0: none
+  Memory memory = Memory::kDevice;
+  std::string shared_name;    // kHost: POSIX shared-memory name, the same on every rank
+  bool shared_create = false;  // kHost: this rank (one per group) creates and fills it; the others open it after
 };
 
 // Each returns an empty string on success, else what failed (the binding raises it).
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out);
+// Benchmarks only: rank 0 of `world` with every peer's slab a local allocation (no IPC, no peer process).
+std::string workspace_create_loopback(int device, int world, long long max_numel, Workspace** out);
+// Loopback: write a ready pattern over this rank's whole scratch on `stream`, so every peer pack reads as
+// arrived (the calls empty what they read, so the benchmark refills before each call).
+std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream);
+// kHost: removes the shared buffer's name once every rank has mapped it (the memory stays until all unmap).
+std::string workspace_unlink_shared(Workspace* ws);
 std::string workspace_ipc_handle(const Workspace* ws, cudaIpcMemHandle_t* handle);
 std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handles);
 // Unmaps the peers' slabs (idempotent). Close protocol: every rank closes its imports, the group confirms it

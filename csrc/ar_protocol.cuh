@@ -32,6 +32,14 @@
 //      trapping, in host-mapped memory (rank, peer, phase, seq, time waited), and the host logs it; only
 //      timeout_ns (minutes by default) ends in I7. Times are signed differences of %globaltimer, so a timer
 //      that steps backwards reads as no wait rather than as an instant timeout.
+//  I10 A consumer issues the loads of every pack it needs for one output pack before it tests any of them
+//      (wait_for_packs): on PCIe each test that has to wait for its load before the next load is issued
+//      adds a round trip, 7 of them per pack at 8 ranks. Only the packs still empty are loaded again.
+//  I11 With the workspace in host memory (view.host_memory, no P2P), a consumer's emptying stores (I4) travel
+//      over PCIe like the pushes, and nothing orders them before a later call's pushes of this rank except a
+//      system-scope fence. So every thread fences (system scope) after its last emptying store and before
+//      the call ends; I5's argument then holds again: a peer writes into a slot only after it has seen our
+//      push of the following call, which we issue after the fence.
 #pragma once
 
 #include <cstdint>
@@ -65,19 +73,21 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   return t;
 }
 
-__device__ __forceinline__ bool word_has_empty_half(uint32_t w) {
-  return (w & 0xFFFFu) == kEmptyHalf || (w >> 16) == kEmptyHalf;
-}
-
-// I3 for packs of 16-bit elements.
+// I3 for packs of 16-bit elements: a per-half-word compare or-ed over the pack, no short-circuit, so testing
+// several packs does not chain their loads through branches (I10).
 __device__ __forceinline__ bool half_pack_has_empty(uint4 v) {
-  return word_has_empty_half(v.x) || word_has_empty_half(v.y) || word_has_empty_half(v.z) ||
-         word_has_empty_half(v.w);
+  return (__vcmpeq2(v.x, kEmptyWord) | __vcmpeq2(v.y, kEmptyWord) | __vcmpeq2(v.z, kEmptyWord) |
+          __vcmpeq2(v.w, kEmptyWord)) != 0u;
 }
 
-// I3 for packs of fp32 partials.
+// I3 for packs of fp32 partials (bitwise, as above).
 __device__ __forceinline__ bool word_pack_has_empty(uint4 v) {
-  return v.x == kEmptyWord || v.y == kEmptyWord || v.z == kEmptyWord || v.w == kEmptyWord;
+  return ((v.x == kEmptyWord) | (v.y == kEmptyWord) | (v.z == kEmptyWord) | (v.w == kEmptyWord)) != 0;
+}
+
+template <bool kWordPack>
+__device__ __forceinline__ bool pack_has_empty(uint4 v) {
+  return kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
 }
 
 __device__ __forceinline__ uint32_t remap_half_word(uint32_t w) {
@@ -99,7 +109,7 @@ __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kE
 
 // I7: record the first timeout of this rank where the host can read it, then abort the kernel.
 // static: this header is included by more than one translation unit (a __noinline__ function has a symbol).
-static __device__ __noinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
+__device__ __forceinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
                                                             unsigned long long seq, unsigned long long waited) {
   if (atomicCAS(&ws.ctrl->report_claim, 0u, 1u) == 0u) {
     volatile ErrorRecord* rec = ws.error;
@@ -160,6 +170,49 @@ __device__ __forceinline__ uint4 wait_for_pack(const WorkspaceView& ws, const vo
   }
 }
 
+// I10: wait until the pack of every source i with bit i of `wanted` set is ready, loading all of them before
+// testing any, then loading again only the ones still empty. addr(i) is source i's slot in our own scratch and
+// peer(i) the rank that writes it (named in the I7/I9 reports). The index is a compile-time constant in every
+// unrolled use, so v[] stays in registers.
+template <int kMax, bool kWordPack, typename Addr, typename Peer>
+__device__ __forceinline__ void wait_for_packs(const WorkspaceView& ws, uint4 (&v)[kMax], unsigned wanted, Addr addr,
+                                               Peer peer, int phase, unsigned long long seq) {
+#pragma unroll
+  for (int i = 0; i < kMax; ++i)
+    if ((wanted >> i) & 1u) v[i] = load_volatile(addr(i));
+  unsigned missing = 0u;
+#pragma unroll
+  for (int i = 0; i < kMax; ++i)
+    missing |= static_cast<unsigned>(((wanted >> i) & 1u) != 0u && pack_has_empty<kWordPack>(v[i])) << i;
+  if (missing == 0u) return;
+  const long long start = static_cast<long long>(global_timer_ns());
+  unsigned int spins = 0;
+  while (missing != 0u) {
+#pragma unroll
+    for (int i = 0; i < kMax; ++i)
+      if ((missing >> i) & 1u) v[i] = load_volatile(addr(i));
+    unsigned still = 0u;
+#pragma unroll
+    for (int i = 0; i < kMax; ++i)
+      still |= static_cast<unsigned>(((missing >> i) & 1u) != 0u && pack_has_empty<kWordPack>(v[i])) << i;
+    missing = still;
+    if (missing != 0u && (++spins & 255u) == 0u) check_wait_bounds(ws, start, peer(__ffs(missing) - 1), phase, seq);
+  }
+}
+
+// I4 for the packs wait_for_packs returned.
+template <int kMax, typename Addr>
+__device__ __forceinline__ void empty_packs(unsigned wanted, Addr addr) {
+#ifndef SGL_SM120_DEBUG_NO_CLEAR
+#pragma unroll
+  for (int i = 0; i < kMax; ++i)
+    if ((wanted >> i) & 1u) store_volatile(addr(i), empty_pack());
+#else
+  (void)wanted;
+  (void)addr;
+#endif
+}
+
 // Take a ready pack and leave the slot empty for a later call (I4). SGL_SM120_DEBUG_NO_CLEAR breaks I4 on
 // purpose: the tests must then see stale data or dirty scratch.
 template <bool kWordPack>
@@ -183,6 +236,8 @@ __device__ __forceinline__ int parity_of(unsigned long long seq) {
 #endif
 }
 
+// bases[] hold slabs in device memory (CUDA IPC) or, with no P2P, slabs inside one shared host buffer
+// (view.host_memory): the layout and every invariant above are the same for both.
 __device__ __forceinline__ char* region_of(const WorkspaceView& ws, int rank, int parity) {
   return ws.bases[rank] + kCtrlBytes + static_cast<long long>(parity) * ws.region_bytes;
 }
@@ -197,6 +252,7 @@ __device__ __forceinline__ unsigned long long load_sequence(const WorkspaceView&
 // Plain stores, no fence: the next reader is the next kernel on the same stream (I6), and kernel
 // completion publishes them; a fence here would also wait for this thread's remote pushes.
 __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
+  if (ws.host_memory) __threadfence_system();  // I11
   __syncthreads();
   for (int i = blockIdx.x + threadIdx.x * gridDim.x; i < ws.num_counters; i += gridDim.x * blockDim.x)
     ws.ctrl->seq[i] = seq + 1ull;

@@ -13,6 +13,11 @@ constexpr int kElemsPerPack = 8;
 constexpr long long kCtrlBytes = 4096;  // head of the slab: Ctrl, never IPC-written by peers
 constexpr uint32_t kEmptyHalf = 0x8000u;
 constexpr uint32_t kEmptyWord = 0x80008000u;
+// Hierarchical schedules hand packs to owners in blocks of this many consecutive packs (512 B): a warp's 32
+// lanes then store one contiguous 512 B piece per destination, the size at which a PCIe write is efficient,
+// instead of 16 B pieces at a stride (the owner used to alternate pack by pack).
+constexpr int kOwnerBlockPacks = 32;
+constexpr int kOwnerBlockShift = 5;
 
 // Local-only control block at the start of each rank's slab.
 // The call sequence number (I5) is kept once per possible CTA index: CTA b reads seq[b] at entry and, at
@@ -64,7 +69,7 @@ enum Phase : int { kPhaseOneShot = 1, kPhaseReduceScatter = 2, kPhaseCrossIsland
 // Rank placement for the hierarchical schedule: `num_islands` islands of `island_size` ranks each.
 // The flat two-shot schedule is the special case of one island holding every rank.
 struct Topology {
-  int island_size;
+  int island_size;                 // 1, 2, 4 or 8 (the kernels are instantiated per size)
   int num_islands;
   int my_island;
   int my_index;                    // position of this rank inside its island
@@ -86,6 +91,7 @@ struct WorkspaceView {
   long long timeout_ns;
   long long warn_ns;   // a wait this long is reported (I9); capped at timeout_ns by the host
   int num_counters;  // seq slots in use: the workspace's largest grid (<= kMaxCounters)
+  int host_memory;   // 1: the slabs are in shared pinned host memory (no P2P), see I11
   Topology flat;
   Topology islands;
 };

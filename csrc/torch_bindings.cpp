@@ -42,8 +42,13 @@ Topology make_topology(const std::vector<int64_t>& island_ranks, const std::vect
 int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, double timeout_s, double warn_s,
                   std::vector<int64_t> flat_island_ranks, std::vector<int64_t> flat_twin_ranks,
                   int64_t flat_my_island, int64_t flat_my_index, std::vector<int64_t> isl_island_ranks,
-                  std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island, int64_t isl_my_index) {
+                  std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island, int64_t isl_my_index, int64_t memory,
+                  std::string shared_name, bool shared_create) {
   WorkspaceConfig cfg{};
+  TORCH_CHECK(memory == 0 || memory == 1, "sgl_kernel_sm120: memory must be 0 (device) or 1 (host)");
+  cfg.memory = static_cast<Memory>(memory);
+  cfg.shared_name = shared_name;
+  cfg.shared_create = shared_create;
   cfg.device = static_cast<int>(device);
   cfg.rank = static_cast<int>(rank);
   cfg.world = static_cast<int>(world);
@@ -57,6 +62,23 @@ int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel
   check_ok(workspace_create(cfg, &ws));
   return reinterpret_cast<int64_t>(ws);
 }
+
+// Benchmarks only (benchmarks/bench_polling.py): see workspace_create_loopback.
+int64_t ws_create_loopback(int64_t device, int64_t world, int64_t max_numel) {
+  Workspace* ws = nullptr;
+  check_ok(workspace_create_loopback(static_cast<int>(device), static_cast<int>(world), max_numel, &ws));
+  return reinterpret_cast<int64_t>(ws);
+}
+
+void ws_loopback_refill(int64_t handle) {
+  Workspace* ws = as_workspace(handle);
+  const c10::cuda::CUDAGuard guard(ws->device);
+  check_ok(workspace_loopback_refill(ws, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+void ws_unlink_shared(int64_t handle) { check_ok(workspace_unlink_shared(as_workspace(handle))); }
+
+int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
 
 at::Tensor ws_ipc_handle(int64_t handle) {
   cudaIpcMemHandle_t h;
@@ -134,8 +156,10 @@ void check_io(const Workspace* ws, const at::Tensor& t, const at::Tensor& like, 
 }
 
 Variant variant_of(const Workspace* ws, int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 2, "unknown variant ", v);
+  TORCH_CHECK(v >= 0 && v <= 3, "unknown variant ", v);
   const Variant variant = static_cast<Variant>(v);
+  TORCH_CHECK(variant != Variant::kOneShotSerialPoll || ws->loopback,
+              "variant 3 (the old serial polling) is for the loopback benchmark workspace only");
   TORCH_CHECK(variant != Variant::kIsland || ws->view.islands.num_islands >= 2,
               "the island variant needs a workspace created with islands");
   return variant;
@@ -150,7 +174,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   TORCH_CHECK(out.numel() == inp.numel(), "out must have inp's size");
   TORCH_CHECK(inp.numel() % kElemsPerPack == 0 && inp.numel() > 0, "numel must be a positive multiple of 8");
   TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
-  TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0, "threads must be a multiple of 32 <= 1024");
+  TORCH_CHECK(threads >= 32 && threads <= kPlainMaxThreads && threads % 32 == 0, "threads must be a multiple of 32 <= ", kPlainMaxThreads);
   const c10::cuda::CUDAGuard guard(ws->device);
   const LaunchShape shape{static_cast<int>(threads),
                           static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))), pdl};
@@ -197,8 +221,12 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def(
       "ws_create(int device, int rank, int world, int max_numel, float timeout_s, float warn_s, int[] flat_island_ranks, "
       "int[] flat_twin_ranks, int flat_my_island, int flat_my_index, int[] isl_island_ranks, "
-      "int[] isl_twin_ranks, int isl_my_island, int isl_my_index) -> int",
+      "int[] isl_twin_ranks, int isl_my_island, int isl_my_index, int memory, str shared_name, bool shared_create) -> int",
       &ws_create);
+  m.def("ws_create_loopback(int device, int world, int max_numel) -> int", &ws_create_loopback);
+  m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
+  m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
+  m.def("ws_memory(int ws) -> int", &ws_memory);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);

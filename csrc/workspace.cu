@@ -1,6 +1,13 @@
-// The IPC workspace: allocation, handle export/import, the one-time fill with "empty" (I1), and debug views
-// of the scratch for tests.
+// The workspace: allocation in device memory (CUDA IPC between ranks) or in shared pinned host memory (no
+// P2P), handle export/import, the one-time fill with "empty" (I1), a loopback variant for benchmarks, and debug
+// views of the scratch for tests.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <string>
 
@@ -35,6 +42,105 @@ __global__ void count_dirty_kernel(const uint32_t* p, long long words, unsigned 
   if (local) atomicAdd(count, local);
 }
 
+__global__ void fill_ready_kernel(uint32_t* p, long long words) {
+  // 0x3F80: bf16 1.0 in both halves; never kEmptyHalf (I3 reads it as arrived)
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    p[i] = 0x3F803F80u;
+}
+
+struct ScratchSizes {
+  long long oneshot_slot;
+  long long chunk_slot;
+  long long region;  // one parity region
+};
+
+ScratchSizes scratch_sizes(const WorkspaceConfig& cfg) {
+  const long long max_packs = cfg.max_numel / kElemsPerPack;
+  ScratchSizes z{};
+  z.oneshot_slot = max_packs * kPackBytes;
+  // Hierarchical slots are sized for the smallest island of the two topologies (the largest chunk). A chunk is
+  // a whole number of owner blocks (kOwnerBlockPacks): an owner's share is at most that many blocks.
+  int min_island = cfg.flat.island_size;
+  int max_groups = cfg.flat.num_islands;
+  if (cfg.islands.num_islands > 0) {
+    min_island = std::min(min_island, cfg.islands.island_size);
+    max_groups = std::max(max_groups, cfg.islands.num_islands);
+  }
+  const long long per_round = static_cast<long long>(kOwnerBlockPacks) * min_island;
+  const long long chunk_packs = (max_packs + per_round - 1) / per_round * kOwnerBlockPacks;
+  z.chunk_slot = chunk_packs * kPackBytes;
+  const long long oneshot_region = static_cast<long long>(cfg.world) * z.oneshot_slot;
+  const long long hier_region = (2ll * cfg.world + 2ll * max_groups) * z.chunk_slot;  // RS + AG + XS, worst case
+  z.region = (std::max(oneshot_region, hier_region) + 255) / 256 * 256;
+  return z;
+}
+
+std::string errno_failure(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// kHost: map the group's shared buffer (creating and filling it on the creating rank), pin it and map it into
+// the device's address space. Every rank maps the same physical pages, so a store by one GPU is a load away for
+// every other GPU, through host memory.
+std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
+  if (cfg.shared_name.empty() || cfg.shared_name[0] != '/' || cfg.shared_name.find('/', 1) != std::string::npos)
+    return "host memory: the shared-memory name must be '/name' (got '" + cfg.shared_name + "')";
+  ws->shared_bytes = static_cast<long long>(cfg.world) * ws->slab_bytes;
+  ws->shared_name = cfg.shared_name;
+  const int fd = shm_open(cfg.shared_name.c_str(), cfg.shared_create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) return errno_failure("host memory: shm_open(" + cfg.shared_name + ")");
+  if (cfg.shared_create) {
+    ws->shared_owner = true;
+    ws->shared_linked = true;
+    if (ftruncate(fd, ws->shared_bytes) != 0) {
+      const std::string err = errno_failure("host memory: ftruncate of " + std::to_string(ws->shared_bytes) + " B");
+      close(fd);
+      return err;
+    }
+  } else {
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || st.st_size != ws->shared_bytes) {
+      close(fd);
+      return "host memory: " + cfg.shared_name + " has " + std::to_string(static_cast<long long>(st.st_size)) +
+             " B, this rank expects " + std::to_string(ws->shared_bytes) + " B (arguments differ across ranks?)";
+    }
+  }
+  void* p = mmap(nullptr, ws->shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return errno_failure("host memory: mmap of " + std::to_string(ws->shared_bytes) + " B");
+  ws->shared = static_cast<char*>(p);
+  if (cfg.shared_create) {
+    // I1 once, by the creator, before any other rank opens the buffer (the host orders the two steps).
+    uint32_t* words = reinterpret_cast<uint32_t*>(ws->shared);
+    std::fill(words, words + ws->shared_bytes / 4, kEmptyWord);
+  }
+  SGL_RETURN_IF_CUDA("cudaHostRegister of the shared scratch",
+                     cudaHostRegister(ws->shared, ws->shared_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  ws->shared_registered = true;
+  char* device_view = nullptr;
+  SGL_RETURN_IF_CUDA("cudaHostGetDevicePointer of the shared scratch",
+                     cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->shared, 0));
+  for (int r = 0; r < cfg.world; ++r) ws->view.bases[r] = device_view + static_cast<long long>(r) * ws->slab_bytes;
+  return "";
+}
+
+// The Ctrl block and the host-mapped records, common to every kind of workspace.
+std::string init_control(Workspace* ws, char* ctrl) {
+  cudaError_t err = cudaMemset(ctrl, 0, kCtrlBytes);
+  if (err == cudaSuccess) err = cudaHostAlloc(&ws->host_records, sizeof(HostRecords), cudaHostAllocMapped);
+  if (err == cudaSuccess) {
+    std::memset(ws->host_records, 0, sizeof(HostRecords));
+    HostRecords* device_view = nullptr;
+    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->host_records, 0);
+    if (err == cudaSuccess) {
+      ws->view.error = &device_view->error;
+      ws->view.slow = &device_view->slow;
+    }
+  }
+  if (err != cudaSuccess) return cuda_failure("initialising the workspace's control block", err);
+  ws->view.ctrl = reinterpret_cast<Ctrl*>(ctrl);
+  return "";
+}
+
 }  // namespace
 
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
@@ -46,76 +152,107 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
 
   auto* ws = new Workspace();
   ws->device = cfg.device;
+  ws->memory = cfg.memory;
   SGL_RETURN_IF_CUDA("cudaDeviceGetAttribute(SM count)",
                      cudaDeviceGetAttribute(&ws->sm_count, cudaDevAttrMultiProcessorCount, cfg.device));
+  const ScratchSizes z = scratch_sizes(cfg);
+  ws->slab_bytes = kCtrlBytes + 2 * z.region;  // kHost: each rank's slab keeps the (unused) Ctrl head too, so
+                                               // region_of() is the same for both kinds
 
-  const long long max_packs = cfg.max_numel / kElemsPerPack;
-  const long long oneshot_slot = max_packs * kPackBytes;
-  // Hierarchical slots are sized for the smallest island of the two topologies (the largest chunk).
-  int min_island = cfg.flat.island_size;
-  int max_groups = cfg.flat.num_islands;
-  if (cfg.islands.num_islands > 0) {
-    min_island = std::min(min_island, cfg.islands.island_size);
-    max_groups = std::max(max_groups, cfg.islands.num_islands);
-  }
-  const long long chunk_packs = (max_packs + min_island - 1) / min_island;
-  const long long chunk_slot = chunk_packs * kPackBytes;
-  const long long oneshot_region = static_cast<long long>(cfg.world) * oneshot_slot;
-  const long long hier_region = (2ll * cfg.world + 2ll * max_groups) * chunk_slot;  // RS + AG + XS, worst case
-  long long region = std::max(oneshot_region, hier_region);
-  region = (region + 255) / 256 * 256;
-
-  ws->slab_bytes = kCtrlBytes + 2 * region;
-  cudaError_t err = cudaMalloc(&ws->local, ws->slab_bytes);
-  if (err != cudaSuccess) {
-    delete ws;
-    return cuda_failure("cudaMalloc of the IPC slab", err);
-  }
-  err = cudaMemset(ws->local, 0, kCtrlBytes);
-  if (err == cudaSuccess) {
-    fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes), 2 * region / 4);
-    err = cudaGetLastError();
-  }
-  if (err == cudaSuccess) err = cudaHostAlloc(&ws->host_records, sizeof(HostRecords), cudaHostAllocMapped);
-  if (err == cudaSuccess) {
-    std::memset(ws->host_records, 0, sizeof(HostRecords));
-    HostRecords* device_view = nullptr;
-    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->host_records, 0);
-    if (err == cudaSuccess) {
-      ws->view.error = &device_view->error;
-      ws->view.slow = &device_view->slow;
+  std::string failure;
+  if (cfg.memory == Memory::kHost) {
+    cudaError_t err = cudaMalloc(&ws->local, kCtrlBytes);
+    if (err != cudaSuccess) failure = cuda_failure("cudaMalloc of the control block", err);
+    if (failure.empty()) failure = map_shared_scratch(cfg, ws);
+  } else {
+    cudaError_t err = cudaMalloc(&ws->local, ws->slab_bytes);
+    if (err != cudaSuccess) {
+      failure = cuda_failure("cudaMalloc of the IPC slab", err);
+    } else {
+      fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes), 2 * z.region / 4);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) failure = cuda_failure("filling the IPC slab", err);
+      ws->view.bases[cfg.rank] = ws->local;
     }
   }
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  if (err != cudaSuccess) {
+  if (failure.empty()) failure = init_control(ws, ws->local);
+  if (failure.empty()) {
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) failure = cuda_failure("initialising the workspace", err);
+  }
+  if (!failure.empty()) {
     workspace_destroy(ws);
-    return cuda_failure("initialising the IPC slab", err);
+    return failure;
   }
 
   WorkspaceView& v = ws->view;
-  v.bases[cfg.rank] = ws->local;
   v.rank = cfg.rank;
   v.world = cfg.world;
-  v.region_bytes = region;
-  v.oneshot_slot_bytes = oneshot_slot;
-  v.chunk_slot_bytes = chunk_slot;
-  v.ctrl = reinterpret_cast<Ctrl*>(ws->local);
+  v.region_bytes = z.region;
+  v.oneshot_slot_bytes = z.oneshot_slot;
+  v.chunk_slot_bytes = z.chunk_slot;
   v.timeout_ns = cfg.timeout_ns;
   v.warn_ns = cfg.warn_ns;
   v.num_counters = std::min(ws->sm_count, kMaxCounters);
+  v.host_memory = cfg.memory == Memory::kHost ? 1 : 0;
   v.flat = cfg.flat;
   v.islands = cfg.islands;
   *out = ws;
   return "";
 }
 
+std::string workspace_create_loopback(int device, int world, long long max_numel, Workspace** out) {
+  WorkspaceConfig cfg{};
+  cfg.device = device;
+  cfg.rank = 0;
+  cfg.world = world;
+  cfg.max_numel = max_numel;
+  cfg.timeout_ns = 10ll * 1000 * 1000 * 1000;
+  cfg.warn_ns = cfg.timeout_ns;
+  cfg.flat.island_size = world;
+  cfg.flat.num_islands = 1;
+  for (int r = 0; r < world; ++r) cfg.flat.island_ranks[r] = r;
+  Workspace* ws = nullptr;
+  std::string err = workspace_create(cfg, &ws);
+  if (!err.empty()) return err;
+  ws->loopback = true;
+  for (int r = 1; r < world; ++r) {
+    const cudaError_t e = cudaMalloc(&ws->loopback_slabs[r], ws->slab_bytes);
+    if (e != cudaSuccess) {
+      workspace_destroy(ws);
+      return cuda_failure("cudaMalloc of a loopback peer slab", e);
+    }
+    ws->view.bases[r] = ws->loopback_slabs[r];
+  }
+  *out = ws;
+  return "";
+}
+
+std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream) {
+  if (!ws->loopback) return "refill is for loopback workspaces only";
+  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
+  fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes),
+                                             2 * ws->view.region_bytes / 4);
+  SGL_RETURN_IF_CUDA("loopback refill launch", cudaGetLastError());
+  return "";
+}
+
+std::string workspace_unlink_shared(Workspace* ws) {
+  if (ws->memory != Memory::kHost || !ws->shared_owner || !ws->shared_linked) return "";
+  ws->shared_linked = false;
+  if (shm_unlink(ws->shared_name.c_str()) != 0) return errno_failure("shm_unlink(" + ws->shared_name + ")");
+  return "";
+}
+
 std::string workspace_ipc_handle(const Workspace* ws, cudaIpcMemHandle_t* handle) {
+  if (ws->memory != Memory::kDevice) return "a host-memory workspace has no IPC handle (its peers map /dev/shm)";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
   SGL_RETURN_IF_CUDA("cudaIpcGetMemHandle", cudaIpcGetMemHandle(handle, ws->local));
   return "";
 }
 
 std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handles) {
+  if (ws->memory != Memory::kDevice) return "a host-memory workspace opens no IPC handles";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
   for (int r = 0; r < ws->view.world; ++r) {
     if (r == ws->view.rank || ws->peer_opened[r]) continue;
@@ -151,7 +288,13 @@ std::string workspace_destroy(Workspace* ws) {
   note("cudaSetDevice", cudaSetDevice(ws->device));
   for (int r = 0; r < kMaxWorld; ++r) {
     if (ws->peer_opened[r]) note("cudaIpcCloseMemHandle", cudaIpcCloseMemHandle(ws->view.bases[r]));
+    if (ws->loopback_slabs[r]) note("cudaFree (loopback)", cudaFree(ws->loopback_slabs[r]));
   }
+  // kHost: the pages stay until every rank has unmapped them, so no rank frees memory a peer still uses.
+  if (ws->shared_registered) note("cudaHostUnregister", cudaHostUnregister(ws->shared));
+  if (ws->shared != nullptr && munmap(ws->shared, ws->shared_bytes) != 0 && first_error.empty())
+    first_error = errno_failure("munmap of the shared scratch");
+  if (ws->shared_owner && ws->shared_linked) shm_unlink(ws->shared_name.c_str());  // a failed creation
   if (ws->local) note("cudaFree", cudaFree(ws->local));
   if (ws->host_records) note("cudaFreeHost", cudaFreeHost(ws->host_records));
   delete ws;
@@ -165,7 +308,7 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
   SGL_RETURN_IF_CUDA("cudaMalloc", cudaMalloc(&d_count, sizeof(unsigned long long)));
   cudaError_t err = cudaMemset(d_count, 0, sizeof(unsigned long long));
   if (err == cudaSuccess) {
-    count_dirty_kernel<<<256, 256>>>(reinterpret_cast<const uint32_t*>(ws->local + kCtrlBytes),
+    count_dirty_kernel<<<256, 256>>>(reinterpret_cast<const uint32_t*>(ws->view.bases[ws->view.rank] + kCtrlBytes),
                                      2 * ws->view.region_bytes / 4, d_count);
     err = cudaGetLastError();
   }

@@ -22,6 +22,7 @@ import ctypes
 import datetime
 import logging
 import os
+import secrets
 import threading
 
 import torch
@@ -80,7 +81,9 @@ def plain_threads(nbytes: int) -> int:
     return 256 if nbytes <= 256 * 1024 else 512
 
 
-MAX_FUSED_HIDDEN = 65536  # kMaxFusedHidden in csrc/ar_launch.h: the fused kernels keep a row in registers
+MAX_FUSED_HIDDEN = 65536  # kMaxFusedHidden in csrc/ar_launch.h: the fused kernels give a row one CTA
+MAX_PLAIN_THREADS = 512  # kPlainMaxThreads in csrc/ar_launch.h
+MEMORY_KINDS = {"device": 0, "host": 1}  # csrc/ar_launch.h enum class Memory
 PDL_ENV = "SGL_SM120_AR_PDL"  # "0" launches without programmatic dependent launch
 _PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}
 
@@ -139,15 +142,20 @@ class IpcAllReduce:
         *,
         islands=None,
         link: str = "auto",
+        memory: str = "device",
         timeout_s: float | None = None,
         warn_after_s: float | None = None,
     ):
+        """memory="device": each rank's scratch in its GPU, reached by peers over CUDA IPC/P2P (NVLink or PCIe).
+        memory="host": no P2P needed (GeForce cards): the scratch of every rank in one POSIX shared-memory buffer,
+        pinned and mapped into every GPU; all ranks on one host; no islands. Same ops, same results."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.max_numel = int(max_numel)
         self.dtype = dtype
+        self.memory = memory
         self.timeout_s = (
             float(timeout_s) if timeout_s is not None else _seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
         )
@@ -185,13 +193,19 @@ class IpcAllReduce:
                 raise ValueError(f"warn_after_s must be > 0 seconds, got {self.warn_after_s}")
             if link not in ("auto", "nvlink", "pcie"):
                 raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
+            if memory not in MEMORY_KINDS:
+                raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
             groups = validate_islands(islands, self.world_size)
+            if memory == "host" and groups:
+                raise ValueError("islands need memory='device': through host memory every pair is one hop")
             drop_peer = probe_drop_target(self.rank)
             _ext.ops()  # kernels built?
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
         _joint_check(group, error, "argument check")
-        signature = (self.world_size, self.max_numel, str(dtype), groups, link, self.timeout_s, self.warn_after_s)
+        signature = (
+            self.world_size, self.max_numel, str(dtype), groups, link, memory, self.timeout_s, self.warn_after_s
+        )
         signatures: list = [None] * self.world_size
         dist.all_gather_object(signatures, signature, group=group)
         if any(s != signature for s in signatures):
@@ -200,25 +214,83 @@ class IpcAllReduce:
         self.num_islands = len(groups) if groups else 1
 
         # Step 2: link type (agreed: NVLink only if every rank sees it).
-        local_nvlink = link == "nvlink" or (link == "auto" and local_gpu_has_nvlink(self.device))
-        votes: list = [None] * self.world_size
-        dist.all_gather_object(votes, local_nvlink, group=group)
-        self.link = Link.NVLINK if all(votes) else Link.PCIE
+        if memory == "host":
+            self.link = Link.HOST
+        else:
+            local_nvlink = link == "nvlink" or (link == "auto" and local_gpu_has_nvlink(self.device))
+            votes: list = [None] * self.world_size
+            dist.all_gather_object(votes, local_nvlink, group=group)
+            self.link = Link.NVLINK if all(votes) else Link.PCIE
 
-        # Step 3: local slab.
+        # Step 3: local slab (device memory), or the group's shared buffer (host memory).
         ops = _ext.ops()
+        if memory == "host":
+            self._create_host_workspace(ops, groups)
+        else:
+            self._create_device_workspace(ops, groups, drop_peer)
+        self.sm_count = int(ops.ws_sm_count(self._handle))
+        self.max_blocks = self.sm_count
+        self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
+        self._slow = _SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle)))
+        self._watchdog = threading.Thread(target=self._watch_for_timeouts, name="sgl-sm120-ar-watchdog", daemon=True)
+        self._watchdog.start()
+        logger.info(
+            "IpcAllReduce rank %d/%d on %s: memory=%s link=%s islands=%s max_numel=%d timeout=%.1fs warn=%.1fs",
+            self.rank,
+            self.world_size,
+            self.device,
+            self.memory,
+            self.link.value,
+            self.islands,
+            self.max_numel,
+            self.timeout_s,
+            self.warn_after_s,
+        )
+
+    def _create_args(self, groups, memory: str, shared_name: str = "", shared_create: bool = False) -> tuple:
         flat = placement([list(range(self.world_size))], self.rank)
         isl = placement(groups, self.rank) if groups else ([], [], 0, 0)
+        return (
+            self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, self.warn_after_s,
+            *flat, *isl, MEMORY_KINDS[memory], shared_name, shared_create,
+        )
+
+    def _create_host_workspace(self, ops, groups) -> None:
+        """Rank 0 creates the shared buffer and fills it (I1); only then do the others map it (two agreed steps);
+        once all have, rank 0 removes the name, so nothing is left in /dev/shm whatever happens later."""
+        names: list = [None] * self.world_size
+        dist.all_gather_object(names, f"/sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}", group=self.group)
+        shared_name = names[0]
+        for creating in (True, False):
+            error = None
+            if (self.rank == 0) == creating:
+                try:
+                    self._handle = ops.ws_create(*self._create_args(groups, "host", shared_name, creating))
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+            try:
+                _joint_check(self.group, error, "host-memory workspace " + ("creation" if creating else "mapping"))
+            except Exception:
+                self._release()
+                raise
+        try:
+            if self.rank == 0:
+                ops.ws_unlink_shared(self._handle)
+            if self.world_size > 1:
+                self._probe_data_path(ops, probe_drop_target(self.rank))
+        except Exception:
+            self._release()
+            raise
+
+    def _create_device_workspace(self, ops, groups, drop_peer: int) -> None:
         error = None
         try:
-            self._handle = ops.ws_create(
-                self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, self.warn_after_s,
-                *flat, *isl
-            )
+            self._handle = ops.ws_create(*self._create_args(groups, "device"))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         try:
-            _joint_check(group, error, "workspace allocation")
+            _joint_check(self.group, error, "workspace allocation")
+            group = self.group
             # Step 4: exchange IPC handles, open the peers' slabs.
             handles: list = [None] * self.world_size
             dist.all_gather_object(handles, bytes(ops.ws_ipc_handle(self._handle).tolist()), group=group)
@@ -235,23 +307,6 @@ class IpcAllReduce:
         except Exception:
             self._release()
             raise
-        self.sm_count = int(ops.ws_sm_count(self._handle))
-        self.max_blocks = self.sm_count
-        self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
-        self._slow = _SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle)))
-        self._watchdog = threading.Thread(target=self._watch_for_timeouts, name="sgl-sm120-ar-watchdog", daemon=True)
-        self._watchdog.start()
-        logger.info(
-            "IpcAllReduce rank %d/%d on %s: link=%s islands=%s max_numel=%d timeout=%.1fs warn=%.1fs",
-            self.rank,
-            self.world_size,
-            self.device,
-            self.link.value,
-            self.islands,
-            self.max_numel,
-            self.timeout_s,
-            self.warn_after_s,
-        )
 
     def _probe_data_path(self, ops, drop_peer: int) -> None:
         """Step 5: every rank pushes a pattern to every peer through the kernels' own path (csrc/probe.cu) and
@@ -306,7 +361,7 @@ class IpcAllReduce:
             _aligned_copy(inp),
             target,
             int(chosen),
-            self.threads or plain_threads(inp.numel() * inp.element_size()),
+            min(self.threads or plain_threads(inp.numel() * inp.element_size()), MAX_PLAIN_THREADS),
             self.max_blocks,
             self.use_pdl,
         )

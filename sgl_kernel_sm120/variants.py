@@ -19,6 +19,7 @@ class Variant(enum.IntEnum):
 class Link(str, enum.Enum):
     NVLINK = "nvlink"
     PCIE = "pcie"
+    HOST = "host"  # no P2P: every push goes to pinned host memory and every poll reads it (memory="host")
 
 
 # Seeds. At 2 ranks one-shot beat two-shot at every size measured on 2x H200
@@ -28,6 +29,12 @@ class Link(str, enum.Enum):
 # staged schedules). They wait for a run on a PCIe box to be measured.
 NVLINK_ONESHOT_MAX_BYTES = 512 * 1024
 PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
+# Through host memory every byte crosses PCIe twice (push, then the reader's poll), and one-shot makes each rank
+# read (W-1) payloads while two-shot reads ~2 payloads (reduce-scatter + all-gather). At 2 ranks one-shot
+# moves the same bytes in one hop, so it always wins there. The 4- and 8-rank bounds are seeds from that
+# arithmetic (a poll of host memory is a ~1 us round trip, so below these sizes the extra hop costs more than
+# the extra reads); no box with more than 2 GPUs has measured them.
+HOST_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 16 * 1024, 8: 8 * 1024}
 
 
 def choose_variant(nbytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> Variant:
@@ -37,12 +44,15 @@ def choose_variant(nbytes: int, world_size: int, link: Link | str, num_islands: 
     NVLink: one-shot up to NVLINK_ONESHOT_MAX_BYTES, then flat two-shot.
     PCIe: one-shot up to PCIE_ONESHOT_MAX_BYTES[world], then the island schedule when the topology gave
     two or more islands, else flat two-shot.
+    Host memory: one-shot up to HOST_ONESHOT_MAX_BYTES[world], then flat two-shot (no islands).
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     link = Link(link)
     if world_size <= 2:
         return Variant.ONESHOT
+    if link is Link.HOST:
+        return Variant.ONESHOT if nbytes <= HOST_ONESHOT_MAX_BYTES.get(world_size, 8 * 1024) else Variant.TWOSHOT
     if link is Link.NVLINK:
         return Variant.ONESHOT if nbytes <= NVLINK_ONESHOT_MAX_BYTES else Variant.TWOSHOT
     if nbytes <= PCIE_ONESHOT_MAX_BYTES.get(world_size, 16 * 1024):

@@ -116,6 +116,41 @@ def test_extension_has_sm120a_and_sm90a_for_every_source():
         )
 
 
+def _resource_usage(path: str) -> list[tuple[str, str, int, int]]:
+    """(arch, function, registers, stack bytes) of every function in the library's cubins."""
+    tool = _cuobjdump()
+    if tool is None:
+        _missing("cuobjdump not found: install the pinned `nvidia-cuda-cuobjdump` package")
+    out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True)
+    assert out.returncode == 0, f"cuobjdump -res-usage {path} failed:\n{out.stdout}\n{out.stderr}"
+    rows, arch, function = [], None, None
+    for line in out.stdout.splitlines():
+        if m := re.match(r"\s*arch = (sm_\d+[af]?)", line):
+            arch = m.group(1)
+        elif m := re.match(r"\s*Function ([^:\s]+):", line):
+            function = m.group(1)
+            if "REG:" in line:  # some cuobjdump versions print the counts on the same line
+                line = line.split(":", 1)[1]
+        if function and (m := re.search(r"REG:(\d+)\s+STACK:(\d+)", line)):
+            rows.append((arch, function, int(m.group(1)), int(m.group(2))))
+            function = None
+    return rows
+
+
+def test_no_kernel_spills_to_local_memory():
+    """Issue 9 item 6: a spill is a local-memory round trip inside the polling loops. Every kernel must fit its
+    registers (the launch bounds decide how many: 64 per thread at 1024 threads, 128 at 512) with a stack
+    frame of 0 bytes on both targets; csrc/ar_kernels.cu says how each kernel stays within them."""
+    rows = _resource_usage(_built_library())
+    kernels = [r for r in rows if "_kernel" in r[1]]
+    assert kernels, "cuobjdump -res-usage listed no kernels"
+    for arch in ARCHS:
+        fused = [r for r in kernels if r[0] == arch and "add_rmsnorm_kernel" in r[1]]
+        assert fused, f"no fused kernels found for {arch}"
+    spilling = [f"{arch} {name}: REG {regs} STACK {stack}" for arch, name, regs, stack in kernels if stack]
+    assert not spilling, "kernels with a stack frame (spills):\n" + "\n".join(spilling)
+
+
 # The SGLang modules the overlay touches (every module of the installed version's seam table, and the model files
 # of the target model) must import on a CPU-only machine with the stack's requirements (+ sglang installed
 # --no-deps): this guards the pins, not the overlay.

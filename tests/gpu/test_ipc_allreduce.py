@@ -10,6 +10,7 @@ and torch, so it may differ by one rounding step of the output type: we allow 1 
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 import pytest
@@ -35,13 +36,28 @@ EPS = 1e-6
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
+# Which workspace the scenarios build: "device" (CUDA IPC) or "host" (shared pinned host memory, no P2P).
+# tests/gpu/test_hostmem_allreduce.py sets it for its runs; the spawned ranks inherit the environment.
+MEMORY_ENV = "SGL_SM120_TEST_MEMORY"
+
+
+def _memory() -> str:
+    return os.environ.get(MEMORY_ENV, "device")
+
+
 def _islands(world: int):
     # Two islands of world/2, the 8-rank PCIe layout scaled down: exercises the cross-island phase.
+    if _memory() == "host":
+        return None  # host memory has no islands
     return [list(range(world // 2)), list(range(world // 2, world))] if world >= 2 else None
 
 
 def _variants(world: int):
-    return [Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND] if world >= 2 else [Variant.ONESHOT]
+    if world < 2:
+        return [Variant.ONESHOT]
+    if _memory() == "host":
+        return [Variant.ONESHOT, Variant.TWOSHOT]
+    return [Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND]
 
 
 def _int_tensor(shape, dtype, seed: int, device, low=-8, high=9) -> torch.Tensor:
@@ -50,7 +66,9 @@ def _int_tensor(shape, dtype, seed: int, device, low=-8, high=9) -> torch.Tensor
 
 
 def _make(world, rank, max_numel, **kw):
-    return IpcAllReduce(dist.group.WORLD, torch.cuda.current_device(), max_numel, islands=_islands(world), **kw)
+    return IpcAllReduce(
+        dist.group.WORLD, torch.cuda.current_device(), max_numel, islands=_islands(world), memory=_memory(), **kw
+    )
 
 
 def _same_on_all_ranks(t: torch.Tensor) -> bool:
@@ -302,6 +320,9 @@ def _scenario_create_close(rank, world, cycles, delayed_rank=None):
     ar.all_reduce(x)
     ar.close()
     torch.cuda.synchronize()
+    # mem_get_info is the whole GPU's: with ranks sharing a GPU, measure only once every rank has freed its slab
+    # (close() frees after its barrier, so a fast rank would otherwise count a slow peer's slab as a leak).
+    dist.barrier()
     free_before = torch.cuda.mem_get_info()[0]
     for _ in range(cycles):
         ar = _make(world, rank, 64 * 7168)
@@ -314,6 +335,7 @@ def _scenario_create_close(rank, world, cycles, delayed_rank=None):
     del out
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    dist.barrier()
     leaked = free_before - torch.cuda.mem_get_info()[0]
     assert leaked < 8 << 20, f"{leaked / 2**20:.1f} MiB of device memory not returned after {cycles} cycles"
 
