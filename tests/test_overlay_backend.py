@@ -29,11 +29,12 @@ def short_timeouts(monkeypatch):
 _names = itertools.count()
 
 
-def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None):
+def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None, hostmem="auto"):
     # Exchange keys are counted per (group name, rank): a fresh name per test keeps the ranks in step.
     return comm_mod.Sm120Communicator(
         name=name or f"tp:{next(_names)}", ranks=list(range(world)), rank_in_group=rank, world_size=world,
         cpu_group=None, device=torch.device("cpu"), mode=mode, deterministic=False, timeout_s=timeout_s, store=store,
+        hostmem=hostmem,
     )
 
 
@@ -155,9 +156,9 @@ class _FlatTopology:
         return None
 
 
-def enabled_backend(rank, world, store, name):
-    backend = make_backend(rank, world, store, timeout_s=2.0, name=name)
-    backend.decision = GateDecision(True, "test")
+def enabled_backend(rank, world, store, name, memory="device", hostmem="auto"):
+    backend = make_backend(rank, world, store, timeout_s=2.0, name=name, hostmem=hostmem)
+    backend.decision = GateDecision(True, "test", memory=memory)
     backend.uuids = [f"GPU-{i}" for i in range(world)]
     return backend
 
@@ -332,3 +333,165 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
     assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P").endswith(
         "SGLang's own all-reduce paths are used")
+
+
+# --- the host-memory workspace (no CUDA P2P) ------------------------------------------------------------------
+
+
+def _threads(world, body):
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+
+
+@pytest.mark.parametrize("hostmem,enabled", [("auto", True), ("off", False)])
+def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostmem, enabled):
+    store = dist.HashStore()
+    results = {}
+
+    def body(rank):
+        backend = make_backend(rank, 2, store, name=f"tp:nop2p-{hostmem}", hostmem=hostmem)
+        results[rank] = (backend.resolve_gate(), backend)
+
+    def local_facts(device, mode):  # two GeForce cards that cannot reach each other
+        rank = int(threading.current_thread().name)
+        return {"mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{rank}",
+                "name": "NVIDIA GeForce RTX 5090", "p2p": {f"GPU-{rank}": True, f"GPU-{1 - rank}": False},
+                "kernel_error": None}
+
+    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    _threads(2, body)
+    (d0, b0), (d1, _) = results[0], results[1]
+    assert d0 == d1 and d0.enabled is enabled, d0
+    assert "GeForce" in d0.reason and "0->1" in d0.reason, d0.reason
+    if enabled:
+        assert d0.memory == "host" and b0.memory == "host" and b0.describe()["memory"] == "host"
+    else:
+        assert "SGLANG_SM120_HOSTMEM=off" in d0.reason and b0.memory is None
+
+
+def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kernel_module, caplog, monkeypatch):
+    from sglang_sm120 import hooks_distributed, hooks_server_info
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    probed = []
+    monkeypatch.setattr(comm_mod, "probe", lambda uuids: probed.append(uuids) or _FlatTopology())
+    bound = ByteBound(4 * 7168 * 2, "t")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
+        enabled_backend(r, 2, store, "tp:host", memory="host")))
+    for backend in backends.values():
+        assert backend.active and backend.memory == "host", backend.build_error
+        assert backend.comm.memory == "host" and backend.comm.islands is None
+        assert backend.link == "host" and backend.islands is None
+    assert not probed  # no topology probe for a host workspace
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "ENABLED" in lines[0], lines
+    assert "transport: pinned host memory (no P2P)" in lines[0] and "link host" in lines[0], lines[0]
+    assert "islands none (flat)" in lines[0], lines[0]
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backends[0])
+    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backends[0])
+    assert hooks_server_info.sm120_state()["memory"] == "host"
+
+
+def test_device_memory_decision_passes_memory_device_and_says_cuda_ipc(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:device")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert backend.comm.memory == "device" and backend.memory == "device"
+    assert backend.describe()["memory"] == "device"
+    assert "transport: CUDA IPC (P2P)" in _warnings(caplog)[-1]
+
+
+def _build_all(world, store, name, **kwargs):
+    results = {}
+
+    def body(rank):
+        backend = enabled_backend(rank, world, store, name, **kwargs)
+        backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+        results[rank] = backend
+
+    _threads(world, body)
+    return results
+
+
+def test_probe_failure_retries_once_in_host_memory(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing(probe_pairs=[(1, 0, "dropped")])
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry")
+    assert sorted(fake.attempts) == ["device", "device", "host", "host"], fake.attempts
+    for backend in backends.values():
+        assert backend.active and backend.memory == "host" and backend.comm.memory == "host", backend.build_error
+        assert backend.comm.islands is None and backend.link == "host"
+        assert backend.describe()["memory"] == "host"
+        assert "rank 1 -> rank 0" in backend.describe()["memory_note"]
+    lines = _warnings(caplog)
+    assert len(lines) == 2, lines  # rank 0 only: the retry, then the ENABLED line
+    assert "P2P data-path probe failed for rank 1 -> rank 0 (dropped)" in lines[0], lines[0]
+    assert "host-memory workspace (no P2P needed) is used instead" in lines[0], lines[0]
+    assert "ENABLED" in lines[1] and "transport: pinned host memory (no P2P), because the CUDA P2P data-path probe " \
+        "failed for rank 1 -> rank 0" in lines[1], lines[1]
+
+
+def test_probe_failure_and_failed_host_retry_give_up_with_both_reasons(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing(probe_pairs=[(0, 1, "wrong data")], host_error="shm_open failed")
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry-fails")
+    assert sorted(fake.attempts) == ["device", "device", "host", "host"], fake.attempts
+    for backend in backends.values():
+        assert not backend.active and backend.memory is None
+        assert "IpcAllReduceProbeError" in backend.build_error and "shm_open failed" in backend.build_error
+        assert backend.describe()["memory"] is None
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0], lines
+    assert "rank 0 -> rank 1" in lines[0] and "retry in pinned host memory failed too" in lines[0], lines[0]
+
+
+def test_probe_failure_with_hostmem_off_stays_on_nccl(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing()
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry-off", hostmem="off")
+    assert fake.attempts == ["device", "device"]
+    for backend in backends.values():
+        assert not backend.active
+        assert "IpcAllReduceProbeError" in backend.build_error and "SGLANG_SM120_HOSTMEM=off" in backend.build_error
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and "rank 1 -> rank 0" in lines[0], lines
+
+
+def test_other_build_failures_are_not_retried_in_host_memory(fake_kernel_module):
+    class Fails(FakeIpcAllReduce.failing(probe_pairs=None)):
+        def __init__(self, *args, **kwargs):
+            type(self).attempts.append(kwargs.get("memory"))
+            raise RuntimeError("cudaIpcOpenMemHandle failed")
+
+    Fails.attempts = []
+    fake_kernel_module.IpcAllReduce = Fails
+    backends = _build_all(2, dist.HashStore(), "tp:no-retry")
+    assert Fails.attempts == ["device", "device"]
+    assert all(not b.active and "cudaIpcOpenMemHandle" in b.build_error for b in backends.values())
+
+
+def test_host_workspace_failure_is_not_retried(fake_kernel_module):
+    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error="no shared memory")
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:host-fails", memory="host")
+    assert fake.attempts == ["host", "host"]
+    assert all(not b.active and "no shared memory" in b.build_error for b in backends.values())
+
+
+def test_attach_reads_the_hostmem_setting(monkeypatch):
+    from sglang_sm120 import config, hooks_distributed
+
+    monkeypatch.setenv(config.HOSTMEM_ENV, "off")
+    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
+    monkeypatch.setattr(comm_mod.exchange, "default_store", lambda: None)
+    class Group:  # the communicator keeps a weak reference to its GroupCoordinator
+        unique_name, world_size, rank_in_group, ranks, cpu_group = "tp:0", 2, 1, [0, 1], None
+        device = torch.device("cuda", 0)
+
+    comm = hooks_distributed.attach(Group())
+    assert comm is not None and comm.hostmem == "off"

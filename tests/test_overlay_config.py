@@ -78,6 +78,8 @@ def test_good_flag_values_parse():
         (config.AGREEMENT_TIMEOUT_ENV, "soon", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='soon' is not a number"),
         (config.AGREEMENT_TIMEOUT_ENV, "0", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='0' is out of range"),
         (config.AGREEMENT_TIMEOUT_ENV, "nan", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='nan' is out of range"),
+        (config.HOSTMEM_ENV, "on", "SGLANG_SM120_HOSTMEM='on' is not a valid host-memory setting; allowed: auto"),
+        (config.HOSTMEM_ENV, "yes", "SGLANG_SM120_HOSTMEM='yes' is not a valid host-memory setting; allowed: auto"),
     ],
 )
 def test_bad_environment_values_are_one_line_errors(name, value, needle):
@@ -90,6 +92,16 @@ def test_good_environment_passes_the_check():
     config.check_environment({config.MODE_ENV: "off", config.MAX_BYTES_ENV: "auto",
                               config.AGREEMENT_TIMEOUT_ENV: "30"})
     config.check_environment({})
+
+
+def test_hostmem_from_env():
+    assert config.hostmem_from_env({}) == "auto"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: ""}) == "auto"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: " OFF "}) == "off"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: "auto"}) == "auto"
+    config.check_environment({config.HOSTMEM_ENV: "off"})
+    with pytest.raises(config.SettingError, match=r"allowed: auto, off \(auto: use pinned host memory"):
+        config.hostmem_from_env({config.HOSTMEM_ENV: "sometimes"})
 
 
 def test_env_equivalents():

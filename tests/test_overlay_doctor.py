@@ -54,26 +54,85 @@ def test_doctor_shows_mode_off_as_off(monkeypatch, capsys):
     assert "mode: auto" not in out
 
 
-def test_doctor_gate_names_geforce_cards(monkeypatch, capsys):
-    fake = [{"index": i, "name": "NVIDIA GeForce RTX 5090", "capability": (12, 0), "uuid": f"GPU-{i}",
-             "memory_gib": 32.0} for i in range(2)]
+class _NoTopology:
+    error = "no NVML here"
+    levels = None
+    numa_nodes = [None, None]
+    nvlink_all_pairs = False
+    link = "pcie"
+
+    def islands(self):
+        return None
+
+
+def _fake_box(monkeypatch, name, p2p_ok):
+    fake = [{"index": i, "name": name, "capability": (12, 0), "uuid": f"GPU-{i}", "memory_gib": 32.0}
+            for i in range(2)]
     _quiet_machine(monkeypatch)
     monkeypatch.setattr(doctor, "gpus", lambda: fake)
-    monkeypatch.setattr(doctor, "p2p_matrix", lambda n: [[i == j for j in range(n)] for i in range(n)])
+    monkeypatch.setattr(doctor, "p2p_matrix", lambda n: [[i == j or p2p_ok for j in range(n)] for i in range(n)])
     monkeypatch.setattr(doctor, "cpu_affinity", lambda uuid: None)
+    monkeypatch.setattr(doctor, "kernel_error", lambda: None)  # as if the kernels were built
+    monkeypatch.setattr(doctor, "probe", lambda uuids: _NoTopology())
 
-    class NoTopology:
-        error = "no NVML here"
-        levels = None
-        numa_nodes = [None, None]
-        nvlink_all_pairs = False
-        link = "pcie"
 
-        def islands(self):
-            return None
+def test_doctor_gives_geforce_cards_the_host_memory_path(monkeypatch, capsys):
+    from sglang_sm120 import config
 
-    monkeypatch.setattr(doctor, "probe", lambda uuids: NoTopology())
+    monkeypatch.delenv(config.HOSTMEM_ENV, raising=False)
+    _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
     code = doctor.main(["--no-self-test", "--mode", "auto"])
     out = capsys.readouterr().out
+    assert code == 0, out
+    assert "TP=2 over cuda:0-1: ENABLED, path: sm120 kernels over pinned host memory (no P2P needed)" in out, out
+    assert "GeForce" in out and "disables P2P" in out, out
+    assert "path on this box (TP=2): sm120 kernels over pinned host memory" in out, out
+    assert "host-memory workspace where P2P is missing: auto (from default)" in out, out
+
+
+def test_doctor_with_hostmem_off_sends_geforce_cards_to_nccl(monkeypatch, capsys):
+    from sglang_sm120 import config
+
+    monkeypatch.setenv(config.HOSTMEM_ENV, "off")
+    _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
+    code = doctor.main(["--no-self-test", "--mode", "auto"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "TP=2 over cuda:0-1: DISABLED, path: NCCL" in out and "SGLANG_SM120_HOSTMEM=off" in out, out
+    assert "path on this box (TP=2): NCCL" in out, out
+
+
+def test_doctor_names_the_p2p_path_on_a_workstation_box(monkeypatch, capsys):
+    _fake_box(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", p2p_ok=True)
+    code = doctor.main(["--no-self-test", "--mode", "auto"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "path on this box (TP=2): sm120 kernels over CUDA IPC (P2P between every pair)" in out, out
+    assert "retries in pinned host memory" in out, out
+
+
+def test_doctor_self_test_retries_in_host_memory_after_a_probe_failure(monkeypatch, capsys):
+    _fake_box(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", p2p_ok=True)
+    runs = []
+
+    def self_test(world, hidden, timeout_s, memory="device"):
+        runs.append(memory)
+        return "self-test failed: rank 0: IpcAllReduceProbeError: dropped" if memory == "device" else None
+
+    monkeypatch.setattr(doctor, "self_test", self_test)
+    code = doctor.main(["--mode", "auto"])
+    out = capsys.readouterr().out
+    assert runs == ["device", "host"] and code == 0, out
+    assert "after the P2P data-path probe failed" in out and "PASSED" in out, out
+
+
+def test_doctor_reports_a_bad_hostmem_value_in_one_line(monkeypatch, capsys):
+    from sglang_sm120 import config
+
+    _quiet_machine(monkeypatch)
+    monkeypatch.setenv(config.HOSTMEM_ENV, "maybe")
+    code = doctor.main(["--no-self-test"])
+    out, err = capsys.readouterr()
     assert code == 1
-    assert "TP=2 over cuda:0-1: DISABLED" in out and "GeForce" in out and "disables P2P" in out, out
+    assert "cannot run: SGLANG_SM120_HOSTMEM='maybe' is not a valid host-memory setting" in out, out
+    assert "Traceback" not in out + err

@@ -9,6 +9,10 @@ Life cycle (each step collective over the TP group, each bounded in time, each a
    dtype and CUDA-graph batch sizes are all known, and it runs on every rank right before CUDA-graph capture
    (never inside it). Building lazily at GroupCoordinator init would have to guess the hidden size; building
    on first use could land inside a capture. Reductions before it (weight loading, profiling) use NCCL.
+   The workspace lives where the gate said (`GateDecision.memory`): device memory reached over CUDA P2P, or
+   pinned host memory when P2P is missing. A device build whose data-path probe fails on the ranks
+   (`IpcAllReduceProbeError`: the driver allows P2P but writes do not arrive) is retried once in host memory,
+   unless SGLANG_SM120_HOSTMEM=off; the retry is decided from the agreed outcomes, so every rank takes it.
 3. `all_reduce` / `all_reduce_add_rmsnorm` for eligible tensors, counted in `stats`.
 4. `close()` from `GroupCoordinator.destroy`.
 
@@ -23,10 +27,11 @@ from typing import Any
 
 import torch
 
+from sgl_kernel_sm120.errors import IpcAllReduceProbeError
 from sgl_kernel_sm120.variants import describe_schedule
 
 from . import exchange
-from .config import ByteBound
+from .config import HOSTMEM_ENV, ByteBound
 from .facts import group_facts, local_facts
 from .gate import GateDecision, decide
 from .topology import kernel_islands, probe
@@ -34,6 +39,13 @@ from .topology import kernel_islands, probe
 logger = logging.getLogger("sglang_sm120")
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+TRANSPORTS = {"device": "CUDA IPC (P2P)", "host": "pinned host memory (no P2P)"}
+
+
+def transport_text(memory: str | None) -> str:
+    """How the activation line and the doctor name a workspace memory."""
+    return TRANSPORTS.get(memory or "", f"unknown ({memory!r})")
 
 
 def upstream_pcie_note(enabled: bool) -> str:
@@ -82,6 +94,7 @@ class Sm120Communicator:
         timeout_s: float,
         store: Any = None,
         group_coordinator: Any = None,
+        hostmem: str = "auto",
     ):
         self.name = name
         self.ranks = list(ranks)
@@ -93,6 +106,7 @@ class Sm120Communicator:
         self.deterministic = deterministic
         self.timeout_s = timeout_s
         self.store = store
+        self.hostmem = hostmem  # "auto" | "off": may a group without working P2P use host memory?
         self._group_ref = weakref.ref(group_coordinator) if group_coordinator is not None else None
 
         self.decision: GateDecision | None = None
@@ -107,6 +121,11 @@ class Sm120Communicator:
         self.bound_explanation = ""
         self.islands: list[list[int]] | None = None
         self.link: str | None = None
+        # The workspace's memory: the gate's choice once it passed, then what was built ("device" | "host");
+        # None while nothing is planned or after the build gave up.
+        self.memory: str | None = None
+        # Why the built memory differs from the gate's choice (the device build's probe failed), else "".
+        self.memory_note = ""
         # Set by the pre-capture seam: True when the attention-TP and MoE groups are this very group, so a
         # fused call (which may name either) always reduces over the workspace's ranks.
         self.fusion_groups_ok = False
@@ -114,7 +133,9 @@ class Sm120Communicator:
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
-    def for_group(cls, group, mode: str, deterministic: bool, timeout_s: float) -> Sm120Communicator:
+    def for_group(
+        cls, group, mode: str, deterministic: bool, timeout_s: float, hostmem: str = "auto"
+    ) -> Sm120Communicator:
         return cls(
             name=group.unique_name,
             ranks=list(group.ranks),
@@ -127,6 +148,7 @@ class Sm120Communicator:
             timeout_s=timeout_s,
             store=exchange.default_store(),
             group_coordinator=group,
+            hostmem=hostmem,
         )
 
     @property
@@ -172,11 +194,13 @@ class Sm120Communicator:
                 kernel_errors=gathered.kernel_errors,
                 modes=gathered.modes,
                 names=gathered.names,
+                hostmem=self.hostmem,
             )
         except Exception as exc:
             decision = GateDecision(False, f"gate agreement failed, all-reduces stay on NCCL: {exc}")
             logger.warning("sglang_sm120 [%s rank %d]: %s", self.name, self.rank_in_group, decision.reason)
         self.decision = decision
+        self.memory = decision.memory if decision.enabled else None
         if decision.enabled:
             # The ENABLED line waits for the workspace (built right before CUDA-graph capture): only then are the
             # byte bound and the schedule known, and only then is the backend really serving.
@@ -208,9 +232,11 @@ class Sm120Communicator:
         if max_numel < 8:
             return self._give_up(f"byte bound {bound.max_bytes} is below one 16-byte vector")
 
-        # Rank 0 probes the topology once and everyone uses its answer, so islands and link agree.
+        memory = self.decision.memory
+        # Rank 0 probes the topology once and everyone uses its answer, so islands and link agree. A host-memory
+        # workspace has no islands and no link choice: every push goes through host memory.
         topo_payload: dict[str, Any] = {}
-        if self.rank_in_group == 0:
+        if self.rank_in_group == 0 and memory == "device":
             topo = probe([u or "" for u in self.uuids])
             islands = topo.islands()
             topo_payload = {
@@ -220,14 +246,15 @@ class Sm120Communicator:
                 "numa": topo.numa_nodes,
                 "error": topo.error,
             }
-        payload = {"max_numel": max_numel, "dtype": str(dtype), "hidden": int(hidden_size), "topology": topo_payload}
+        payload = {"max_numel": max_numel, "dtype": str(dtype), "hidden": int(hidden_size), "memory": memory,
+                   "topology": topo_payload}
         try:
             everyone = self._agree("build", payload)
         except Exception as exc:
             return self._give_up(f"pre-build agreement failed: {exc}")
-        keys = [(p["max_numel"], p["dtype"], p["hidden"]) for p in everyone]
+        keys = [(p["max_numel"], p["dtype"], p["hidden"], p["memory"]) for p in everyone]
         if len(set(keys)) != 1:
-            return self._give_up(f"ranks disagree on (max_numel, dtype, hidden): {keys}")
+            return self._give_up(f"ranks disagree on (max_numel, dtype, hidden, memory): {keys}")
         topology = everyone[0]["topology"]
         self.islands = topology.get("islands")
         self.link = topology.get("link") or "auto"
@@ -235,32 +262,39 @@ class Sm120Communicator:
             self._log_rank0(logging.WARNING, "sglang_sm120 [%s]: topology probe: %s; using a flat schedule, link=%s",
                             self.name, topology["error"], self.link)
 
-        comm, error = None, None
-        try:
-            from sgl_kernel_sm120 import IpcAllReduce
-
-            comm = IpcAllReduce(
-                self.cpu_group,
-                self.device,
-                max_numel,
-                dtype,
-                islands=kernel_islands(self.islands, self.world_size),
-                link=self.link,
-                timeout_s=kernel_timeout_s,
-            )
-        except Exception as exc:  # IpcAllReduce raises on every rank together; the agreement below checks it
-            error = f"{type(exc).__name__}: {exc}"
-        try:
-            outcomes = self._agree("built", {"error": error})
-            failed = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
-        except Exception as exc:
-            failed = {self.rank_in_group: f"post-build agreement failed: {exc}"}
+        comm, failed = self._construct("built", memory, max_numel, dtype, kernel_timeout_s)
         if failed:
-            if comm is not None:  # the ranks that failed hold none: a local close
-                _close_quietly(comm, collective=False)
-            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-            return self._give_up(f"building the IPC workspace failed ({detail})")
+            detail = _failure_detail(failed)
+            probe_failed = all(o.get("error_type") == IpcAllReduceProbeError.__name__ for o in failed.values())
+            if memory != "device" or not probe_failed:
+                return self._give_up(f"building the IPC workspace failed ({detail})")
+            if self.hostmem == "off":
+                return self._give_up(f"building the IPC workspace failed ({detail}); the pinned host-memory "
+                                     f"workspace is not tried ({HOSTMEM_ENV}=off)")
+            # Every rank saw the same agreed outcomes, so every rank retries here, once.
+            pairs = _probe_pairs(failed)
+            logger.info("sglang_sm120 [%s rank %d]: the P2P data-path probe failed (%s); retrying the workspace "
+                        "in pinned host memory", self.name, self.rank_in_group, pairs)
+            memory = "host"
+            comm, failed_host = self._construct("built-host", memory, max_numel, dtype, kernel_timeout_s)
+            if failed_host:
+                return self._give_up(
+                    f"building the IPC workspace failed ({detail}); the retry in pinned host memory failed too "
+                    f"({_failure_detail(failed_host)})"
+                )
+            self.memory_note = f"the CUDA P2P data-path probe failed for {pairs}"
+            self._log_rank0(
+                logging.WARNING,
+                "sglang_sm120 [%s]: the CUDA P2P data-path probe failed for %s; the pinned host-memory workspace "
+                "(no P2P needed) is used instead (%s=off refuses it)", self.name, pairs, HOSTMEM_ENV,
+            )
 
+        self.memory = getattr(comm, "memory", memory)
+        if self.memory == "host":
+            self.islands = None
+        link = getattr(comm, "link", None)
+        if link is not None:
+            self.link = str(getattr(link, "value", link))
         self.comm = comm
         self.dtype = dtype
         self.hidden_size = int(hidden_size)
@@ -278,19 +312,59 @@ class Sm120Communicator:
         link = getattr(link, "value", link)
         islands = getattr(comm, "islands", None)
         schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
+        transport = f"transport: {transport_text(self.memory)}"
+        if self.memory_note:
+            transport += f", because {self.memory_note}"
         waits = ""
         if getattr(comm, "timeout_s", None) is not None:
             waits = f"; a wait for a peer is logged after {comm.warn_after_s:g} s and fails after {comm.timeout_s:g} s"
         return (
             f"all-reduces up to {self.max_bytes} B go to the sm120 kernels ({schedule}; fused all-reduce + "
             f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}), larger ones to "
-            f"NCCL; islands {islands or 'none (flat)'}, link {link}{waits}; bound: {self.bound_explanation}; "
-            f"gate: {self.decision.reason if self.decision else '?'}"
+            f"NCCL; {transport}; islands {islands or 'none (flat)'}, link {link}{waits}; "
+            f"bound: {self.bound_explanation}; gate: {self.decision.reason if self.decision else '?'}"
         )
+
+    def _construct(
+        self, step: str, memory: str, max_numel: int, dtype: torch.dtype, kernel_timeout_s: float | None
+    ) -> tuple[Any, dict[int, dict[str, Any]]]:
+        """Collective: one IpcAllReduce construction in `memory`, then an agreement on every rank's outcome.
+        Returns (this rank's workspace or None, {rank: outcome} of the ranks that failed). On failure this rank's
+        workspace, if it got one, is already closed (locally: the failed ranks hold none)."""
+        comm, outcome = None, {"error": None}
+        try:
+            from sgl_kernel_sm120 import IpcAllReduce
+
+            host = memory == "host"
+            comm = IpcAllReduce(
+                self.cpu_group,
+                self.device,
+                max_numel,
+                dtype,
+                islands=None if host else kernel_islands(self.islands, self.world_size),
+                link="auto" if host else self.link,
+                memory=memory,
+                timeout_s=kernel_timeout_s,
+            )
+        except Exception as exc:  # IpcAllReduce raises on every rank together; the agreement below checks it
+            outcome = {"error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+            if isinstance(exc, IpcAllReduceProbeError):
+                outcome["error_type"] = IpcAllReduceProbeError.__name__  # a subclass counts as the probe's
+                outcome["pairs"] = [[int(s), int(r), str(what)] for s, r, what in getattr(exc, "pairs", [])]
+        try:
+            outcomes = self._agree(step, outcome)
+            failed = {r: o for r, o in enumerate(outcomes) if o.get("error")}
+        except Exception as exc:
+            failed = {self.rank_in_group: {"error": f"post-build agreement failed: {exc}"}}
+        if failed and comm is not None:
+            _close_quietly(comm, collective=False)
+            comm = None
+        return comm, failed
 
     def _give_up(self, reason: str) -> bool:
         self.build_error = reason
         self.comm = None
+        self.memory = None
         # Every rank keeps its own view in its log; the user-facing verdict is one line, from rank 0.
         logger.info("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
         self._log_rank0(logging.WARNING, "%s", activation_line(False, self.name, self.world_size, self.mode, reason))
@@ -355,9 +429,28 @@ class Sm120Communicator:
             "max_fused_tokens": self.max_fused_tokens,
             "islands": self.islands,
             "link": self.link,
+            "memory": self.memory,  # "device" (CUDA IPC over P2P) | "host" (pinned host memory) | None
+            "memory_note": self.memory_note,
             "stats": dict(self.stats),
             "device_calls": self.device_calls(),
         }
+
+
+def _failure_detail(failed: dict[int, dict[str, Any]]) -> str:
+    return "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
+
+
+def _probe_pairs(failed: dict[int, dict[str, Any]]) -> str:
+    """'rank 1 -> rank 0 (dropped), ...' from the probe errors the ranks reported (the same table on each)."""
+    pairs: list[tuple[int, int, str]] = []
+    for outcome in failed.values():
+        for sender, receiver, what in outcome.get("pairs") or []:
+            if (sender, receiver, what) not in pairs:
+                pairs.append((sender, receiver, what))
+    if not pairs:
+        return "some pairs (the probe error named none)"
+    shown = ", ".join(f"rank {s} -> rank {r} ({what})" for s, r, what in pairs[:16])
+    return shown + (f" (+{len(pairs) - 16} more)" if len(pairs) > 16 else "")
 
 
 # At shutdown every TP rank destroys its groups at the same point; a rank that does not (it died) must not

@@ -1,4 +1,5 @@
-"""Settings of the overlay: the two server arguments, their environment equivalents, and the byte bound.
+"""Settings of the overlay: the two server arguments, their environment equivalents, the environment-only
+settings (agreement timeout, host-memory switch), and the byte bound.
 
 `--sm120-allreduce {auto,on,off}` and `--sm120-allreduce-max-bytes N` are added to SGLang's parser by the
 server-args seam. Values are stored as plain instance attributes of `ServerArgs` (a dataclass in
@@ -21,6 +22,12 @@ MODE_ENV = "SGLANG_SM120_ALLREDUCE"
 MAX_BYTES_ENV = "SGLANG_SM120_ALLREDUCE_MAX_BYTES"
 # Bound, in seconds, of every collective step the overlay itself runs (gate agreement, pre-build barrier).
 AGREEMENT_TIMEOUT_ENV = "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S"
+# Whether a TP group without CUDA P2P between some pair (GeForce cards, a pair the driver does not connect, or
+# one whose P2P writes the construction probe saw dropped) may use the pinned host-memory workspace ("auto",
+# the default) or stays on NCCL ("off"). Independent of the mode.
+HOSTMEM_ENV = "SGLANG_SM120_HOSTMEM"
+HOSTMEM_CHOICES = ("auto", "off")
+DEFAULT_HOSTMEM = "auto"
 
 MODES = ("auto", "on", "off")
 DEFAULT_MODE = "auto"
@@ -79,6 +86,22 @@ def parse_max_bytes(value: object, source: str) -> int | None:
     return number
 
 
+def parse_hostmem(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in HOSTMEM_CHOICES:
+        raise SettingError(
+            f"{source}={value!r} is not a valid host-memory setting; allowed: {', '.join(HOSTMEM_CHOICES)} "
+            "(auto: use pinned host memory where CUDA P2P is missing; off: stay on NCCL there)"
+        )
+    return text
+
+
+def hostmem_from_env(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    raw = environ.get(HOSTMEM_ENV)
+    return DEFAULT_HOSTMEM if raw in (None, "") else parse_hostmem(raw, HOSTMEM_ENV)
+
+
 def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     raw = environ.get(MODE_ENV)
@@ -127,6 +150,7 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     mode_from_env(environ)
     max_bytes_from_env(environ)
     agreement_timeout_s(environ)
+    hostmem_from_env(environ)
 
 
 def _cli_type(parse, flag: str):
@@ -156,8 +180,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help=(
             "Route small tensor-parallel all-reduces (and the fused all-reduce + residual-add + RMSNorm) to "
             "sgl_kernel_sm120's CUDA IPC kernels. 'auto' (default): only when every TP rank's GPU is compute "
-            "capability 12.0, TP size is 2/4/8 on one node, CUDA P2P works between all pairs and deterministic "
-            "inference is off. 'on': on any CUDA GPU with working P2P. 'off': SGLang unchanged. "
+            "capability 12.0, TP size is 2/4/8 on one node and deterministic inference is off; the workspace "
+            "is CUDA IPC over P2P, or pinned host memory where P2P is missing between a pair (GeForce cards; "
+            f"{HOSTMEM_ENV}=off refuses that). 'on': on any CUDA GPU. 'off': SGLang unchanged. "
             f"Environment equivalent: {MODE_ENV}."
         ),
     )

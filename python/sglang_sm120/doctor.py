@@ -2,8 +2,10 @@
 
 Prints the GPUs (capability, driver, CUDA, NCCL), the probed CUDA P2P matrix, the PCIe/NUMA topology and the
 islands the kernel would use, IOMMU/ACS hints, NCCL settings worth setting for the large reductions that stay
-on NCCL, which backend each message size takes, and (with GPUs and built kernels) a short multi-process
-self-test. Exits 0 when the backend can run, 1 otherwise, naming the reason. Works on a CPU-only machine.
+on NCCL, which backend each message size takes, which path the TP group gets on this box (CUDA IPC over P2P,
+pinned host memory without P2P, or NCCL) and why, and (with GPUs and built kernels) a short multi-process
+self-test over that path. Exits 0 when the backend can run, 1 otherwise, naming the reason. Works on a CPU-only
+machine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 from . import config
 from .facts import gpu_uuid, kernel_error
-from .gate import SUPPORTED_WORLD_SIZES, decide
+from .gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
 from .topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
 
 NCCL_SETTINGS = [
@@ -151,14 +153,29 @@ def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2) 
         print(f"{tokens:>8} {nbytes:>10}  {backend}")
 
 
-def self_test(world: int, hidden: int, timeout_s: float) -> str | None:
-    """Runs the kernels over `world` local GPUs in spawned processes. None when it passed, else why not."""
+PATHS = {
+    "device": "sm120 kernels over CUDA IPC (P2P between every pair)",
+    "host": "sm120 kernels over pinned host memory (no P2P needed)",
+}
+
+
+def path_text(decision: GateDecision) -> str:
+    """Which all-reduce path a gate decision gives a TP group, in the doctor's words."""
+    if not decision.enabled:
+        return "NCCL (SGLang's own all-reduce)"
+    return PATHS.get(decision.memory, f"sm120 kernels, memory {decision.memory!r}")
+
+
+def self_test(world: int, hidden: int, timeout_s: float, memory: str = "device") -> str | None:
+    """Runs the kernels over `world` local GPUs in spawned processes, with the workspace in `memory`. None when
+    it passed, else why not."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_self_test_worker, args=(rank, world, port, hidden, queue)) for rank in range(world)]
+    procs = [ctx.Process(target=_self_test_worker, args=(rank, world, port, hidden, queue, memory))
+             for rank in range(world)]
     for proc in procs:
         proc.start()
     results = {}
@@ -187,7 +204,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _self_test_worker(rank: int, world: int, port: int, hidden: int, queue) -> None:
+def _self_test_worker(rank: int, world: int, port: int, hidden: int, queue, memory: str = "device") -> None:
     error = None
     try:
         import torch
@@ -198,7 +215,7 @@ def _self_test_worker(rank: int, world: int, port: int, hidden: int, queue) -> N
         torch.cuda.set_device(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         device = torch.device("cuda", rank)
-        ar = IpcAllReduce(dist.group.WORLD, device, 64 * hidden, torch.bfloat16)
+        ar = IpcAllReduce(dist.group.WORLD, device, 64 * hidden, torch.bfloat16, memory=memory)
         try:
             for rows in (1, 3, 16):
                 inputs = [_int_tensor((rows, hidden), seed=100 * r + rows) for r in range(world)]
@@ -253,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = args.mode or config.mode_from_env()
     mode_source = "--mode" if args.mode else (f"${config.MODE_ENV}" if os.environ.get(config.MODE_ENV) else "default")
     print(f"mode: {mode} (from {mode_source})")
+    hostmem = config.hostmem_from_env()
+    hostmem_source = f"${config.HOSTMEM_ENV}" if os.environ.get(config.HOSTMEM_ENV) else "default"
+    print(f"host-memory workspace where P2P is missing: {hostmem} (from {hostmem_source})")
 
     report_versions()
     section("GPUs")
@@ -311,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     section(f"gate (mode={mode})")
     kernels = kernel_error()
-    usable_world = None
+    usable_world, usable_memory, largest = None, "device", None
     # With mode off the server would not use the backend at all; still say what `auto` would do on this box.
     evaluated = "auto" if mode == "off" else mode
     if mode == "off":
@@ -322,20 +342,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         sub = [row[:world] for row in matrix[:world]]
         decision = decide(evaluated, [g["capability"] for g in found[:world]], world, 1, sub, False,
-                          kernel_errors=[kernels] * world, names=[g["name"] for g in found[:world]])
-        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'DISABLED'}: {decision.reason}")
+                          kernel_errors=[kernels] * world, names=[g["name"] for g in found[:world]], hostmem=hostmem)
+        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'DISABLED'}, path: "
+              f"{path_text(decision)}: {decision.reason}")
+        largest = (world, decision)
         if decision.enabled:
-            usable_world = world
+            usable_world, usable_memory = world, decision.memory
         elif world == max(w for w in SUPPORTED_WORLD_SIZES if w <= count):
             problems.append(f"TP={world}: {decision.reason}")
     if count < 2:
         problems.append("fewer than 2 GPUs: nothing to all-reduce across")
+    if largest is not None:
+        world, decision = largest
+        prefix = "with mode auto, " if mode == "off" else ""
+        print(f"path on this box ({prefix}TP={world}): {path_text(decision)}")
+        if decision.enabled and decision.memory == "device":
+            print("  (the workspace also probes the P2P data path when it is built; if writes are dropped there, "
+                  + ("the server retries in pinned host memory)" if hostmem == "auto" else
+                     f"the server stays on NCCL: {config.HOSTMEM_ENV}=off)"))
     if mode == "off":
         usable_world = None
 
     if usable_world is not None and not args.no_self_test:
-        section(f"self-test over {usable_world} GPUs")
-        error = self_test(usable_world, args.hidden, args.self_test_timeout)
+        section(f"self-test over {usable_world} GPUs ({path_text(GateDecision(True, '', usable_memory))})")
+        error = self_test(usable_world, args.hidden, args.self_test_timeout, usable_memory)
+        if error and usable_memory == "device" and hostmem == "auto" and "IpcAllReduceProbeError" in error:
+            # What the server does: a failed P2P data-path probe sends the workspace to host memory.
+            print(error)
+            print(f"the P2P data-path probe failed; retrying as the server would: {PATHS['host']}")
+            error = self_test(usable_world, args.hidden, args.self_test_timeout, "host")
+            if error is None:
+                print(f"path on this box (TP={usable_world}): {PATHS['host']}, after the P2P data-path probe failed")
         print("PASSED" if error is None else error)
         if error:
             problems.append(error)

@@ -2,6 +2,11 @@
 
 Every rank gathers the same facts (see `facts.py`) and evaluates `decide` on them, so every rank reaches the
 same decision without a further round trip. Kept free of torch and SGLang so it is unit-tested on CPU.
+
+The decision also picks the workspace's memory: "device" (each GPU's own memory, reached by its peers over
+CUDA P2P / IPC) when P2P holds between every pair, else "host" (pinned, device-mapped shared host memory,
+which needs no P2P at all: GeForce cards, whose driver refuses P2P, or a box with a pair the driver does not
+connect), unless the host-memory path was refused (`hostmem="off"`).
 """
 
 from __future__ import annotations
@@ -9,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .config import HOSTMEM_CHOICES, HOSTMEM_ENV
+
 SM120 = (12, 0)  # RTX PRO 6000 Blackwell / RTX 50xx. Not 12.1 (GB10 / DGX Spark: unified memory, no PCIe P2P)
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
+MEMORIES = ("device", "host")  # the `memory` argument of sgl_kernel_sm120.IpcAllReduce
 
 Capability = tuple[int, int] | None  # None: the rank has no CUDA device
 
@@ -19,6 +27,9 @@ Capability = tuple[int, int] | None  # None: the rank has no CUDA device
 class GateDecision:
     enabled: bool
     reason: str
+    # Where the workspace lives when enabled: "device" (CUDA IPC over P2P) or "host" (pinned host memory,
+    # no P2P needed). Meaningless when disabled (left at "device").
+    memory: str = "device"
 
 
 def is_geforce(name: str) -> bool:
@@ -47,6 +58,7 @@ def decide(
     kernel_errors: Sequence[str | None] | None = None,
     modes: Sequence[str] | None = None,
     names: Sequence[str | None] | None = None,
+    hostmem: str = "auto",
 ) -> GateDecision:
     """Should the TP group use the sm120 IPC backend?
 
@@ -55,13 +67,18 @@ def decide(
     nnodes: distinct nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's GPU (None: unprobed).
     kernel_errors: per rank, None when sgl_kernel_sm120's kernels load there, else why not.
     names: per rank, the GPU's marketing name (None: unknown); only used to explain a missing P2P.
+    hostmem: "auto" (a missing P2P pair selects the host-memory workspace) | "off" (it disables the backend).
 
-    "auto": every GPU exactly 12.0, world 2/4/8, one node, P2P between every pair, deterministic off.
-    "on": any CUDA GPU; still needs world 2/4/8, one node and working P2P, which the kernel cannot do without.
+    "auto": every GPU exactly 12.0, world 2/4/8, one node, deterministic off, P2P probed.
+    "on": any CUDA GPU; still needs world 2/4/8 on one node (both transports are node-local) and P2P probed.
     "off": never.
+    In "auto" and "on", P2P between every pair gives memory "device"; a pair without it gives memory "host",
+    or a disabled backend with hostmem "off". Unprobed P2P (None) disables: nothing is known about the box.
     """
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"unknown mode {mode!r}")
+    if hostmem not in HOSTMEM_CHOICES:
+        raise ValueError(f"unknown hostmem {hostmem!r}; allowed: {', '.join(HOSTMEM_CHOICES)}")
     if mode == "off":
         return GateDecision(False, "mode off: SGLang's own all-reduce paths are used unchanged")
     if modes is not None and len(set(modes)) > 1:
@@ -87,27 +104,19 @@ def decide(
     if world_size not in SUPPORTED_WORLD_SIZES:
         return GateDecision(False, f"world size {world_size} is not one of {SUPPORTED_WORLD_SIZES}")
     if nnodes != 1:
-        return GateDecision(False, f"the group spans {nnodes} nodes; CUDA IPC works within one node only")
+        return GateDecision(
+            False, f"the group spans {nnodes} nodes; CUDA IPC and the host-memory workspace work within one node only"
+        )
     if p2p is None:
         return GateDecision(False, "P2P access was not probed")
     missing = [
         (i, j) for i in range(world_size) for j in range(world_size) if i != j and not bool(p2p[i][j])
     ]
-    if missing:
-        shown = ", ".join(f"{i}->{j}" for i, j in missing[:12]) + (" ..." if len(missing) > 12 else "")
-        geforce = sorted({n for n in (names or []) if n and is_geforce(n)})
-        if geforce:
-            return GateDecision(
-                False,
-                f"CUDA P2P access is missing between ranks {shown}: {', '.join(geforce)} is a GeForce card, and "
-                "the NVIDIA driver disables P2P on GeForce cards by policy (no BIOS or kernel setting changes "
-                "that); the IPC kernels need P2P, so only workstation/datacenter cards such as the RTX PRO 6000 "
-                "Blackwell are supported",
-            )
+    no_p2p = _explain_missing_p2p(missing, names) if missing else ""
+    if missing and hostmem == "off":
         return GateDecision(
             False,
-            f"CUDA P2P access is missing between ranks {shown} (check IOMMU/ACS settings; "
-            "`python -m sglang_sm120.doctor` explains)",
+            f"{no_p2p}; the pinned host-memory workspace, which needs no P2P, is refused ({HOSTMEM_ENV}=off)",
         )
     if kernel_errors is not None:
         failing = {rank: err for rank, err in enumerate(kernel_errors) if err}
@@ -119,9 +128,28 @@ def decide(
             )
     caps = sorted({_fmt_cap(cap) for cap in capabilities})
     if mode == "auto":
-        why = f"all {world_size} GPUs are compute capability 12.0 on one node with P2P between every pair"
+        why = f"all {world_size} GPUs are compute capability 12.0 on one node"
     else:
-        why = f"mode on (forced) on compute capability {', '.join(caps)}, one node, P2P between every pair"
-        if deterministic:
-            why += "; deterministic inference is on (the kernel reduces in a fixed order on every rank)"
-    return GateDecision(True, why)
+        why = f"mode on (forced) on compute capability {', '.join(caps)}, one node"
+    if missing:
+        why += (f"; {no_p2p}, so the workspace goes to pinned, device-mapped host memory, which needs no P2P "
+                f"({HOSTMEM_ENV}=off refuses it)")
+    else:
+        why += ", P2P between every pair"
+    if mode == "on" and deterministic:
+        why += "; deterministic inference is on (the kernel reduces in a fixed order on every rank)"
+    return GateDecision(True, why, memory="host" if missing else "device")
+
+
+def _explain_missing_p2p(missing: Sequence[tuple[int, int]], names: Sequence[str | None] | None) -> str:
+    """Which pairs lack P2P, and why where the GPU names tell: GeForce drivers refuse P2P by policy."""
+    shown = ", ".join(f"{i}->{j}" for i, j in missing[:12]) + (" ..." if len(missing) > 12 else "")
+    text = f"CUDA P2P access is missing between ranks {shown}"
+    geforce = sorted({n for n in (names or []) if n and is_geforce(n)})
+    if geforce:
+        return (
+            f"{text}: {', '.join(geforce)} is a GeForce card, and the NVIDIA driver disables P2P on GeForce cards "
+            "by policy (no BIOS or kernel setting changes that); CUDA IPC over P2P works only on "
+            "workstation/datacenter cards such as the RTX PRO 6000 Blackwell"
+        )
+    return f"{text} (check IOMMU/ACS settings; `python -m sglang_sm120.doctor` explains)"

@@ -96,6 +96,7 @@ def attach(group) -> Sm120Communicator | None:
         mode=settings.mode,
         deterministic=deterministic_inference(server_args),
         timeout_s=config.agreement_timeout_s(),
+        hostmem=config.hostmem_from_env(),
     )
     comm.resolve_gate()
     return comm

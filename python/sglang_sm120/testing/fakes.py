@@ -4,22 +4,57 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_sm120.errors import IpcAllReduceProbeError
+from sgl_kernel_sm120.variants import Link
+
 
 class FakeIpcAllReduce:
     """Stands in for sgl_kernel_sm120.IpcAllReduce on CPU: "all-reduces" by multiplying by world_size (what
-    identical inputs on every rank would sum to)."""
+    identical inputs on every rank would sum to).
+
+    Mirrors the constructor's `memory` argument: "device" keeps the given link, "host" reports
+    `link == Link.HOST` and refuses islands, as the real one does. `failing(...)` makes a subclass whose device
+    builds raise IpcAllReduceProbeError (and, optionally, whose host builds fail too), for the retry logic."""
 
     instances: list[FakeIpcAllReduce] = []
+    # Set on the subclasses `failing()` makes: the probe table a device build fails with, and the error text a
+    # host build fails with.
+    probe_pairs: list[tuple[int, int, str]] | None = None
+    host_error: str | None = None
 
     def __init__(self, group=None, device=None, max_numel=0, dtype=torch.bfloat16, *, islands=None, link="auto",
-                 timeout_s=None, world_size=2, fail=None):
+                 memory="device", timeout_s=None, warn_after_s=None, world_size=2, fail=None):
+        attempts = type(self).__dict__.get("attempts")
+        if attempts is not None:
+            attempts.append(memory)
         if fail:
             raise RuntimeError(fail)
+        if memory not in ("device", "host"):
+            raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+        if memory == "host" and islands is not None:
+            raise ValueError("islands must be None with memory='host' (host memory has no islands)")
+        if memory == "device" and self.probe_pairs:
+            raise IpcAllReduceProbeError(list(self.probe_pairs))
+        if memory == "host" and self.host_error:
+            raise RuntimeError(self.host_error)
         self.group, self.device, self.max_numel, self.dtype = group, device, int(max_numel), dtype
-        self.islands, self.link, self.world_size = islands, link, world_size
+        self.memory, self.world_size = memory, world_size
+        self.islands = islands
+        self.link = Link.HOST if memory == "host" else link
         self.closed = False
         self.calls: list[str] = []
         FakeIpcAllReduce.instances.append(self)
+
+    @classmethod
+    def failing(cls, probe_pairs=((1, 0, "dropped"),), host_error: str | None = None) -> type[FakeIpcAllReduce]:
+        """A subclass whose device-memory builds raise IpcAllReduceProbeError(probe_pairs) (None: they succeed)
+        and whose host-memory builds raise RuntimeError(host_error) when given. `attempts` lists the memory of
+        every construction, successful or not, in call order (all ranks together)."""
+        return type("FailingFakeIpcAllReduce", (cls,), {
+            "probe_pairs": list(probe_pairs) if probe_pairs else None,
+            "host_error": host_error,
+            "attempts": [],
+        })
 
     def supports(self, inp: torch.Tensor) -> bool:
         return (
