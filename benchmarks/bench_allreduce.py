@@ -8,7 +8,16 @@ Shapes: flat bf16 tensors of 1 KB .. 64 MB (powers of two), and Kimi-K2.5 hidden
 Ops: ``allreduce`` on every shape; ``allreduce_add_rmsnorm`` on the [rows, hidden] shapes (ours: the fused
 kernel; every other implementation: its all-reduce followed by one fused add+RMSNorm kernel).
 Implementations: nccl (torch.distributed), sm120 (ours: the dispatch's choice and every forced variant),
-torch_symm_mem (one-shot), sglang_car_v2 (SGLang's CustomAllReduceV2), flashinfer_pcie_ipc.
+torch_symm_mem (one-shot), sglang_car_v2 (SGLang's CustomAllReduceV2), flashinfer_pcie_ipc; on request
+sm120_hostmem (ours through pinned host memory: IpcAllReduce(memory="host"), ONESHOT/TWOSHOT).
+
+--no-p2p: NCCL without P2P, side by side with ours through host memory (the transport for GPUs without CUDA
+P2P). NCCL reads NCCL_P2P_DISABLE once, when its first communicator is created, so the script sets
+NCCL_P2P_DISABLE=1 before it initialises NCCL; NCCL is then named nccl_no_p2p (and `nccl` is refused, as is
+nccl_no_p2p without --no-p2p). Defaults: --impls nccl_no_p2p,sm120_hostmem, --rows 1,3,4,16,64, the quick flat
+sizes, --norm-kernel triton (the add+RMSNorm after NCCL's all-reduce). The JSON records the NCCL environment
+NCCL started with, its version, the transports NCCL logged, and the targets at [3, 7168] (schema.NO_P2P_TARGETS:
+ours >= 3x faster than NCCL-no-P2P, plain and fused), computed from the measured medians.
 
 Timing: K calls captured back to back into one CUDA graph (inputs rotate between two buffers), warmup
 replays, then R timed replays (CUDA events); per call = replay / K; per replay the MAX over ranks (gathered
@@ -16,8 +25,8 @@ over gloo afterwards); reported: the MEDIAN over replays. Before timing, each im
 checked once against NCCL on integer-valued inputs (exact sums); a mismatching implementation is recorded
 with an ``error`` and not timed. After timing, the graph's last outputs are checked again.
 
-Writes ``<out>/allreduce_<gpu>_tp<N>.json`` (rewritten after every shape, so a killed run leaves partial
-results with ``"complete": false``) and a PNG plot next to it.
+Writes ``<out>/allreduce_<gpu>_tp<N>.json`` (``..._tp<N>_nop2p.json`` with --no-p2p; rewritten after every
+shape, so a killed run leaves partial results with ``"complete": false``) and a PNG plot next to it.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ for _p in (_ROOT / "python", _ROOT):
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import format_bytes, parse_int_list, parse_size  # noqa: E402
-from benchmarks.schema import crossover_bytes, validate_allreduce_doc  # noqa: E402
+from benchmarks.schema import NO_P2P_TARGETS, crossover_bytes, evaluate_targets, validate_allreduce_doc  # noqa: E402
 
 HIDDEN = 7168
 EPS = 1e-6
@@ -80,11 +89,17 @@ def build_shapes(sizes: list[int], rows: list[int], hidden: int) -> list[Shape]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default=None, help="flat sizes, e.g. 1K,64K,4M (default 1K..64M powers of two)")
+    p.add_argument("--sizes", default=None,
+                   help="flat sizes, e.g. 1K,64K,4M, or none (default 1K..64M powers of two; --no-p2p: 1K..16M)")
     p.add_argument("--rows", default=None, help="rows of the [rows, hidden] shapes (default 1,2,3,4,8,...,256)")
     p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
-    p.add_argument("--impls", default=",".join(_all_impls()), help="comma list of implementations")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list of implementations (default {','.join(_all_impls())}; with --no-p2p "
+                        f"{','.join(_no_p2p_impls())}; also known: {','.join(_known_impls())})")
+    p.add_argument("--no-p2p", action="store_true",
+                   help="NCCL with NCCL_P2P_DISABLE=1 (set before NCCL starts) as `nccl_no_p2p`, against ours "
+                        "through host memory (`sm120_hostmem`); output allreduce_<gpu>_tp<N>_nop2p.json")
     p.add_argument("--no-fused", action="store_true", help="skip the all-reduce + add + RMSNorm op")
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed replays first (default 5, quick 3)")
@@ -94,7 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
                         "(default 480, env BENCH_TIME_LIMIT_S)")
     p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"],
-                   help="preferred add+RMSNorm kernel after plain all-reduces (default: first that works)")
+                   help="preferred add+RMSNorm kernel after plain all-reduces (default: first that works; "
+                        "--no-p2p: triton)")
     p.add_argument("--ours-link", default="auto")
     p.add_argument("--ours-timeout-s", type=float, default=None)
     p.add_argument("--ours-islands", default="auto",
@@ -103,11 +119,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flashinfer-max-bytes", type=str, default="8M")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    a.sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else (QUICK_SIZES if a.quick else FULL_SIZES)
-    a.rows = parse_int_list(a.rows) if a.rows else (QUICK_ROWS if a.quick else FULL_ROWS)
+    if a.sizes and a.sizes.strip().lower() == "none":
+        a.sizes = []
+    elif a.sizes:
+        a.sizes = [parse_size(s) for s in a.sizes.split(",")]
+    else:
+        a.sizes = QUICK_SIZES if (a.quick or a.no_p2p) else FULL_SIZES
+    a.rows = parse_int_list(a.rows) if a.rows else (QUICK_ROWS if (a.quick or a.no_p2p) else FULL_ROWS)
     a.iters = a.iters or (20 if a.quick else 50)
     a.warmup = a.warmup if a.warmup is not None else (3 if a.quick else 5)
-    a.impls = [s for s in a.impls.split(",") if s]
+    if a.impls is None:
+        a.impls = list(_no_p2p_impls() if a.no_p2p else _all_impls())
+    else:
+        a.impls = [s for s in a.impls.split(",") if s]
+    unknown = [s for s in a.impls if s not in _known_impls()]
+    if unknown:
+        p.error(f"unknown implementation(s) {','.join(unknown)}; known: {','.join(_known_impls())}")
+    if not a.impls:
+        p.error("--impls is empty")
+    why = common.nccl_label_error(a.impls, a.no_p2p)
+    if why:
+        p.error(why)
+    if a.no_p2p and a.norm_kernel is None:
+        a.norm_kernel = "triton"  # the issue's peer: NCCL-no-P2P + our Triton add+RMSNorm
+    if not a.sizes and not a.rows:
+        p.error("nothing to measure: no --sizes and no --rows")
     a.flashinfer_max_bytes = parse_size(a.flashinfer_max_bytes)
     if a.ours_max_bytes:
         a.ours_max_bytes = parse_size(a.ours_max_bytes)
@@ -118,6 +154,27 @@ def _all_impls():
     from benchmarks.peers import ALL_IMPLS
 
     return ALL_IMPLS
+
+
+def _no_p2p_impls():
+    from benchmarks.peers import NO_P2P_IMPLS
+
+    return NO_P2P_IMPLS
+
+
+def _known_impls():
+    from benchmarks.peers import KNOWN_IMPLS
+
+    return KNOWN_IMPLS
+
+
+def reference_names(no_p2p: bool) -> tuple[str, str]:
+    """(ours, NCCL) of this mode: the pair behind crossover_bytes and the tables' ratio column."""
+    return ("sm120_hostmem", common.NCCL_NO_P2P) if no_p2p else ("sm120", common.NCCL_PLAIN)
+
+
+def mode_targets(no_p2p: bool) -> tuple:
+    return NO_P2P_TARGETS if no_p2p else ()
 
 
 class Buffers:
@@ -151,9 +208,13 @@ class Buffers:
 
 
 class Bench:
-    def __init__(self, d, args):
+    def __init__(self, d, args, nccl_mode: dict | None = None):
         self.d = d
         self.args = args
+        self.no_p2p = bool(getattr(args, "no_p2p", False))
+        self.nccl_mode = nccl_mode if nccl_mode is not None else {"mode": "no_p2p" if self.no_p2p else "default",
+                                                                   "no_p2p": self.no_p2p}
+        self.ours, self.nccl_name = reference_names(self.no_p2p)
         self.results: list[dict] = []
         self.skipped: list[dict] = []
         self.impl_notes: dict = {}
@@ -163,7 +224,8 @@ class Bench:
         self.t0 = time.monotonic()
         self.complete = False
         self.aborted: str | None = None
-        self.out_json = common.result_path(Path(args.out), "allreduce", self.hw["gpu"], d.world_size)
+        self.out_json = common.result_path(Path(args.out), "allreduce", self.hw["gpu"], d.world_size,
+                                           tag=common.output_tag(self.no_p2p))
 
     # ---------------------------------------------------------------- output
     def doc(self) -> dict:
@@ -179,6 +241,10 @@ class Bench:
         def medians_rows(label, op):
             return {r["bytes"]: r["median_us"] for r in res if r["label"] == label and r["op"] == op and r["rows"]}
 
+        norm_name = self.norm.name if self.norm else None
+        mode = common.public_nccl_mode(self.nccl_mode)
+        p2p_seen = (mode.get("transports") or {}).get("p2p_seen")
+        invalid = "NCCL logged P2P channels in this --no-p2p run" if self.no_p2p and p2p_seen else None
         return {
             "schema_version": common.SCHEMA_VERSION,
             "benchmark": "bench_allreduce",
@@ -186,6 +252,8 @@ class Bench:
             "date": common.utc_now(),
             "complete": self.complete,
             "aborted": self.aborted,
+            "no_p2p": self.no_p2p,
+            "nccl_setup": {**mode, "nccl_version": self.hw.get("nccl")},
             "elapsed_s": round(time.monotonic() - self.t0, 1),
             "settings": {
                 "sizes": self.args.sizes,
@@ -197,15 +265,18 @@ class Bench:
                 "statistic": "median over replays of the max over ranks of (replay time / calls per replay)",
                 "eps": EPS,
             },
-            "norm_kernel": self.norm.name if self.norm else None,
+            "norm_kernel": norm_name,
             "norm_kernels_rejected": [{"kernel": k, "reason": r} for k, r in self.norm_rejected],
             "impl_notes": self.impl_notes,
             "results": res,
             "skipped": list(self.skipped),
-            "crossover_bytes": crossover_bytes(medians("sm120", OP_AR, "dispatch"), medians("nccl", OP_AR, "dispatch")),
+            "crossover_pair": [self.ours, self.nccl_name],
+            "crossover_bytes": crossover_bytes(medians(self.ours, OP_AR, "dispatch"),
+                                               medians(self.nccl_name, OP_AR, "dispatch")),
             "crossover_bytes_fused_rows": crossover_bytes(
-                medians_rows("sm120", OP_FUSED), medians_rows("nccl+add_rmsnorm", OP_FUSED)
+                medians_rows(self.ours, OP_FUSED), medians_rows(f"{self.nccl_name}+add_rmsnorm", OP_FUSED)
             ),
+            "targets": evaluate_targets(res, mode_targets(self.no_p2p), norm_kernel=norm_name, invalid=invalid),
         }
 
     def write(self) -> None:
@@ -230,7 +301,7 @@ class Bench:
         for name in self.args.impls:
             impl = make_impl(name, self.args)
             numel = max_numel
-            if name == "sm120" and self.args.ours_max_bytes:
+            if name in ("sm120", "sm120_hostmem") and self.args.ours_max_bytes:
                 numel = self.args.ours_max_bytes // 2
             try:
                 impl.setup(self.d, numel)
@@ -438,11 +509,14 @@ class Bench:
         shapes = build_shapes(a.sizes, a.rows, a.hidden)
         max_numel = max(s.numel for s in shapes)
         d.log(f"bench_allreduce: {self.hw['gpu']} x{d.world_size}, torch {self.hw['torch']}, "
-              f"NCCL {self.hw['nccl']}, {len(shapes)} shapes, iters {a.iters}")
+              f"NCCL {self.hw['nccl']}{' (P2P disabled: NCCL_P2P_DISABLE=1)' if self.no_p2p else ''}, "
+              f"{len(shapes)} shapes, iters {a.iters}")
         if not a.no_fused and a.rows:
             self.norm, self.norm_rejected = common.select_norm_kernel(d, a.hidden, EPS, prefer=a.norm_kernel)
             d.log(f"  add+RMSNorm kernel after plain all-reduces: {self.norm.name}")
         impls = self.setup_impls(max_numel)
+        if self.no_p2p:
+            common.collect_nccl_transports(d, self.nccl_mode)  # NCCL's channels so far (init + references)
         self.write()
         try:
             for sh in shapes:
@@ -462,6 +536,8 @@ class Bench:
         finally:
             for impl in impls:
                 impl.close()
+        if self.no_p2p:
+            common.collect_nccl_transports(d, self.nccl_mode)  # again: channels connected during the run
         self.write()
         if d.is_main:
             self.print_tables()
@@ -471,7 +547,7 @@ class Bench:
     # ---------------------------------------------------------------- reporting
     def print_tables(self) -> None:
         doc = self.doc()
-        for op, base in ((OP_AR, "sm120"), (OP_FUSED, "sm120")):
+        for op, base in ((OP_AR, self.ours), (OP_FUSED, self.ours)):
             rs = [r for r in doc["results"] if r["op"] == op]
             if not rs:
                 continue
@@ -494,7 +570,12 @@ class Bench:
                         rt = common.ratio(c["median_us"], ours)
                         line += f"{c['median_us']:>15.2f}" + (f" ({rt:5.2f}x)" if rt else " " * 9)
                 common.table_print(line)
-        common.table_print(f"\ncrossover_bytes (ours <= NCCL at every size up to here): {doc['crossover_bytes']}")
+        common.table_print(f"\ncrossover_bytes ({self.ours} <= {self.nccl_name} at every size up to here): "
+                           f"{doc['crossover_bytes']}")
+        for t in doc["targets"]:
+            common.table_print(format_target(t))
+        if self.no_p2p:
+            common.table_print(common.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
             common.table_print("skipped:")
             grouped: dict = {}
@@ -526,8 +607,9 @@ class Bench:
             return
         png = self.out_json.with_suffix(".png")
         hw = self.hw
+        nccl = f"NCCL {hw['nccl']}" + (" with P2P disabled" if self.no_p2p else "")
         err = common.plot_lines(png, panels, title=f"{hw['gpu']} x{self.d.world_size}, torch {hw['torch']}, "
-                                                   f"NCCL {hw['nccl']}, {doc['date'][:10]}")
+                                                   f"{nccl}, {doc['date'][:10]}")
         print(f"plot: {err or png}")
 
 
@@ -535,19 +617,33 @@ class _Abort(Exception):
     pass
 
 
+def format_target(t: dict) -> str:
+    head = f"target {t['target']}: {t['ours']} vs {t['peer']} at [{t['rows']}, {t['hidden']}] ({t['op']}), need " \
+           f">= {t['required_speedup']:g}x faster: "
+    if t["met"] is None:
+        return head + f"NOT EVALUATED ({t['why']})"
+    return head + (f"{t['ours_us']:.2f} vs {t['peer_us']:.2f} us = {t['speedup']:.2f}x: "
+                   + ("MET" if t["met"] else "MISSED"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    common.require_multi_gpu("benchmarks/bench_allreduce.py")
+    script = "benchmarks/bench_allreduce.py"
+    common.require_multi_gpu(script)
+    # Before init_distributed: NCCL reads NCCL_P2P_DISABLE when it creates its first communicator.
+    nccl_mode = common.enter_nccl_mode(script, args.no_p2p,
+                                       uses_nccl_label=bool({common.NCCL_PLAIN, common.NCCL_NO_P2P} & set(args.impls)))
     d = common.init_distributed()
     bench = None
     try:
         common.check_same_args(d, vars(args))
-        bench = Bench(d, args)
+        bench = Bench(d, args, nccl_mode=nccl_mode)
         wd = common.Watchdog(args.time_limit, on_timeout=bench.write)
         bench.run()
         wd.stop()
     finally:
         common.shutdown(d, exit_after_s=60.0 if argv is None else None)
+        common.cleanup_nccl_log(nccl_mode)
     return 0
 
 

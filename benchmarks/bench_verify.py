@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How much faster does the EAGLE-3 verify step get? Replays one target-verify forward's communication.
 
-    torchrun --nproc-per-node N benchmarks/bench_verify.py [--config kimi_k25] [--backend nccl|sm120|both]
-             [--compute none|gemm|none,gemm] [--tokens 1,2,3,4,8,16,32,64] [--via-sglang] [--out DIR]
+    torchrun --nproc-per-node N benchmarks/bench_verify.py [--config kimi_k25] [--backend both|NAME[,NAME...]]
+             [--compute none|gemm|none,gemm] [--tokens 1,2,3,4,8,16,32,64] [--via-sglang] [--no-p2p] [--out DIR]
 
 One graph per (backend, compute, T) holds one whole forward of the model in ``benchmarks/configs/<config>.json``
 (the op list comes from ``verify_pattern.build_verify_pattern``; Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
@@ -11,6 +11,11 @@ One graph per (backend, compute, T) holds one whole forward of the model in ``be
   one fused add + RMSNorm kernel (sgl_kernel's or FlashInfer's if they work here, else our Triton kernel).
 - ``sm120``: ours: ``all_reduce_add_rmsnorm`` where the pattern fuses (121, or 118 with the EAGLE-3 capture
   layers, whose preceding MoE all-reduce is not deferred), ``all_reduce`` + the same norm kernel elsewhere.
+- ``sm120_hostmem``: ours through pinned host memory (``IpcAllReduce(memory="host")``, the transport for GPUs
+  without CUDA P2P), fused like ``sm120``.
+- ``nccl_no_p2p`` (``--no-p2p`` only): ``nccl`` with NCCL_P2P_DISABLE=1, set before NCCL starts (its
+  shared-memory transport). In that mode ``--backend both`` means nccl_no_p2p,sm120_hostmem, ``nccl`` is refused,
+  NCCL-no-P2P is the reference of the comparisons, and the output is ``verify_<gpu>_tp<N>_nop2p.json``.
 - ``--compute none``: communication (and norms) only: step time = communication time.
   ``--compute gemm``: each layer also runs bf16 GEMMs with the per-rank shapes at TP=N (MLA projections,
   routed experts of the expected active count, shared expert, dense MLP), and a third, compute-only graph is
@@ -61,7 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="kimi_k25",
                    help=f"name in benchmarks/configs ({', '.join(vp.available_configs())}) or a JSON path")
-    p.add_argument("--backend", default="both", choices=["nccl", "sm120", "both"])
+    p.add_argument("--backend", default="both",
+                   help=f"both | comma list of {', '.join(BACKENDS)}; both = nccl,sm120 (--no-p2p: "
+                        "nccl_no_p2p,sm120_hostmem)")
+    p.add_argument("--no-p2p", action="store_true",
+                   help="NCCL with NCCL_P2P_DISABLE=1 (set before NCCL starts) as `nccl_no_p2p`, against ours "
+                        "through host memory; output verify_<gpu>_tp<N>_nop2p.json")
     p.add_argument("--compute", default="none", help="none | gemm | none,gemm")
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="T = batch x draft tokens")
     p.add_argument("--no-eagle3-capture", action="store_true", help="ignore the config's EAGLE-3 capture layers")
@@ -71,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--via-sglang", action="store_true", help="also drive the pattern through SGLang (overlay off/on)")
     p.add_argument("--sglang-custom-ar", default="off", choices=["on", "off"],
                    help="SGLang's own custom all-reduce in --via-sglang (off mimics PCIe boxes, where it is disabled)")
-    p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"])
+    p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"],
+                   help="add+RMSNorm kernel of the unfused norms (default: first that works; --no-p2p: triton)")
     p.add_argument("--ours-link", default="auto")
     p.add_argument("--ours-islands", default="auto")
     p.add_argument("--ours-timeout-s", type=float, default=None)
@@ -95,9 +106,37 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--compute takes none, gemm or none,gemm (got {','.join(a.compute)})")
     if not a.tokens or min(a.tokens) < 1:
         p.error("--tokens needs positive integers")
-    a.backends = ["nccl", "sm120"] if a.backend == "both" else [a.backend]
+    a.backends = backends_of(a.backend, a.no_p2p)
+    unknown = [b for b in a.backends if b not in BACKENDS]
+    if unknown or not a.backends:
+        p.error(f"--backend takes both or a comma list of {', '.join(BACKENDS)} (got {a.backend!r})")
+    why = common.nccl_label_error(a.backends, a.no_p2p)
+    if why:
+        p.error(why)
+    if a.no_p2p and a.via_sglang:
+        p.error("--via-sglang with --no-p2p is not supported: SGLang's phases would run NCCL without P2P under "
+                "the names sglang_off/sglang_on")
+    if a.no_p2p and a.norm_kernel is None:
+        a.norm_kernel = "triton"  # as bench_allreduce --no-p2p: NCCL-no-P2P + our Triton add+RMSNorm
     a.e2e_compute_ms = [float(x) for x in a.e2e_compute_ms.split(",") if x]
     return a
+
+
+BACKENDS = ("nccl", "sm120", "sm120_hostmem", common.NCCL_NO_P2P)
+OURS_BACKENDS = ("sm120", "sm120_hostmem")  # fused: all_reduce_add_rmsnorm where the pattern fuses
+
+
+def backends_of(text: str, no_p2p: bool) -> list[str]:
+    if text.strip() == "both":
+        return [common.NCCL_NO_P2P, "sm120_hostmem"] if no_p2p else ["nccl", "sm120"]
+    return common.iter_unique(b.strip() for b in text.split(",") if b.strip())
+
+
+def reference_backends(backends: list[str], no_p2p: bool) -> tuple[str, str]:
+    """(NCCL reference, ours) of a run: what the comparisons, the speed-up column and the estimate use."""
+    ref = common.NCCL_NO_P2P if no_p2p else "nccl"
+    ours = "sm120_hostmem" if (no_p2p or "sm120" not in backends) and "sm120_hostmem" in backends else "sm120"
+    return ref, ours
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,6 +321,12 @@ class NcclComm:
         return x, r
 
 
+class NcclNoP2pComm(NcclComm):
+    """The same NCCL calls in a --no-p2p run (NCCL_P2P_DISABLE=1 set before NCCL started)."""
+
+    name = common.NCCL_NO_P2P
+
+
 class ComputeOnly(NcclComm):
     """All-reduces removed: the compute-only reference of --compute gemm."""
 
@@ -295,9 +340,10 @@ class Sm120Comm(NcclComm):
     name = "sm120"
     fuse = True
 
-    def __init__(self, d, norm, impl):
+    def __init__(self, d, norm, impl, name: str = "sm120"):
         super().__init__(d, norm)
         self.impl = impl
+        self.name = name
 
     def all_reduce(self, t):
         return self.impl.all_reduce(t, None)
@@ -347,8 +393,12 @@ class SglangComm(NcclComm):
 
 
 class Bench:
-    def __init__(self, d, args):
+    def __init__(self, d, args, nccl_mode: dict | None = None):
         self.d, self.args = d, args
+        self.no_p2p = bool(getattr(args, "no_p2p", False))
+        self.nccl_mode = nccl_mode if nccl_mode is not None else {"mode": "no_p2p" if self.no_p2p else "default",
+                                                                   "no_p2p": self.no_p2p}
+        self.ref, self.ours = reference_backends(args.backends, self.no_p2p)
         self.cfg = vp.load_config(args.config)
         self.capture = not args.no_eagle3_capture
         self.results: list[dict] = []
@@ -359,10 +409,11 @@ class Bench:
         self.hw = common.hardware_info(d)
         self.t0 = time.monotonic()
         self.complete = False
-        self.out_json = common.result_path(Path(args.out), "verify", self.hw["gpu"], d.world_size)
+        self.out_json = common.result_path(Path(args.out), "verify", self.hw["gpu"], d.world_size,
+                                           tag=common.output_tag(self.no_p2p))
         self.finals: dict = {}  # (compute, T) -> NCCL's final hidden states (for the --via-sglang comparison)
         self.run_info = {"date": common.utc_now(), "compute": args.compute, "backends": args.backends,
-                         "tokens": args.tokens, "via_sglang": args.via_sglang}
+                         "tokens": args.tokens, "via_sglang": args.via_sglang, "no_p2p": self.no_p2p}
         self.prior = self.load_prior() if d.is_main else None
 
     # ------------------------------------------------------------------ output
@@ -382,14 +433,15 @@ class Bench:
             rs = [r for r in results if r["backend"] == backend and r["compute"] == "none" and r["tokens"] == T]
             return rs[0]["comm_us"] if rs else None
 
-        n, s = comm("nccl"), comm("sm120")
+        n, s = comm(self.ref), comm(self.ours)
         if n is None or s is None:
             return []
         out = []
         for c in a.e2e_compute_ms:
             e = e2e_estimate(n, s, c, tok_s_eagle_nccl=a.e2e_tok_s_eagle_nccl, tok_s_nospec=a.e2e_tok_s_nospec,
                              accept_len=a.e2e_accept_len)
-            e.update({"tokens": T, "label": "ESTIMATE, not a measurement: step = compute_ms + measured comm "
+            e.update({"tokens": T, "nccl_backend": self.ref, "ours_backend": self.ours,
+                      "label": "ESTIMATE, not a measurement: step = compute_ms + measured comm "
                       "(compute none) on this machine; tok/s = accept_len / step"})
             out.append(e)
         return out
@@ -404,7 +456,8 @@ class Bench:
             self.notes["merge"] = f"could not read the existing file: {short_exc(e)}"
             return None
         same = (old.get("config", {}).get("name") == self.cfg.name and old.get("world_size") == self.d.world_size
-                and old.get("pattern", {}).get("n_fused") == self.pattern_info()["n_fused"])
+                and old.get("pattern", {}).get("n_fused") == self.pattern_info()["n_fused"]
+                and bool(old.get("no_p2p", False)) == self.no_p2p)
         if not same:
             self.notes["merge"] = "existing file is for another config/world size/pattern: overwritten"
             return None
@@ -437,6 +490,10 @@ class Bench:
             "elapsed_s": round(time.monotonic() - self.t0, 1),
             "config": self.cfg.to_dict(),
             "world_size": self.d.world_size,
+            "no_p2p": self.no_p2p,
+            "nccl_setup": {**common.public_nccl_mode(self.nccl_mode), "nccl_version": self.hw.get("nccl")},
+            "reference_backend": self.ref,
+            "ours_backend": self.ours,
             "pattern": self.pattern_info(),
             "settings": {"iters": self.args.iters, "warmup_replays": self.args.warmup,
                          "statistic": "median over replays of the max over ranks of one forward's replay time",
@@ -515,7 +572,7 @@ class Bench:
             "bytes_per_allreduce": T * self.cfg.bytes_per_token,
             "world_size": self.d.world_size,
             "n_allreduce": pat["n_allreduce"],
-            "n_fused": pat["n_fused"] if backend in ("sm120", "sglang_on") else 0,
+            "n_fused": pat["n_fused"] if backend in (*OURS_BACKENDS, "sglang_on") else 0,
             "step_us": t["median_us"],
             "comm_us": comm_us,
             "p10_us": t["p10_us"],
@@ -567,11 +624,17 @@ class Bench:
         comms = {}
         if "nccl" in a.backends:
             comms["nccl"] = NcclComm(d, self.norm)
-        impl = None
-        if "sm120" in a.backends:
-            impl = self._setup_sm120(max(a.tokens))
-            if impl is not None:
-                comms["sm120"] = Sm120Comm(d, self.norm, impl)
+        if common.NCCL_NO_P2P in a.backends:
+            comms[common.NCCL_NO_P2P] = NcclNoP2pComm(d, self.norm)
+        impls = []
+        for name in OURS_BACKENDS:
+            if name in a.backends:
+                impl = self._setup_ours(name, max(a.tokens))
+                if impl is not None:
+                    impls.append(impl)
+                    comms[name] = Sm120Comm(d, self.norm, impl, name=name)
+        if self.no_p2p:
+            common.collect_nccl_transports(d, self.nccl_mode)
         self.write()
         try:
             for compute in a.compute:
@@ -583,26 +646,28 @@ class Bench:
             self.notes["aborted"] = str(e)
             d.log(f"ABORTED: {e}")
         finally:
-            if impl is not None:
+            for impl in impls:
                 torch.cuda.synchronize()
                 impl.close()
+        if self.no_p2p:
+            common.collect_nccl_transports(d, self.nccl_mode)
         self.write()
         if d.is_main:
             self.print_tables()
             if not a.no_plot:
                 self.plot()
 
-    def _setup_sm120(self, max_tokens: int):
+    def _setup_ours(self, name: str, max_tokens: int):
         from benchmarks.peers import Skip, make_impl
 
         a = self.args
-        impl = make_impl("sm120", a)
+        impl = make_impl(name, a)
         try:
             impl.setup(self.d, max_tokens * self.cfg.hidden_size)
         except Skip as e:
-            self.skip("sm120", str(e))
+            self.skip(name, str(e))
             return None
-        self.notes["sm120"] = impl.notes()
+        self.notes[name] = impl.notes()
         return impl
 
     def _make_model(self, compute: str):
@@ -640,12 +705,13 @@ class Bench:
                 comm_us = t["median_us"] if compute == "none" else (
                     t["median_us"] - base["median_us"] if base is not None else None)
                 self.record(name, compute, T, t, comm_us)
-            if "nccl" in timed:
+            ref = self.ref
+            if ref in timed:
                 if a.via_sglang:
-                    self.finals[(compute, T)] = timed["nccl"]["final"]
+                    self.finals[(compute, T)] = timed[ref]["final"]
                 for name, t in timed.items():
-                    if name != "nccl":
-                        self.compare(compute, T, "nccl", timed["nccl"]["final"], name, t["final"])
+                    if name != ref:
+                        self.compare(compute, T, ref, timed[ref]["final"], name, t["final"])
             self._log_row(compute, T)
             timed = base = None
             torch.cuda.synchronize()
@@ -789,22 +855,25 @@ class Bench:
             if not rs:
                 continue
             backends = common.iter_unique(r["backend"] for r in rs)
-            common.table_print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}: one verify forward "
-                  f"({pat['n_allreduce']} all-reduces; sm120 fuses {pat['n_fused']}); us, median of slowest rank")
-            hdr = f"{'T':>4} {'bytes/AR':>9} " + "".join(f"{b + ' step':>16}" for b in backends)
-            hdr += "".join(f"{b + ' comm':>16}" for b in backends if b != "none")
+            p2p = " (NCCL with P2P disabled)" if self.no_p2p else ""
+            common.table_print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}{p2p}: one verify "
+                  f"forward ({pat['n_allreduce']} all-reduces; ours fuses {pat['n_fused']}); us, median of slowest "
+                  f"rank; speed-up = {self.ref} / {self.ours}")
+            w = max([16] + [len(b) + 7 for b in backends])  # column width: the longest "<backend> step" + 2
+            hdr = f"{'T':>4} {'bytes/AR':>9} " + "".join(f"{b + ' step':>{w}}" for b in backends)
+            hdr += "".join(f"{b + ' comm':>{w}}" for b in backends if b != "none")
             hdr += f"{'speed-up':>10}{'comm x':>8}"
             common.table_print(hdr)
             for T in sorted({r["tokens"] for r in rs}):
                 cells = {r["backend"]: r for r in rs if r["tokens"] == T}
                 line = f"{T:>4} {common.format_bytes(T * self.cfg.bytes_per_token):>9} "
-                line += "".join(f"{cells[b]['step_us']:>16.1f}" if b in cells else f"{'-':>16}" for b in backends)
+                line += "".join(f"{cells[b]['step_us']:>{w}.1f}" if b in cells else f"{'-':>{w}}" for b in backends)
                 for b in backends:
                     if b == "none":
                         continue
                     c = cells.get(b, {}).get("comm_us")
-                    line += f"{c:>16.1f}" if c is not None else f"{'-':>16}"
-                n, s = cells.get("nccl"), cells.get("sm120")
+                    line += f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}}"
+                n, s = cells.get(self.ref), cells.get(self.ours)
                 sp = common.ratio(n["step_us"], s["step_us"]) if n and s else None
                 cr = common.ratio(n["comm_us"], s["comm_us"]) if n and s and n["comm_us"] and s["comm_us"] else None
                 line += f"{sp:>9.2f}x" if sp else f"{'-':>10}"
@@ -812,7 +881,7 @@ class Bench:
                 common.table_print(line)
         bad = [c for c in doc["checks"] if not c["ok"]]
         worst = [(c["backend"], c["compute"], c["tokens"]) for c in bad]
-        common.table_print(f"\nfinal hidden states vs NCCL: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} "
+        common.table_print(f"\nfinal hidden states vs {self.ref}: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} "
                            "within "
               f"rms(diff) <= {FINAL_REL_TOL:g} x rms" + (f"; OUT OF TOLERANCE: {worst}" if bad else ""))
         nonbit = [(r["backend"], r["compute"], r["tokens"]) for r in doc["results"]
@@ -824,6 +893,8 @@ class Bench:
                   f"step {e['step_ms_nccl']:.2f} -> {e['step_ms_ours']:.2f} ms ({e['step_speedup']:.2f}x); "
                   f"accept_len {e['accept_len']:.2f} ({e['accept_len_source']}): {e['tok_s_nccl']:.1f} -> "
                   f"{e['tok_s_ours']:.1f} tok/s (no speculation: {e['tok_s_nospec']:g} tok/s)")
+        if self.no_p2p:
+            common.table_print(common.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
             common.table_print("skipped:")
             for s in doc["skipped"]:
@@ -845,8 +916,9 @@ class Bench:
                            "ylabel": "verify step (ms, median of slowest rank)", "logx": 2, "logy": False,
                            "series": series})
         if panels:
+            p2p = ", NCCL with P2P disabled" if self.no_p2p else ""
             err = common.plot_lines(self.out_json.with_suffix(".png"), panels,
-                                    title=f"{self.cfg.name} verify forward, {self.hw['gpu']} x{self.d.world_size}")
+                                    title=f"{self.cfg.name} verify forward, {self.hw['gpu']} x{self.d.world_size}{p2p}")
             print(f"plot: {err or self.out_json.with_suffix('.png')}")
 
 
@@ -882,16 +954,21 @@ def _describe_overlay() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    common.require_multi_gpu("benchmarks/bench_verify.py")
+    script = "benchmarks/bench_verify.py"
+    common.require_multi_gpu(script)
+    # Before init_distributed: NCCL reads NCCL_P2P_DISABLE when it creates its first communicator.
+    uses_nccl = args.via_sglang or bool({"nccl", common.NCCL_NO_P2P} & set(args.backends))
+    nccl_mode = common.enter_nccl_mode(script, args.no_p2p, uses_nccl_label=uses_nccl)
     d = common.init_distributed()
     try:
         common.check_same_args(d, vars(args))
-        bench = Bench(d, args)
+        bench = Bench(d, args, nccl_mode=nccl_mode)
         wd = common.Watchdog(args.time_limit, on_timeout=bench.write)
         bench.run()
         wd.stop()
     finally:
         common.shutdown(d, exit_after_s=60.0 if argv is None else None)
+        common.cleanup_nccl_log(nccl_mode)
     return 0
 
 

@@ -3,11 +3,14 @@
 
     python benchmarks/cpu_smoke.py allreduce --out /tmp/x -- --sizes 1K,64K --rows 1,3 --iters 3
     python benchmarks/cpu_smoke.py verify --out /tmp/x -- --config tiny_test --tokens 1,3 --compute none,gemm
+    python benchmarks/cpu_smoke.py allreduce --out /tmp/x -- --no-p2p --sizes none --rows 1,3 --iters 3
 
 Starts N processes over gloo (no torchrun needed) in which CUDA graphs and events are faked (a "graph" re-runs
 the captured Python calls; events read the host clock), the NCCL group is a gloo group, and
 ``sgl_kernel_sm120`` is replaced by a stand-in that all-reduces in fp32 over its gloo group and applies the
-reference add + RMSNorm. The numbers are meaningless; what it checks is that the scripts run end to end, agree
+reference add + RMSNorm (``memory="host"`` included: it only changes the reported memory and link). With
+--no-p2p the benchmark's real NCCL set-up runs (it sets NCCL_P2P_DISABLE=1 in the worker's environment), though
+no NCCL is there to read it. The numbers are meaningless; what it checks is that the scripts run end to end, agree
 across ranks, record what cannot run here as skipped, and write valid JSON and plots.
 """
 
@@ -51,9 +54,14 @@ def _fake_kernel_module():
 
     class IpcAllReduce:
         def __init__(self, group, device, max_numel, dtype=torch.bfloat16, *, islands=None, link="auto",
-                     timeout_s=None):
+                     memory="device", timeout_s=None, warn_after_s=None):
+            if memory not in ("device", "host"):
+                raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+            if memory == "host" and islands is not None:
+                raise ValueError("memory='host' takes no islands")
             self.group, self.device, self.max_numel, self.islands = group, device, int(max_numel), islands
-            self.link = types.SimpleNamespace(value="fake")
+            self.memory = memory
+            self.link = types.SimpleNamespace(value="host" if memory == "host" else "fake")
             self.closed = False
 
         def supports(self, inp):
@@ -70,6 +78,8 @@ def _fake_kernel_module():
                 raise RuntimeError("closed")
             if variant is not None and Variant(variant) is Variant.ISLAND and not self.islands:
                 raise ValueError("Variant.ISLAND needs a workspace created with islands")
+            if variant is not None and Variant(variant) is Variant.ISLAND and self.memory == "host":
+                raise ValueError("Variant.ISLAND is not available with memory='host'")
 
         def _sum(self, inp):
             s = inp.float().clone()

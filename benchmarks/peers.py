@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import warnings
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import Dist, install_sglang_standins, short_exc
+from benchmarks.common import NCCL_NO_P2P, Dist, install_sglang_standins, nccl_label_error, short_exc
 
 RETRY_NUMEL = 4 << 20  # elements (8 MB of bf16)
 
@@ -81,6 +82,25 @@ class Nccl(Impl):
         return {"api": "torch.distributed.all_reduce (in place, default NCCL group)"}
 
 
+class NcclNoP2p(Nccl):
+    """NCCL with NCCL_P2P_DISABLE=1: its shared-memory transport (data staged in host memory). Only in a
+    --no-p2p run, which sets the variable before NCCL's first communicator (common.prepare_nccl_mode)."""
+
+    name = NCCL_NO_P2P
+
+    def setup(self, d: Dist, max_numel: int) -> None:
+        value = os.environ.get("NCCL_P2P_DISABLE")
+        ok, why = d.agree(value == "1", f"NCCL_P2P_DISABLE is {value!r} in this process, not '1'")
+        if not ok:
+            raise Skip(why)
+        super().setup(d, max_numel)
+
+    def notes(self) -> dict:
+        return {"api": "torch.distributed.all_reduce (in place, default NCCL group) with NCCL_P2P_DISABLE=1 "
+                       "(NCCL's shared-memory transport)",
+                "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE")}
+
+
 class Sm120(Impl):
     """Ours: sgl_kernel_sm120.IpcAllReduce over a dedicated gloo group."""
 
@@ -94,16 +114,28 @@ class Sm120(Impl):
         self.islands = None
         self.ar = None
 
-    def setup(self, d: Dist, max_numel: int) -> None:
-        group = dist.new_group(backend="gloo")  # collective: every rank creates it, whatever happens next
-        ok, mod, why = d.attempt(lambda: importlib.import_module("sgl_kernel_sm120"), "import sgl_kernel_sm120")
-        if not ok:
-            raise Skip(why)
-        self.mod = mod
+    def _import(self):
+        return importlib.import_module("sgl_kernel_sm120")
+
+    def _ctor_kwargs(self, d: Dist) -> dict:
+        """Constructor keywords, identical on every rank (may run collectives: every rank calls it)."""
         self.islands, self.islands_source = resolve_islands(d, self.islands_arg)
         kwargs = {"link": self.link, "islands": self.islands}
         if self.timeout_s:
             kwargs["timeout_s"] = self.timeout_s
+        return kwargs
+
+    def _check_built(self) -> str | None:
+        """After construction: None, or why this workspace is not the one the name promises."""
+        return None
+
+    def setup(self, d: Dist, max_numel: int) -> None:
+        group = dist.new_group(backend="gloo")  # collective: every rank creates it, whatever happens next
+        ok, mod, why = d.attempt(self._import, "import sgl_kernel_sm120")
+        if not ok:
+            raise Skip(why)
+        self.mod = mod
+        kwargs = self._ctor_kwargs(d)
         self.retry_note = None
         # One retry with an 8 MB bound (e.g. the full sweep's 64 MB workspace did not fit): sizes above it are
         # then reported as unsupported instead of losing ours altogether.
@@ -117,6 +149,17 @@ class Sm120(Impl):
                 err = f"IpcAllReduce(max_numel={numel}): " + short_exc(e)
             ok, why = d.agree(err is None, err)
             if ok:
+                bad = None
+                try:
+                    bad = self._check_built()
+                except Exception as e:  # noqa: BLE001
+                    bad = "checking the workspace: " + short_exc(e)
+                ok, why = d.agree(bad is None, bad)
+                if not ok:
+                    with contextlib.suppress(Exception):
+                        self.ar.close()  # every rank holds one here: the collective close
+                    self.ar = None
+                    raise Skip(why)
                 if numel != max_numel:
                     self.retry_note = f"built with max_numel={numel} after: {first_error}"
                 return
@@ -168,6 +211,55 @@ class Sm120(Impl):
             with contextlib.suppress(Exception):
                 self.ar.close()
             self.ar = None
+
+
+class Sm120Hostmem(Sm120):
+    """Ours through host memory: IpcAllReduce(memory="host"), the transport for GPUs without CUDA P2P. The
+    workspace is pinned, device-mapped shared host memory, so every push and every poll crosses PCIe; there
+    are no islands (flat schedules only), hence no ISLAND variant."""
+
+    name = "sm120_hostmem"
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        super().__init__(link="auto", timeout_s=timeout_s, islands="none")
+
+    def _import(self):
+        mod = importlib.import_module("sgl_kernel_sm120")
+        try:
+            params = inspect.signature(mod.IpcAllReduce).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "memory" not in params:
+            raise RuntimeError("this sgl_kernel_sm120's IpcAllReduce has no memory= argument (no host-memory "
+                               "transport in this build)")
+        return mod
+
+    def _ctor_kwargs(self, d: Dist) -> dict:
+        self.islands, self.islands_source = None, "none: the host-memory workspace has no islands"
+        kwargs = {"memory": "host", "islands": None}
+        if self.timeout_s:
+            kwargs["timeout_s"] = self.timeout_s
+        return kwargs
+
+    def _check_built(self) -> str | None:
+        memory = getattr(self.ar, "memory", None)
+        link = getattr(getattr(self.ar, "link", None), "value", getattr(self.ar, "link", None))
+        if memory != "host" or link != "host":
+            return f"IpcAllReduce(memory='host') built memory={memory!r}, link={link!r}: not the host transport"
+        return None
+
+    def variants(self):
+        out: list[tuple[str | None, Any]] = [(None, None)]
+        for v in self.mod.Variant:
+            if v.name != "ISLAND":
+                out.append((v.name, v))
+        return out
+
+    def notes(self) -> dict:
+        out = super().notes()
+        out["api"] = "sgl_kernel_sm120.IpcAllReduce(memory='host')"
+        out["memory"] = getattr(self.ar, "memory", None)
+        return out
 
 
 class TorchSymmMem(Impl):
@@ -382,12 +474,23 @@ def resolve_islands(d: Dist, arg: str) -> tuple[list[list[int]] | None, str]:
     return d.all_gather_obj(answer)[0]
 
 
+# The default set of a plain run, and of a --no-p2p run (NCCL with NCCL_P2P_DISABLE=1 against ours through host
+# memory); every name make_impl knows. `nccl` and `nccl_no_p2p` each belong to one mode only (nccl_label_error).
 ALL_IMPLS = ("nccl", "sm120", "torch_symm_mem", "sglang_car_v2", "flashinfer_pcie_ipc")
+NO_P2P_IMPLS = (NCCL_NO_P2P, "sm120_hostmem")
+KNOWN_IMPLS = (*ALL_IMPLS, "sm120_hostmem", NCCL_NO_P2P)
 
 
 def make_impl(name: str, args) -> Impl:
+    why = nccl_label_error([name], bool(getattr(args, "no_p2p", False)))
+    if why:
+        raise ValueError(why)
     if name == "nccl":
         return Nccl()
+    if name == NCCL_NO_P2P:
+        return NcclNoP2p()
+    if name == "sm120_hostmem":
+        return Sm120Hostmem(timeout_s=getattr(args, "ours_timeout_s", None))
     if name == "sm120":
         return Sm120(
             link=getattr(args, "ours_link", "auto"),
@@ -400,4 +503,4 @@ def make_impl(name: str, args) -> Impl:
         return SglangCarV2()
     if name == "flashinfer_pcie_ipc":
         return FlashinferPcieIpc(max_bytes=getattr(args, "flashinfer_max_bytes", 8 << 20))
-    raise ValueError(f"unknown implementation {name!r}; known: {', '.join(ALL_IMPLS)}")
+    raise ValueError(f"unknown implementation {name!r}; known: {', '.join(KNOWN_IMPLS)}")

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
 #   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
-#   stages: build kernel bench verify oversubscribed negative overlay probe
-#   (default: all but probe, in that order: the benchmarks come before the slow correctness-only tests)
+#   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling
+#   hostmem: the kernel tests with the workspace in host memory (tests/gpu/test_hostmem_allreduce.py)
+#   polling: the one-GPU 8-rank polling microbenchmark (benchmarks/bench_polling.py)
+#   (default: all but probe and nop2p, in that order: the benchmarks come before the slow correctness-only tests)
+#   nop2p: both benchmarks with --no-p2p: ours through pinned host memory (sm120_hostmem) against NCCL with
+#   NCCL_P2P_DISABLE=1 (nccl_no_p2p; each script sets the variable itself, before NCCL starts), writing
+#   allreduce_<gpu>_tp<N>_nop2p.json and verify_<gpu>_tp<N>_nop2p.json (+ plots);
+#   e.g. `OUT=dir bash scripts/gpu_suite.sh build nop2p`
 # Builds the kernels (sgl_kernel_sm120/_C_torch<ver>_cuda<ver>*.so, in place) for TORCH_CUDA_ARCH_LIST, by
 # default the architectures of the visible GPUs only (9.0a on the H200s, 12.0a on an RTX PRO 6000 box), then runs
 # the GPU tests and the benchmarks.
@@ -81,11 +87,19 @@ for stage in $stages; do
     kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
               --junitxml="$WORK/results/junit-kernel.xml" ;;
     bench) PYTHONPATH="$FI_PATH$PYTHONPATH" BENCH_TIME_LIMIT_S=${BENCH_TIME_LIMIT_S:-170} step bench-allreduce torchrun --nproc-per-node "$NGPU" benchmarks/bench_allreduce.py --out "$WORK/results" ;;
+    nop2p)
+      BENCH_TIME_LIMIT_S=${NOP2P_TIME_LIMIT_S:-240} step bench-allreduce-nop2p torchrun --nproc-per-node "$NGPU" \
+        benchmarks/bench_allreduce.py --no-p2p --out "$WORK/results"
+      BENCH_TIME_LIMIT_S=${NOP2P_VERIFY_TIME_LIMIT_S:-220} step bench-verify-nop2p torchrun --nproc-per-node "$NGPU" \
+        benchmarks/bench_verify.py --no-p2p --compute none --out "$WORK/results" ;;
     verify)
       BENCH_TIME_LIMIT_S=${VERIFY_TIME_LIMIT_S:-220} step bench-verify torchrun --nproc-per-node "$NGPU" \
         benchmarks/bench_verify.py --compute none,gemm --via-sglang --sglang-custom-ar on \
         --out "$WORK/results"
       step verify-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_bench_verify_gpu.py ;;
+    hostmem) step hostmem-tests $PY -m pytest -m gpu -v tests/gpu/test_hostmem_allreduce.py \
+              --junitxml="$WORK/results/junit-hostmem.xml" ;;
+    polling) step bench-polling $PY -m benchmarks.bench_polling --out "$WORK/results" ;;
     oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
               -k oversubscribed --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
     negative) step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \

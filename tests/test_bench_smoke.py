@@ -80,3 +80,58 @@ def test_verify_smoke_and_merge(tmp_path):
     assert [e["compute_ms"] for e in est] == [5.0, 8.0] and all(e["tokens"] == 3 for e in est)
     assert all("ESTIMATE" in e["label"] for e in est)
     assert_every_table_line_says_cpu_smoke(logs)
+
+
+def test_allreduce_no_p2p_smoke(tmp_path):
+    logs = _run("allreduce", ["--out", str(tmp_path), "--no-p2p", "--sizes", "1K", "--rows", "1,3", "--iters", "3",
+                              "--warmup", "1", "--calls", "2"])
+    assert [f.name for f in tmp_path.glob("allreduce_*.json")] == ["allreduce_cpu-smoke-fake_tp2_nop2p.json"], logs
+    doc = json.loads((tmp_path / "allreduce_cpu-smoke-fake_tp2_nop2p.json").read_text())
+    schema.validate_allreduce_doc(doc)
+    assert doc["complete"] is True and "schema_error" not in doc
+    assert doc["no_p2p"] is True and doc["nccl_setup"]["env_at_init"]["NCCL_P2P_DISABLE"] == "1"
+    assert doc["nccl_setup"]["set_by_benchmark"]["NCCL_P2P_DISABLE"] == "1" and "_debug_file" not in doc["nccl_setup"]
+    assert doc["hardware"] and doc["crossover_pair"] == ["sm120_hostmem", "nccl_no_p2p"]
+    labels = {(r["label"], r["op"]) for r in doc["results"]}
+    assert labels == {(lb, "allreduce") for lb in ("nccl_no_p2p", "sm120_hostmem", "sm120_hostmem[ONESHOT]",
+                                                    "sm120_hostmem[TWOSHOT]")} | {
+        (lb, "allreduce_add_rmsnorm") for lb in ("nccl_no_p2p+add_rmsnorm", "sm120_hostmem", "sm120_hostmem[ONESHOT]",
+                                                 "sm120_hostmem[TWOSHOT]")}
+    assert all(r.get("check") == "ok" for r in doc["results"]) and not doc["skipped"]
+    assert doc["impl_notes"]["sm120_hostmem"]["memory"] == "host"
+    assert [t["target"] for t in doc["targets"]] == [t["name"] for t in schema.NO_P2P_TARGETS]
+    plain, fused = doc["targets"]
+    assert plain["met"] in (True, False) and plain["speedup"] == plain["peer_us"] / plain["ours_us"]
+    if not str(doc["norm_kernel"]).startswith("triton"):  # no Triton on a CPU: the fused target is not judged
+        assert fused["met"] is None and "triton" in fused["why"]
+    assert (tmp_path / "allreduce_cpu-smoke-fake_tp2_nop2p.png").is_file()
+    assert "target allreduce_3x7168_vs_nccl_no_p2p" in logs
+    assert_every_table_line_says_cpu_smoke(logs)
+
+
+def test_no_p2p_refusals_before_any_number(tmp_path):
+    for which, argv in (("allreduce", ["--no-p2p", "--impls", "nccl,sm120_hostmem"]),
+                        ("allreduce", ["--impls", "nccl_no_p2p"]),
+                        ("verify", ["--no-p2p", "--backend", "nccl,sm120_hostmem"])):
+        res = cpu_smoke.launch(which, ["--out", str(tmp_path), *argv], world=2, timeout_s=120)
+        assert all(r.returncode == 2 for r in res), [r.stdout for r in res]
+        assert "nccl_no_p2p" in res[0].stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_verify_no_p2p_smoke(tmp_path):
+    logs = _run("verify", ["--out", str(tmp_path), "--no-p2p", "--config", "tiny_test", "--tokens", "1,3",
+                           "--iters", "2", "--warmup", "1", "--e2e-tokens", "3"])
+    assert [f.name for f in tmp_path.glob("verify_*.json")] == ["verify_cpu-smoke-fake_tp2_nop2p.json"], logs
+    doc = json.loads((tmp_path / "verify_cpu-smoke-fake_tp2_nop2p.json").read_text())
+    schema.validate_verify_doc(doc)
+    assert doc["complete"] is True and "schema_error" not in doc and doc["no_p2p"] is True
+    assert (doc["reference_backend"], doc["ours_backend"]) == ("nccl_no_p2p", "sm120_hostmem")
+    got = {(r["backend"], r["tokens"]): r for r in doc["results"]}
+    assert set(got) == {(b, T) for b in ("nccl_no_p2p", "sm120_hostmem") for T in (1, 3)}
+    assert got[("sm120_hostmem", 3)]["n_fused"] == 6 and got[("nccl_no_p2p", 3)]["n_fused"] == 0
+    assert all(c["reference"] == "nccl_no_p2p" and c["backend"] == "sm120_hostmem" and c["ok"] for c in doc["checks"])
+    assert len(doc["checks"]) == 2 and doc["notes"]["sm120_hostmem"]["memory"] == "host"
+    assert all(e["nccl_backend"] == "nccl_no_p2p" for e in doc["e2e_estimate"]) and doc["e2e_estimate"]
+    assert doc["nccl_setup"]["env_at_init"]["NCCL_P2P_DISABLE"] == "1"
+    assert_every_table_line_says_cpu_smoke(logs)
