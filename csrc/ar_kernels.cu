@@ -241,6 +241,85 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   finish_call(ws, seq);
 }
 
+// Fused one-shot with each row spread over a thread-block cluster of kCluster CTAs (issue 12): at a few rows
+// the one-CTA-per-row kernel has only `rows` SMs pushing, polling and reducing a whole row each; here
+// rows x kCluster SMs share the work. CTA c of a row's cluster owns the row's packs [c x blockDim, (c+1) x
+// blockDim), one per thread (at most kWideThreads). The RMSNorm sum of squares: each CTA reduces its part (block_sum, fixed order),
+// puts it in its shared memory, and after a cluster barrier every CTA adds the kCluster parts in CTA order
+// from distributed shared memory, so all CTAs of the row, and every rank (same grid shape, same bits in),
+// get the same bits. A second barrier (arrive after the reads, wait before the part is written again or the
+// CTA exits) keeps a part alive until every CTA has read it.
+// I8 holds per cluster: the host caps the number of clusters at what the GPU can hold at once
+// (cudaOccupancyMaxActiveClusters) and at the SM budget, and rows beyond it loop.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_cta_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Read a float at `local` in the shared memory of CTA `cta` of this cluster.
+__device__ __forceinline__ float load_cluster_shared(const float* local, unsigned cta) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+template <typename T, int kWorld, int kCluster>
+__global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_kernel(const __grid_constant__ WorkspaceView ws,
+                                                                              const __grid_constant__ CallArgs a) {
+  __shared__ float s_red[33];
+  __shared__ float s_part;
+  pdl_wait_and_release();
+  const unsigned long long seq = load_sequence(ws);
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
+  const int ppr = a.packs_per_row;
+  const unsigned cta = cluster_cta_rank();
+  const int j = static_cast<int>(cta * blockDim.x + threadIdx.x);
+  const int first_row = static_cast<int>(blockIdx.x / kCluster);
+  const int row_stride = static_cast<int>(gridDim.x / kCluster);
+
+  for (int row = first_row; row < a.rows; row += row_stride) {
+    if (j < ppr) {
+      const long long g = static_cast<long long>(row) * ppr + j;
+      slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+    }
+  }
+  bool first = true;
+  for (int row = first_row; row < a.rows; row += row_stride) {
+    const long long g = static_cast<long long>(row) * ppr + j;
+    uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
+    float squares = 0.f;
+    if (j < ppr) {
+      const uint4 own = remap_half_pack(a.inp[g]);
+      const uint4 res = a.residual[g];
+      Acc8 acc = slots.template reduce_pack<T>(ws, seq, g, own);
+      accumulate<T>(acc, res);
+      r = round_pack<T>(acc);  // residual_out, rounded once
+      a.out[g] = r;
+      w = a.weight[j];
+      squares = sum_of_squares<T>(r);
+    }
+    const float part = block_sum(squares, s_red);
+    if (!first) cluster_wait();  // every CTA has read the previous row's part
+    if (threadIdx.x == 0) s_part = part;
+    cluster_arrive();
+    cluster_wait();  // every part of this row is written
+    float total = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCluster; ++c) total += load_cluster_shared(&s_part, static_cast<unsigned>(c));
+    cluster_arrive();  // done reading the parts
+    first = false;
+    const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
+    if (j < ppr) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+  }
+  if (!first) cluster_wait();  // no CTA exits while a peer CTA may still read its part
+  finish_call(ws, seq);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Hierarchical: packs are owned by island position in blocks of kOwnerBlockPacks consecutive packs, the
 // blocks dealt round-robin (owner = (g / 32) % I), so each warp stores 512 B pieces per destination:
@@ -558,9 +637,88 @@ cudaError_t launch_hier_fused(const WorkspaceView& ws, bool islands, const CallA
   }
 }
 
+// Cluster launch of the split fused kernel: grid = clusters x kCluster, clusters capped by I8 (see the kernel).
+template <typename T, int kWorld, int kCluster>
+cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, int threads, const LaunchShape& shape,
+                                  cudaStream_t stream) {
+  auto kernel = oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster>;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kCluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = shape.pdl ? 2 : 1;
+  // The largest number of clusters co-resident at once, per block size (a host query, cached: it depends only on
+  // the kernel, the device and the block size, which are fixed per call shape).
+  static int cached_threads[33] = {};
+  static int cached_clusters[33] = {};
+  const int slot = threads / 32;
+  if (cached_threads[slot] != threads) {
+    config.gridDim = dim3(kCluster);
+    int clusters = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    if (err != cudaSuccess) return err;
+    cached_clusters[slot] = clusters;
+    cached_threads[slot] = threads;
+  }
+  const int budget = std::min(cached_clusters[slot], shape.max_blocks / kCluster);
+  if (budget < 1) return cudaErrorInvalidConfiguration;
+  config.gridDim = dim3(std::min(a.rows, budget) * kCluster);
+  return cudaLaunchKernelEx(&config, kernel, ws, a);
+}
+
+template <typename T, int kCluster>
+cudaError_t launch_cluster(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape,
+                           cudaStream_t stream) {
+  const int threads = round_up_32((a.packs_per_row + kCluster - 1) / kCluster);
+  switch (ws.world) {
+    case 1: return launch_cluster_kernel<T, 1, kCluster>(ws, a, threads, shape, stream);
+    case 2: return launch_cluster_kernel<T, 2, kCluster>(ws, a, threads, shape, stream);
+    case 4: return launch_cluster_kernel<T, 4, kCluster>(ws, a, threads, shape, stream);
+    case 8: return launch_cluster_kernel<T, 8, kCluster>(ws, a, threads, shape, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// Issue 12's rule, a pure function of group-identical values (so every rank launches the same grid shape):
+// spread a row over 8, else 4 CTAs when every row's cluster fits the SM budget (rows x cluster <= sm_budget)
+// and each CTA gets at least 2 warps of packs; otherwise one CTA per row. Rows wider than 8192 (more than one
+// pack per thread at 1024 threads) keep the one-CTA kernels. From benchmarks/results/polling_h200_loopback.json
+// (one H200, loopback, bf16 [rows, 7168]): 8 CTAs were the fastest wherever rows x 8 fit, 30-32% below one CTA
+// per row at 8 ranks and 15-19% at 2 ranks for 1-16 rows; 2 CTAs at 64 rows were within 2% of one CTA (slower
+// at 8 ranks), so the rule does not use 2; past the budget, rows loop and the split loses (4 or 8 at 64 rows:
+// 1.4-2.4x slower).
+int fused_cluster_size(int rows, int packs_per_row, int sm_budget) {
+  if (packs_per_row > 1024) return 1;
+  for (int c = 8; c >= 4; c /= 2)
+    if (static_cast<long long>(rows) * c <= sm_budget && packs_per_row >= c * 64) return c;
+  return 1;
+}
+
+namespace {
+
 template <typename T>
 cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
+  if (variant == Variant::kOneShot) {
+    const int cluster = shape.cluster > 0 ? shape.cluster : fused_cluster_size(a.rows, a.packs_per_row, shape.max_blocks);
+    if (cluster > 1 && a.packs_per_row > kWideThreads * cluster) return cudaErrorInvalidValue;
+    switch (cluster) {
+      case 1: break;
+      case 2: return launch_cluster<T, 2>(ws, a, shape, stream);
+      case 4: return launch_cluster<T, 4>(ws, a, shape, stream);
+      case 8: return launch_cluster<T, 8>(ws, a, shape, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
   if (a.packs_per_row > kMaxPacksPerThread * kWideThreads) return cudaErrorInvalidValue;  // the Python side
   // sends hidden > kMaxFusedHidden to the fallback

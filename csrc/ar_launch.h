@@ -21,7 +21,11 @@ struct LaunchShape {
   int threads;     // plain kernels: threads per CTA
   int max_blocks;  // at most this many CTAs (<= SM count, I8)
   bool pdl;        // launch with programmatic stream serialization
+  int cluster = 0;  // fused one-shot: CTAs per row (1, 2, 4, 8); 0 = fused_cluster_size's choice
 };
+
+// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values.
+int fused_cluster_size(int rows, int packs_per_row, int sm_budget);
 
 // Plain kernels run at most this many threads per CTA, so a thread has 128 registers (the 8-rank waits hold
 // 8 packs at once, ar_protocol.cuh I10).

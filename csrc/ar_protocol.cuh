@@ -24,10 +24,12 @@
 //  I6  One workspace is used from one stream at a time: seq assumes the calls of a
 //      rank are totally ordered. Capture on one stream and replay on another is fine; concurrent use is not.
 //  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank records rank,
-//      peer, phase, seq and the time waited in host-mapped memory, then the kernel traps, so the process
+//      peer, phase, seq and the time waited in host-mapped memory (the other threads that expire wait for that
+//      record, bounded, before they trap), then the kernel traps, so the process
 //      gets a CUDA error rather than a hang and the Python side can name the peer that never arrived.
 //  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
-//      a launch are co-resident (grid <= SM count), so no CTA waits on a peer CTA that cannot be scheduled.
+//      a launch are co-resident (grid <= SM count; cluster launches also <= the clusters the GPU can hold at
+//      once), so no CTA waits on a peer CTA that cannot be scheduled.
 //  I9  A late peer is not a dead one: a wait longer than warn_ns (seconds) is reported once per call, without
 //      trapping, in host-mapped memory (rank, peer, phase, seq, time waited), and the host logs it; only
 //      timeout_ns (minutes by default) ends in I7. Times are signed differences of %globaltimer, so a timer
@@ -109,10 +111,14 @@ __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kE
 
 // I7: record the first timeout of this rank where the host can read it, then abort the kernel.
 // static: this header is included by more than one translation unit (a __noinline__ function has a symbol).
+// Every thread waiting for the same peer expires within the same few polls, so several get here at once: the
+// one that claims the report writes it, and the others must not trap before it has (a trap ends the whole
+// context, and the host would then find no record: an unnamed "unspecified launch failure", seen on the H200
+// about once in six runs of the skip-a-call test). So they wait for the flag, bounded (10 ms), then trap.
 __device__ __forceinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
                                                             unsigned long long seq, unsigned long long waited) {
+  volatile ErrorRecord* rec = ws.error;
   if (atomicCAS(&ws.ctrl->report_claim, 0u, 1u) == 0u) {
-    volatile ErrorRecord* rec = ws.error;
     rec->rank = ws.rank;
     rec->peer = peer;
     rec->phase = phase;
@@ -121,6 +127,10 @@ __device__ __forceinline__ void report_timeout_and_trap(const WorkspaceView& ws,
     __threadfence_system();
     rec->flag = 1;
     __threadfence_system();
+  } else {
+    const long long start = static_cast<long long>(global_timer_ns());
+    while (rec->flag == 0 && static_cast<long long>(global_timer_ns()) - start < 10ll * 1000 * 1000) {
+    }
   }
   __trap();
 }

@@ -80,6 +80,11 @@ void ws_unlink_shared(int64_t handle) { check_ok(workspace_unlink_shared(as_work
 
 int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
 
+// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs and tests.
+int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t sm_budget) {
+  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack), static_cast<int>(sm_budget));
+}
+
 at::Tensor ws_ipc_handle(int64_t handle) {
   cudaIpcMemHandle_t h;
   check_ok(workspace_ipc_handle(as_workspace(handle), &h));
@@ -185,7 +190,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
 
 void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                            int64_t variant, int64_t max_blocks, bool pdl) {
+                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
@@ -204,8 +209,10 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
               "residual, norm_out and residual_out must have inp's shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
   const c10::cuda::CUDAGuard guard(ws->device);
+  TORCH_CHECK(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
+              "cluster must be 0 (automatic), 1, 2, 4 or 8");
   const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))),
-                          pdl};
+                          pdl, static_cast<int>(cluster)};
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, variant_of(ws, variant), type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
@@ -227,6 +234,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
   m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
   m.def("ws_memory(int ws) -> int", &ws_memory);
+  m.def("fused_cluster_for(int rows, int hidden, int sm_budget) -> int", &fused_cluster_for);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
@@ -242,7 +250,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
         &all_reduce);
   m.def(
       "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl) -> ()",
+      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl, int cluster) -> ()",
       &all_reduce_add_rmsnorm);
 }
 

@@ -163,6 +163,9 @@ class IpcAllReduce:
             float(warn_after_s) if warn_after_s is not None else _seconds_from_env(WARN_ENV, DEFAULT_WARN_S)
         )
         self.threads: int | None = None  # plain kernels' CTA size; None: plain_threads(nbytes)
+        # Fused one-shot: CTAs per row (1, 2, 4, 8); None: the kernels' own rule (fused_cluster_size in
+        # csrc/ar_kernels.cu). Must be the same on every rank, like every argument of a call.
+        self.fused_cluster: int | None = None
         # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
         # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
         self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
@@ -416,6 +419,7 @@ class IpcAllReduce:
             int(chosen),
             self.max_blocks,
             self.use_pdl,
+            int(self.fused_cluster or 0),
         )
         for o, t in zip(outs, targets, strict=True):
             if o is not t:
@@ -478,7 +482,7 @@ class IpcAllReduce:
         """torch.cuda.synchronize for this device, turning a kernel timeout into IpcAllReduceTimeoutError."""
         try:
             torch.cuda.synchronize(self.device)
-        except RuntimeError as exc:
+        except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
             err = self.timeout_error()
             if err is not None:
                 raise err from exc

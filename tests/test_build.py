@@ -151,6 +151,21 @@ def test_no_kernel_spills_to_local_memory():
     assert not spilling, "kernels with a stack frame (spills):\n" + "\n".join(spilling)
 
 
+def test_fused_cluster_rule_is_a_pure_function_of_the_call_shape():
+    """Issue 12: 8 or 4 CTAs per row when rows x cluster fits the SM budget, at least 2 warps of packs per CTA,
+    else one CTA per row, always for rows wider than 8192 (csrc/ar_kernels.cu fused_cluster_size, read through
+    the op the extension registers)."""
+    _built_library()
+    from sgl_kernel_sm120 import _ext
+
+    rule = _ext.ops().fused_cluster_for
+    assert [rule(rows, 7168, 132) for rows in (1, 3, 4, 16, 17, 33, 34, 64, 257)] == [8, 8, 8, 8, 4, 4, 1, 1, 1]
+    assert rule(3, 7168, 188) == 8 and rule(24, 7168, 188) == 4  # RTX PRO 6000: 188 SMs
+    assert rule(1, 2048, 132) == 4  # 256 packs: 8 CTAs would get one warp each
+    assert rule(1, 1024, 132) == 1  # 128 packs: even 4 CTAs would get one warp each
+    assert rule(1, 8, 132) == 1 and rule(1, 16384, 132) == 1
+
+
 # The SGLang modules the overlay touches (every module of the installed version's seam table, and the model files
 # of the target model) must import on a CPU-only machine with the stack's requirements (+ sglang installed
 # --no-deps): this guards the pins, not the overlay.
