@@ -1,19 +1,22 @@
-"""One-GPU microbenchmark of the 8-rank one-shot kernels' polling: the old serial waits against I10.
+"""One-GPU microbenchmark of the one-shot kernels' own work at 8 and 2 ranks: polling and cluster split.
 
     python -m benchmarks.bench_polling [--out benchmarks/results] [--iters 50] [--calls 50]
 
-One process plays rank 0 of 8 on a loopback workspace (csrc/workspace.cu: the 7 peers' slabs are local
-allocations, nobody else runs). Before each call a fill kernel writes a ready pattern over rank 0's whole
-scratch, so all 7 peer packs of every output pack read as arrived: what is timed is the kernel's own work,
-pushes to 7 slabs, the loads and tests of 7 ready packs, the sum, the emptying stores and (fused) the norm,
-without any waiting for a peer. Measured in CUDA graphs of `calls` x (fill, call), minus a graph of `calls`
-fills alone, per call; median over `iters` replays.
+One process plays rank 0 of W (8, then 2) on a loopback workspace (csrc/workspace.cu: the peers' slabs are
+local allocations, nobody else runs). Before each call a fill kernel writes a ready pattern over rank 0's
+whole scratch, so every peer pack of every output pack reads as arrived: what is timed is the kernel's own
+work, pushes to W-1 slabs, the loads and tests of W-1 ready packs, the sum, the emptying stores and (fused)
+the norm, without any waiting for a peer. Measured in CUDA graphs of `calls` x (fill, call), minus a graph of
+`calls` fills alone, per call; median over `iters` replays. Output: polling_<gpu>_loopback.json.
 
-Variants: 3 = the polling before I10 (each peer's pack loaded, waited on and tested before the next load
-issues; kept in csrc/ar_kernels.cu for this benchmark only), 0 = the one-shot kernels as they serve (every
-peer's load issued before any test). Shapes [1, 7168] and [3, 7168] bf16, plain and fused.
+Cases, bf16 [rows, 7168], rows 1, 3, 4, 16, 64:
+- issue 9 (8 ranks, rows 1 and 3, plain and fused): variant 3, the polling before I10 (each peer's pack
+  loaded, waited on and tested before the next load issues; kept in csrc/ar_kernels.cu for this benchmark
+  only), against variant 0, the kernels as they serve (every peer's load issued before any test);
+- issue 12 (fused): one CTA per row (cluster 1) against a row spread over 2, 4 or 8 CTAs of a cluster, and
+  the kernels' rule (fused_cluster_size).
 On a PCIe box the peer packs are written by other GPUs and the pushes cross PCIe; neither is modelled here.
-The numbers say how much the kernels' own polling costs, nothing about link latency.
+The numbers say what the kernels' own work costs, nothing about link latency.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ import torch
 
 from benchmarks import common
 
-WORLD = 8
+WORLDS = (8, 2)
 HIDDEN = 7168
-ROWS = (1, 3)
-POLLING = {"serial (before I10)": 3, "batched (I10)": 0}
+ROWS = (1, 3, 4, 16, 64)
+SERIAL, BATCHED = 3, 0  # variant numbers: the polling before I10 (bench only), the one-shot kernels as they serve
+# Fused one-shot CTAs per row: 1 = one CTA per row (the kernel before issue 12), 0 = the kernels' rule
+# (fused_cluster_size in csrc/ar_kernels.cu), 2/4/8 forced.
+CLUSTERS = (1, 0, 2, 4, 8)
 
 
 def _time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
@@ -60,17 +66,28 @@ def _capture(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _refill_then_call(ops, ws, op, variant, sm_count, x, residual, weight, norm, out):
+def _refill_then_call(ops, ws, op, variant, cluster, sm_count, t):
     """One step of the timed graph: make every peer pack ready again, then one call (256-thread CTAs for the
     plain kernel, as plain_threads() picks at these sizes)."""
     def call(k):
         ops.ws_loopback_refill(ws)
         if op == "all_reduce":
-            ops.all_reduce(ws, x, out, variant, 256, sm_count, True)
+            ops.all_reduce(ws, t["x"], t["out"], variant, 256, sm_count, True)
         else:
-            ops.all_reduce_add_rmsnorm(ws, x, residual, weight, 1e-6, norm, out, variant, sm_count, True)
+            ops.all_reduce_add_rmsnorm(ws, t["x"], t["residual"], t["weight"], 1e-6, t["norm"], t["out"], variant,
+                                       sm_count, True, cluster)
 
     return call
+
+
+def _cases(world: int, rows: int):
+    """(op, polling label, variant, cluster) to time for one shape."""
+    cases = [("all_reduce", "batched (I10)", BATCHED, 0)]
+    if world == 8 and rows in (1, 3):
+        cases.insert(0, ("all_reduce", "serial (before I10)", SERIAL, 0))
+        cases.append(("all_reduce_add_rmsnorm", "serial (before I10)", SERIAL, 1))
+    cases += [("all_reduce_add_rmsnorm", "batched (I10)", BATCHED, c) for c in CLUSTERS]
+    return cases
 
 
 def run(args) -> dict:
@@ -78,47 +95,42 @@ def run(args) -> dict:
 
     ops = _ext.ops()
     dev = torch.device("cuda", torch.cuda.current_device())
-    ws = ops.ws_create_loopback(dev.index, WORLD, max(ROWS) * HIDDEN)
-    sm_count = int(ops.ws_sm_count(ws))
     records = []
-    try:
-        fill_graph = _capture(lambda k: ops.ws_loopback_refill(ws), args.calls)
-        fill_us = statistics.median(_time_graph(fill_graph, args.iters)) / args.calls
-        for rows in ROWS:
-            x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
-            residual = torch.ones_like(x)
-            weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
-            out, norm = torch.empty_like(x), torch.empty_like(x)
-            for op in ("all_reduce", "all_reduce_add_rmsnorm"):
-                for label, variant in POLLING.items():
-                    call = _refill_then_call(ops, ws, op, variant, sm_count, x, residual, weight, norm, out)
-                    graph = _capture(call, args.calls)
-                    per_call = [t / args.calls - fill_us for t in _time_graph(graph, args.iters)]
-                    # every peer contributed ones: the sum is WORLD everywhere (the fill wrote bf16 1.0)
-                    expected = torch.full_like(x, WORLD + (1 if op != "all_reduce" else 0))
-                    correct = bool(torch.equal(out, expected))
-                    records.append({
-                        "op": op, "rows": rows, "hidden": HIDDEN, "dtype": "bfloat16", "world": WORLD,
-                        "polling": label, "variant": variant,
-                        "us_per_call_median": statistics.median(per_call),
-                        "us_per_call_min": min(per_call),
+    fill_us = {}
+    for world in WORLDS:
+        ws = ops.ws_create_loopback(dev.index, world, max(ROWS) * HIDDEN)
+        sm_count = int(ops.ws_sm_count(ws))
+        try:
+            fill_graph = _capture(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
+            fill_us[world] = statistics.median(_time_graph(fill_graph, args.iters)) / args.calls
+            for rows in ROWS:
+                x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
+                t = {"x": x, "residual": torch.ones_like(x), "out": torch.empty_like(x), "norm": torch.empty_like(x),
+                     "weight": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
+                for op, label, variant, cluster in _cases(world, rows):
+                    graph = _capture(_refill_then_call(ops, ws, op, variant, cluster, sm_count, t), args.calls)
+                    per_call = [v / args.calls - fill_us[world] for v in _time_graph(graph, args.iters)]
+                    # every peer pack holds bf16 1.0 (the fill) and so does every input: the sum is `world`
+                    expected = torch.full_like(x, world + (1 if op != "all_reduce" else 0))
+                    correct = bool(torch.equal(t["out"], expected))
+                    used = None
+                    if op != "all_reduce":
+                        used = cluster or int(ops.fused_cluster_for(rows, HIDDEN, sm_count))
+                    rec = {
+                        "op": op, "world": world, "rows": rows, "hidden": HIDDEN, "dtype": "bfloat16",
+                        "polling": label, "variant": variant, "cluster_requested": cluster, "cluster": used,
+                        "us_per_call_median": statistics.median(per_call), "us_per_call_min": min(per_call),
                         "result_correct": correct,
-                    })
-                    print(f"{op:24s} [{rows},{HIDDEN}] {label:20s} {statistics.median(per_call):7.2f} us"
-                          f"{'' if correct else '  WRONG RESULT'}", flush=True)
-    finally:
-        ops.ws_destroy(ws)
-    comparisons = []
-    for rows in ROWS:
-        for op in ("all_reduce", "all_reduce_add_rmsnorm"):
-            pick = {r["polling"]: r["us_per_call_median"] for r in records if r["rows"] == rows and r["op"] == op}
-            old, new = pick["serial (before I10)"], pick["batched (I10)"]
-            comparisons.append({"op": op, "rows": rows, "serial_us": old, "batched_us": new,
-                                "batched_over_serial": new / old if old > 0 else None})
+                    }
+                    records.append(rec)
+                    print(f"W={world} {op:24s} [{rows:2d},{HIDDEN}] {label:20s} cluster={used!s:4s} "
+                          f"{rec['us_per_call_median']:7.2f} us{'' if correct else '  WRONG RESULT'}", flush=True)
+        finally:
+            ops.ws_destroy(ws)
     return {
         "benchmark": "bench_polling",
         "what": __doc__.strip().splitlines()[0],
-        "hardware": f"1x {torch.cuda.get_device_name()} (loopback: rank 0 of {WORLD})",
+        "hardware": f"1x {torch.cuda.get_device_name()} (loopback: rank 0 of W in one process)",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "calls_per_graph": args.calls,
@@ -126,9 +138,35 @@ def run(args) -> dict:
         "fill_us_per_call": fill_us,
         "timestamp": common.utc_now(),
         "records": records,
-        "comparisons": comparisons,
-        "note": "loopback: rank 0 of 8 on one GPU, peer packs pre-filled as ready; pushes land in local memory",
+        "comparisons": comparisons(records),
+        "note": "loopback: rank 0 of W on one GPU, peer packs pre-filled as ready; pushes land in local memory",
     }
+
+
+def comparisons(records: list[dict]) -> dict:
+    """Issue 9: serial against batched polling at 8 ranks, [1|3, 7168]. Issue 12: the fused kernel with the
+    kernels' cluster rule against the one-CTA-per-row kernel with the old polling (at 8 ranks) and with I10."""
+    def pick(**kw):
+        found = [r["us_per_call_median"] for r in records if all(r.get(k) == v for k, v in kw.items())]
+        return found[0] if found else None
+
+    polling = []
+    for op in ("all_reduce", "all_reduce_add_rmsnorm"):
+        for rows in (1, 3):
+            old = pick(world=8, rows=rows, op=op, variant=SERIAL)
+            new = pick(world=8, rows=rows, op=op, variant=BATCHED, cluster_requested=0 if op == "all_reduce" else 1)
+            polling.append({"op": op, "rows": rows, "serial_us": old, "batched_us": new,
+                            "batched_over_serial": common.ratio(new, old)})
+    cluster = []
+    for world in WORLDS:
+        for rows in ROWS:
+            one = pick(world=world, rows=rows, op="all_reduce_add_rmsnorm", variant=BATCHED, cluster_requested=1)
+            auto = pick(world=world, rows=rows, op="all_reduce_add_rmsnorm", variant=BATCHED, cluster_requested=0)
+            before = pick(world=world, rows=rows, op="all_reduce_add_rmsnorm", variant=SERIAL)
+            cluster.append({"world": world, "rows": rows, "one_cta_per_row_us": one, "rule_us": auto,
+                            "rule_over_one_cta": common.ratio(auto, one),
+                            "serial_one_cta_us": before, "rule_over_serial": common.ratio(auto, before)})
+    return {"polling": polling, "cluster": cluster}
 
 
 def main(argv=None) -> int:
@@ -138,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=50)
     args = p.parse_args(argv)
     doc = run(args)
-    path = Path(args.out) / f"polling_{common.gpu_slug(torch.cuda.get_device_name())}_loopback8.json"
+    path = Path(args.out) / f"polling_{common.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
     common.write_json(path, doc)
     print(f"wrote {path}")
     bad = [r for r in doc["records"] if not r["result_correct"]]
