@@ -150,11 +150,13 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   if (cfg.max_numel <= 0 || cfg.max_numel % kElemsPerPack != 0) return "max_numel must be a positive multiple of 8";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(cfg.device));
 
+  int sm_count = 0;
+  SGL_RETURN_IF_CUDA("cudaDeviceGetAttribute(SM count)",
+                     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, cfg.device));
   auto* ws = new Workspace();
   ws->device = cfg.device;
   ws->memory = cfg.memory;
-  SGL_RETURN_IF_CUDA("cudaDeviceGetAttribute(SM count)",
-                     cudaDeviceGetAttribute(&ws->sm_count, cudaDevAttrMultiProcessorCount, cfg.device));
+  ws->sm_count = sm_count;
   const ScratchSizes z = scratch_sizes(cfg);
   ws->slab_bytes = kCtrlBytes + 2 * z.region;  // kHost: each rank's slab keeps the (unused) Ctrl head too, so
                                                // region_of() is the same for both kinds
