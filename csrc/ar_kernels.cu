@@ -1,6 +1,6 @@
 // The all-reduce kernels: a one-shot push and a hierarchical (reduce-scatter, cross-island exchange,
 // all-gather) push, each with a plain and a fused residual-add + RMSNorm epilogue.
-// The protocol invariants I1..I8 are stated in ar_protocol.cuh; comments below name the one they rely on.
+// The protocol invariants (I1..I13) are stated in ar_protocol.cuh; comments below name the one they rely on.
 #include <algorithm>
 #include <type_traits>
 
@@ -126,7 +126,7 @@ struct OneShotSlots {
             }
           }
         }
-        if (pending && (++spins & 255u) == 0u) check_wait_bounds(ws, start, missing, kPhaseOneShot, seq);
+        if (pending && (++spins & 255u) == 0u && wait_must_end(ws, start, missing, kPhaseOneShot, seq)) break;
       }
     }
 #pragma unroll
@@ -152,7 +152,7 @@ struct OneShotSlots {
 
 template <typename T, int kWorld, bool kSerialPoll = false>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  pdl_wait_and_release();
+  if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
   const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   constexpr int kUnroll = kHoldRow ? kPacks : 1;
   constexpr int kBatch = kWorld;
   __shared__ float s_red[33];
-  pdl_wait_and_release();
+  if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
   const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const int ppr = a.packs_per_row;
@@ -243,14 +243,18 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
 
 // Fused one-shot with each row spread over a thread-block cluster of kCluster CTAs (issue 12): at a few rows
 // the one-CTA-per-row kernel has only `rows` SMs pushing, polling and reducing a whole row each; here
-// rows x kCluster SMs share the work. CTA c of a row's cluster owns the row's packs [c x blockDim, (c+1) x
-// blockDim), one per thread (at most kWideThreads). The RMSNorm sum of squares: each CTA reduces its part (block_sum, fixed order),
+// rows x kCluster SMs share the work. CTA c of a row's cluster owns the row's packs [c x per, (c+1) x per) with
+// per = ceil(packs / kCluster), one per thread (blockDim = per rounded up to a warp, at most kWideThreads), so at
+// hidden 7168 every CTA gets 112 packs rather than CTAs 0-6 getting 128 and CTA 7 none.
+// The RMSNorm sum of squares: each CTA reduces its part (block_sum, fixed order),
 // puts it in its shared memory, and after a cluster barrier every CTA adds the kCluster parts in CTA order
 // from distributed shared memory, so all CTAs of the row, and every rank (same grid shape, same bits in),
 // get the same bits. A second barrier (arrive after the reads, wait before the part is written again or the
 // CTA exits) keeps a part alive until every CTA has read it.
-// I8 holds per cluster: the host caps the number of clusters at what the GPU can hold at once
-// (cudaOccupancyMaxActiveClusters) and at the SM budget, and rows beyond it loop.
+// I8 holds per cluster: the host caps the number of clusters at what every GPU of the group can hold at once
+// (cudaOccupancyMaxActiveClusters, agreed at construction) and at the SM budget, and rows beyond it loop.
+// oneshot_add_rmsnorm_grouped_kernel below computes the same bits without a cluster (where cluster launch is
+// unavailable).
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ unsigned cluster_cta_rank() {
@@ -268,22 +272,29 @@ __device__ __forceinline__ float load_cluster_shared(const float* local, unsigne
   return v;
 }
 
+// Packs per CTA (or per group of the grouped kernel) when a row of `packs_per_row` is split `parts` ways.
+__host__ __device__ __forceinline__ int packs_per_part(int packs_per_row, int parts) {
+  return (packs_per_row + parts - 1) / parts;
+}
+
 template <typename T, int kWorld, int kCluster>
 __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   __shared__ float s_red[33];
   __shared__ float s_part;
-  pdl_wait_and_release();
+  if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
   const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const int ppr = a.packs_per_row;
+  const int per = packs_per_part(ppr, kCluster);
   const unsigned cta = cluster_cta_rank();
-  const int j = static_cast<int>(cta * blockDim.x + threadIdx.x);
+  const int j = static_cast<int>(cta) * per + static_cast<int>(threadIdx.x);
+  const bool mine = static_cast<int>(threadIdx.x) < per && j < ppr;
   const int first_row = static_cast<int>(blockIdx.x / kCluster);
   const int row_stride = static_cast<int>(gridDim.x / kCluster);
 
   for (int row = first_row; row < a.rows; row += row_stride) {
-    if (j < ppr) {
+    if (mine) {
       const long long g = static_cast<long long>(row) * ppr + j;
       slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
     }
@@ -293,7 +304,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
     const long long g = static_cast<long long>(row) * ppr + j;
     uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
     float squares = 0.f;
-    if (j < ppr) {
+    if (mine) {
       const uint4 own = remap_half_pack(a.inp[g]);
       const uint4 res = a.residual[g];
       Acc8 acc = slots.template reduce_pack<T>(ws, seq, g, own);
@@ -314,9 +325,83 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
     cluster_arrive();  // done reading the parts
     first = false;
     const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
-    if (j < ppr) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+    if (mine) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
   }
   if (!first) cluster_wait();  // no CTA exits while a peer CTA may still read its part
+  finish_call(ws, seq);
+}
+
+// The sum over groups of kGroups x warps_per_group warps, bit for bit what the cluster kernel computes with one
+// CTA of warps_per_group warps per group: block_sum's tree inside each group (lanes, then the group's warp sums
+// by one warp, zeros beyond them), then the group sums added in group order from 0. `scratch` holds 32 +
+// kGroups floats.
+template <int kGroups>
+__device__ __forceinline__ float grouped_sum(float v, float* scratch, int warps_per_group) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  __syncthreads();  // scratch may still be read by the previous row
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp < kGroups) {
+    float t = lane < warps_per_group ? scratch[warp * warps_per_group + lane] : 0.f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) t += __shfl_xor_sync(0xffffffffu, t, offset);
+    if (lane == 0) scratch[32 + warp] = t;
+  }
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int c = 0; c < kGroups; ++c) total += scratch[32 + c];
+  return total;
+}
+
+// The fallback of the cluster kernel where cluster launch is unavailable or unproven (issue 22): one CTA per
+// row of kGroups groups of blockDim / kGroups threads, group c laid out exactly as CTA c of a cluster (the same
+// packs on the same lanes of the same warps), so residual_out and norm_out are the bits the cluster kernel
+// gives: a box that cannot launch clusters computes what one that can does. Slower (`rows` SMs do the work of
+// rows x kGroups), which is why it is only the fallback. 1024 threads: one pack per thread (packs <= 1024).
+// At 8 ranks the wait loads the peers in two batches of 4 (one more round trip, the sum's order unchanged, see
+// OneShotSlots::reduce_pack): a thread has 64 registers here, and all 8 at once would leave none to spare.
+template <typename T, int kWorld, int kGroups>
+__global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(const __grid_constant__ WorkspaceView ws,
+                                                                              const __grid_constant__ CallArgs a) {
+  constexpr int kBatch = kWorld > 4 ? 4 : kWorld;
+  __shared__ float s_red[32 + kGroups];
+  if (begin_call(ws)) return;  // I12
+  const unsigned long long seq = load_sequence(ws);
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
+  const int ppr = a.packs_per_row;
+  const int per = packs_per_part(ppr, kGroups);
+  const int group_threads = static_cast<int>(blockDim.x) / kGroups;
+  const int group = static_cast<int>(threadIdx.x) / group_threads;
+  const int i = static_cast<int>(threadIdx.x) - group * group_threads;
+  const int j = group * per + i;
+  const bool mine = i < per && j < ppr;
+
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    if (mine) {
+      const long long g = static_cast<long long>(row) * ppr + j;
+      slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+    }
+  }
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const long long g = static_cast<long long>(row) * ppr + j;
+    uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
+    float squares = 0.f;
+    if (mine) {
+      Acc8 acc = slots.template reduce_pack<T, kBatch>(ws, seq, g, remap_half_pack(a.inp[g]));
+      accumulate<T>(acc, a.residual[g]);
+      r = round_pack<T>(acc);  // residual_out, rounded once
+      a.out[g] = r;
+      w = a.weight[j];
+      squares = sum_of_squares<T>(r);
+    }
+    const float total = grouped_sum<kGroups>(squares, s_red, group_threads >> 5);
+    const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
+    if (mine) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+  }
   finish_call(ws, seq);
 }
 
@@ -461,7 +546,7 @@ struct HierStep {
 template <typename T, int kIsland>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  pdl_wait_and_release();
+  if (begin_call(ws)) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
   const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -491,7 +576,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   constexpr int kUnroll = kHoldRow ? kPacks : 1;
   constexpr int kHeld = kHoldRow ? kPacks : 1;
   __shared__ float s_red[33];
-  pdl_wait_and_release();
+  if (begin_call(ws)) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
   const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const int ppr = a.packs_per_row;
@@ -590,9 +675,11 @@ cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArg
   const int threads = static_cast<int>(std::min<long long>(std::min(shape.threads, kPlainMaxThreads), round_up_32(a.num_packs)));
   const long long wanted = (a.num_packs + threads - 1) / threads;
   const int blocks = static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, shape.max_blocks)));
-  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks
-    if (!std::is_same<T, __nv_bfloat16>::value || ws.world != 8) return cudaErrorInvalidValue;
-    return launch_kernel(oneshot_all_reduce_kernel<T, 8, true>, blocks, threads, shape, stream, ws, a);
+  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks (only that is built)
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+      if (ws.world == 8) return launch_kernel(oneshot_all_reduce_kernel<T, 8, true>, blocks, threads, shape, stream, ws, a);
+    }
+    return cudaErrorInvalidValue;
   }
   if (variant != Variant::kOneShot) {
     const bool islands = variant == Variant::kIsland;
@@ -637,11 +724,11 @@ cudaError_t launch_hier_fused(const WorkspaceView& ws, bool islands, const CallA
   }
 }
 
-// Cluster launch of the split fused kernel: grid = clusters x kCluster, clusters capped by I8 (see the kernel).
+// Cluster launch of the split fused kernel: grid = clusters x kCluster, clusters capped by I8 at what every GPU of the
+// group can hold at once (shape.cluster_capacity, agreed at construction) and at the SM budget.
 template <typename T, int kWorld, int kCluster>
 cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, int threads, const LaunchShape& shape,
                                   cudaStream_t stream) {
-  auto kernel = oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster>;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(threads);
   config.stream = stream;
@@ -654,34 +741,62 @@ cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, in
   attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = shape.pdl ? 2 : 1;
-  // The largest number of clusters co-resident at once, per block size (a host query, cached: it depends only on
-  // the kernel, the device and the block size, which are fixed per call shape).
-  static int cached_threads[33] = {};
-  static int cached_clusters[33] = {};
-  const int slot = threads / 32;
-  if (cached_threads[slot] != threads) {
-    config.gridDim = dim3(kCluster);
-    int clusters = 0;
-    const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-    if (err != cudaSuccess) return err;
-    cached_clusters[slot] = clusters;
-    cached_threads[slot] = threads;
-  }
-  const int budget = std::min(cached_clusters[slot], shape.max_blocks / kCluster);
+  const int budget = std::min(shape.cluster_capacity[kCluster], shape.max_blocks / kCluster);
   if (budget < 1) return cudaErrorInvalidConfiguration;
   config.gridDim = dim3(std::min(a.rows, budget) * kCluster);
-  return cudaLaunchKernelEx(&config, kernel, ws, a);
+  return cudaLaunchKernelEx(&config, oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster>, ws, a);
 }
 
 template <typename T, int kCluster>
 cudaError_t launch_cluster(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape,
                            cudaStream_t stream) {
-  const int threads = round_up_32((a.packs_per_row + kCluster - 1) / kCluster);
+  const int threads = round_up_32(packs_per_part(a.packs_per_row, kCluster));
   switch (ws.world) {
     case 1: return launch_cluster_kernel<T, 1, kCluster>(ws, a, threads, shape, stream);
     case 2: return launch_cluster_kernel<T, 2, kCluster>(ws, a, threads, shape, stream);
     case 4: return launch_cluster_kernel<T, 4, kCluster>(ws, a, threads, shape, stream);
     case 8: return launch_cluster_kernel<T, 8, kCluster>(ws, a, threads, shape, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The cluster kernel's bits without a cluster: one CTA per row (see oneshot_add_rmsnorm_grouped_kernel).
+template <typename T, int kGroups>
+cudaError_t launch_grouped(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape, cudaStream_t stream) {
+  const int threads = kGroups * round_up_32(packs_per_part(a.packs_per_row, kGroups));
+  if (threads > 1024) return cudaErrorInvalidValue;
+  const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
+  switch (ws.world) {
+    case 1: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 1, kGroups>, blocks, threads, shape, stream, ws, a);
+    case 2: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 2, kGroups>, blocks, threads, shape, stream, ws, a);
+    case 4: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 4, kGroups>, blocks, threads, shape, stream, ws, a);
+    case 8: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 8, kGroups>, blocks, threads, shape, stream, ws, a);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int kCluster>
+cudaError_t cluster_capacity_of(int world, bool fp16, int threads, int* clusters) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kCluster);
+  config.blockDim = dim3(threads);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kCluster;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  auto query = [&](auto kernel) { return cudaOccupancyMaxActiveClusters(clusters, kernel, &config); };
+  switch (world) {
+    case 1: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 1, kCluster>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 1, kCluster>);
+    case 2: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 2, kCluster>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 2, kCluster>);
+    case 4: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 4, kCluster>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 4, kCluster>);
+    case 8: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 8, kCluster>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 8, kCluster>);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -703,6 +818,28 @@ int fused_cluster_size(int rows, int packs_per_row, int sm_budget) {
   return 1;
 }
 
+// I8 for the cluster kernel, per cluster size: the clusters of kWideThreads-thread CTAs (the largest block the
+// launch uses, so smaller ones fit as well) that `device` holds at once, for both element types (the smaller).
+// 0 where the device cannot launch clusters at all (cudaDevAttrClusterLaunch).
+cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters) {
+  *clusters = 0;
+  int supported = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, device);
+  if (err != cudaSuccess || !supported) return err;
+  int per_type[2] = {0, 0};
+  for (int fp16 = 0; fp16 < 2; ++fp16) {
+    switch (cluster) {
+      case 2: err = cluster_capacity_of<2>(world, fp16, kWideThreads, &per_type[fp16]); break;
+      case 4: err = cluster_capacity_of<4>(world, fp16, kWideThreads, &per_type[fp16]); break;
+      case 8: err = cluster_capacity_of<8>(world, fp16, kWideThreads, &per_type[fp16]); break;
+      default: return cudaErrorInvalidValue;
+    }
+    if (err != cudaSuccess) return err;
+  }
+  *clusters = std::min(per_type[0], per_type[1]);
+  return cudaSuccess;
+}
+
 namespace {
 
 template <typename T>
@@ -710,12 +847,15 @@ cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArg
                          cudaStream_t stream) {
   if (variant == Variant::kOneShot) {
     const int cluster = shape.cluster > 0 ? shape.cluster : fused_cluster_size(a.rows, a.packs_per_row, shape.max_blocks);
-    if (cluster > 1 && a.packs_per_row > kWideThreads * cluster) return cudaErrorInvalidValue;
+    if (cluster > 1 && a.packs_per_row > 1024) return cudaErrorInvalidValue;  // both layouts: a pack per thread
+    // Where the group agreed that clusters of this size work (shape.cluster_mask), the cluster kernel; else the
+    // same bits from one CTA per row.
+    const bool clusters = ((shape.cluster_mask >> cluster) & 1) != 0;
     switch (cluster) {
       case 1: break;
-      case 2: return launch_cluster<T, 2>(ws, a, shape, stream);
-      case 4: return launch_cluster<T, 4>(ws, a, shape, stream);
-      case 8: return launch_cluster<T, 8>(ws, a, shape, stream);
+      case 2: return clusters ? launch_cluster<T, 2>(ws, a, shape, stream) : launch_grouped<T, 2>(ws, a, shape, stream);
+      case 4: return clusters ? launch_cluster<T, 4>(ws, a, shape, stream) : launch_grouped<T, 4>(ws, a, shape, stream);
+      case 8: return clusters ? launch_cluster<T, 8>(ws, a, shape, stream) : launch_grouped<T, 8>(ws, a, shape, stream);
       default: return cudaErrorInvalidValue;
     }
   }
@@ -727,9 +867,12 @@ cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArg
   if (variant == Variant::kOneShot || variant == Variant::kOneShotSerialPoll) {
     if (a.packs_per_row <= 1024) {
       const int threads = round_up_32(a.packs_per_row);
-      if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks
-        if (!std::is_same<T, __nv_bfloat16>::value || ws.world != 8) return cudaErrorInvalidValue;
-        return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, true>, blocks, threads, shape, stream, ws, a);
+      if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks (only that is built)
+        if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+          if (ws.world == 8)
+            return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, true>, blocks, threads, shape, stream, ws, a);
+        }
+        return cudaErrorInvalidValue;
       }
       return launch_oneshot_fused<T, 1>(ws, a, blocks, threads, shape, stream);
     }

@@ -17,15 +17,23 @@ enum class Variant : int { kOneShot = 0, kTwoShot = 1, kIsland = 2, kOneShotSeri
 // the polling microbenchmark on a loopback workspace; the bindings refuse it on a real workspace.
 enum class ElemType : int { kBFloat16 = 0, kFloat16 = 1 };
 
+// How a call launches. Every field is the same on every rank of the group (the group agrees max_blocks, the
+// cluster mask and the capacities at construction, Workspace::limits), so every rank launches the same grid.
 struct LaunchShape {
   int threads;     // plain kernels: threads per CTA
-  int max_blocks;  // at most this many CTAs (<= SM count, I8)
+  int max_blocks;  // at most this many CTAs (<= the smallest SM count of the group, I8)
   bool pdl;        // launch with programmatic stream serialization
   int cluster = 0;  // fused one-shot: CTAs per row (1, 2, 4, 8); 0 = fused_cluster_size's choice
+  int cluster_mask = 0;  // bit c set: clusters of c CTAs may be launched; else the grouped one-CTA kernel runs
+  int cluster_capacity[9] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
 };
 
 // CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values.
 int fused_cluster_size(int rows, int packs_per_row, int sm_budget);
+
+// I8 for the cluster kernel on `device`: clusters of `cluster` CTAs (2, 4, 8) it holds at once; 0 where the device
+// cannot launch clusters (cudaDevAttrClusterLaunch is 0).
+cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters);
 
 // Plain kernels run at most this many threads per CTA, so a thread has 128 registers (the 8-rank waits hold
 // 8 packs at once, ar_protocol.cuh I10).
@@ -49,9 +57,20 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant varia
 // every rank's device address space; pushes and polls cross PCIe to host memory (ar_protocol.cuh I11).
 enum class Memory : int { kDevice = 0, kHost = 1 };
 
+// The group-agreed launch limits of a workspace (LaunchShape's agreed fields): until the group has agreed, the
+// safe defaults (this GPU's SMs, no clusters: the grouped kernel computes the cluster kernel's bits).
+struct LaunchLimits {
+  int sm_budget = 0;
+  int cluster_mask = 0;
+  int cluster_capacity[9] = {};
+};
+
 struct Workspace {
   int device = -1;
   int sm_count = 0;
+  long long max_numel = 0;
+  int cluster_capacity[9] = {};  // this GPU's answer of query_cluster_capacity, per cluster size
+  LaunchLimits limits;
   long long slab_bytes = 0;
   char* local = nullptr;  // kDevice: this rank's slab (Ctrl + scratch); kHost: only the Ctrl (device memory)
   bool peer_opened[kMaxWorld] = {};
@@ -61,9 +80,11 @@ struct Workspace {
   char* shared = nullptr;
   long long shared_bytes = 0;
   bool shared_registered = false;
-  std::string shared_name;
+  std::string shared_name;  // the file's path
   bool shared_owner = false;
-  bool shared_linked = false;  // the name still exists in /dev/shm (the creator unlinks it once all mapped)
+  bool shared_linked = false;  // the file still exists (the creator unlinks it once every rank mapped it)
+  int numa_node = -1;          // kHost: the NUMA node of this GPU (-1: unknown)
+  bool numa_bound = false;     // kHost: this rank's slab prefers that node (mbind accepted)
   // Loopback (benchmarks only): one process plays rank 0 of `world`; the peers' slabs are local allocations.
   bool loopback = false;
   char* loopback_slabs[kMaxWorld] = {};
@@ -75,17 +96,28 @@ struct WorkspaceConfig {
   int rank;
   int world;
   long long max_numel;  // elements of 2 bytes
+  long long oneshot_max_numel;  // the largest one-shot call (<= max_numel): the one-shot slots are sized by it
   long long timeout_ns;
   long long warn_ns;
   Topology flat;
   Topology islands;  // num_islands == 0: none
   Memory memory = Memory::kDevice;
-  std::string shared_name;    // kHost: POSIX shared-memory name, the same on every rank
-  bool shared_create = false;  // kHost: this rank (one per group) creates and fills it; the others open it after
+  bool trap_on_timeout = true;  // I7: trap, or record, poison and return
+  std::string shared_dir;      // kHost: the folder of the shared file (a tmpfs: /dev/shm by default)
+  std::string shared_name;     // kHost: its name (no '/'), the same on every rank
+  bool shared_create = false;  // kHost: this rank (one per group) creates it; the others open it after
 };
 
 // Each returns an empty string on success, else what failed (the binding raises it).
+// kHost: creates (cfg.shared_create) or opens the shared file, maps it, and allocates and fills THIS rank's slab
+// (posix_fallocate: a full tmpfs is an error here, not a SIGBUS later; pages on this GPU's NUMA node where the
+// kernel allows it); the whole buffer is pinned by workspace_register_shared once every rank has its slab.
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out);
+// kHost, after every rank's workspace_create: pin the shared buffer and map it into the device's address space.
+std::string workspace_register_shared(Workspace* ws);
+// Bytes of the shared host-memory buffer a group of `world` ranks needs (every slab; the same arithmetic as
+// workspace_create), for the size check and the doctor.
+long long host_shared_bytes(int world, long long max_numel, long long oneshot_max_numel);
 // Benchmarks only: rank 0 of `world` with every peer's slab a local allocation (no IPC, no peer process).
 std::string workspace_create_loopback(int device, int world, long long max_numel, Workspace** out);
 // Loopback: write a ready pattern over this rank's whole scratch on `stream`, so every peer pack reads as
@@ -100,12 +132,18 @@ std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handle
 // peer still maps (freeing an exported allocation that is still imported elsewhere is undefined in CUDA).
 std::string workspace_close_peers(Workspace* ws);
 std::string workspace_destroy(Workspace* ws);
-// Runs the data-path probe (probe.cu) after the peers are open: outcomes[p] (kMaxWorld entries) is what this
-// rank received from peer p. Synchronizes the device; run it before the workspace's first call.
-std::string workspace_probe(Workspace* ws, long long timeout_ns, int drop_peer, int* outcomes);
+// The data-path probe (probe.cu), run in rounds after the peers are open: in each round every rank writes
+// pattern packs at the round's places in every peer's scratch, and waits for every peer's packs in its own;
+// outcomes[p] (kMaxWorld entries) is what this rank received from peer p. The host separates rounds by a group
+// barrier (a round's places may repeat in a later round). Synchronizes the device; run before the first call.
+int probe_round_count(const WorkspaceView& view);
+std::string probe_round_name(const WorkspaceView& view, int round);
+std::string workspace_probe(Workspace* ws, long long timeout_ns, int round, int drop_peer, int* outcomes);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);
 std::string workspace_sequence(const Workspace* ws, unsigned long long* seq);
+// The negative control of the cluster check (sgl_kernel_sm120/cluster_check.py): launches a kernel that traps.
+std::string launch_debug_trap(cudaStream_t stream);
 // The same counter without a device synchronize: safe while kernels run (see workspace.cu).
 std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq);
 

@@ -12,7 +12,9 @@
 //      rank reduces bit-identical operands.
 //  I3  A consumer treats a 16-byte pack as ready only when none of its half-words (or, for fp32 packs, none
 //      of its words) is empty. Each lane is checked on its own, so a pack that lands in pieces is not read
-//      early, whatever the granularity at which the link splits the store.
+//      early. This tolerates tearing down to 32-bit words and no further: it rests on every v4 access being
+//      STRONG.SYS (volatile), whose four 32-bit elements are each single-copy atomic, and on PCIe (and NVLink)
+//      carrying whole aligned 32-bit words, so a half-word never arrives one byte at a time.
 //  I4  Every consumed pack is written back to empty by its consumer, in the same kernel. So when a call
 //      ends on every rank, all scratch it used is empty again, whatever variant or size the next call has.
 //  I5  Scratch is double-buffered by the parity of the call sequence number `seq`, which lives in device
@@ -23,10 +25,17 @@
 //      buffer we write was emptied (I4) by a kernel that has finished.
 //  I6  One workspace is used from one stream at a time: seq assumes the calls of a
 //      rank are totally ordered. Capture on one stream and replay on another is fine; concurrent use is not.
-//  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank records rank,
-//      peer, phase, seq and the time waited in host-mapped memory (the other threads that expire wait for that
-//      record, bounded, before they trap), then the kernel traps, so the process
-//      gets a CUDA error rather than a hang and the Python side can name the peer that never arrived.
+//  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank claims the
+//      report, records rank, peer, phase, seq and the time waited in host-mapped memory, and marks the workspace
+//      poisoned (Ctrl::poisoned). What follows depends on view.trap_on_timeout:
+//        trap: every expired thread traps (the others first wait for the record, bounded, 10 ms), so the process
+//              gets a CUDA error and no kernel of the context runs again: no wrong result can flow on.
+//        exit: the threads give up instead. Every other wait of the call sees the poison at its next bound check
+//              (every 256 polls, below) and gives up too, so the call ends within microseconds with garbage in
+//              its outputs, and I12 makes every later call a no-op. The CUDA context stays usable; the host
+//              raises IpcAllReduceTimeoutError from the record (synchronize(), and every later call). With
+//              several processes time-slicing one GPU, a trap was seen not to reach every process (issue 22):
+//              exit mode is what tests and the tuner use there.
 //  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
 //      a launch are co-resident (grid <= SM count; cluster launches also <= the clusters the GPU can hold at
 //      once), so no CTA waits on a peer CTA that cannot be scheduled.
@@ -38,10 +47,19 @@
 //      (wait_for_packs): on PCIe each test that has to wait for its load before the next load is issued
 //      adds a round trip, 7 of them per pack at 8 ranks. Only the packs still empty are loaded again.
 //  I11 With the workspace in host memory (view.host_memory, no P2P), a consumer's emptying stores (I4) travel
-//      over PCIe like the pushes, and nothing orders them before a later call's pushes of this rank except a
-//      system-scope fence. So every thread fences (system scope) after its last emptying store and before
-//      the call ends; I5's argument then holds again: a peer writes into a slot only after it has seen our
-//      push of the following call, which we issue after the fence.
+//      over PCIe like the pushes (a third crossing per byte: push, poll, empty), and nothing orders them before
+//      a later call's pushes of this rank except a system-scope fence. So each CTA, after a barrier that
+//      follows every thread's last emptying store, has one thread issue a system-scope release fence before
+//      the call ends (the barrier makes the other threads' stores precede the fence, and PTX fences are
+//      cumulative); I5's argument then holds again: a peer writes into a slot only after it has seen our push
+//      of the following call, which we issue after the fence.
+//  I12 A poisoned workspace (I7, exit mode) does nothing: every kernel reads Ctrl::poisoned right after
+//      pdl_wait (all threads, before any barrier, so the early return is uniform over the CTA and the cluster:
+//      the flag is only written inside a call, and calls are stream-ordered, I6) and returns without a push,
+//      a wait or a store to its outputs.
+//  I13 Host-memory polls back off: after a miss, a thread sleeps (__nanosleep, 256 ns doubling to 1 us)
+//      before it loads again, so hundreds of threads polling host memory do not fill PCIe with reads that
+//      mostly find nothing. Device-memory polls hit the local L2 and spin without sleeping.
 #pragma once
 
 #include <cstdint>
@@ -109,14 +127,14 @@ __device__ __forceinline__ uint32_t remap_word(uint32_t w) { return w == kEmptyW
 
 __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord); }
 
-// I7: record the first timeout of this rank where the host can read it, then abort the kernel.
-// static: this header is included by more than one translation unit (a __noinline__ function has a symbol).
-// Every thread waiting for the same peer expires within the same few polls, so several get here at once: the
-// one that claims the report writes it, and the others must not trap before it has (a trap ends the whole
+// I7: record the first timeout of this rank where the host can read it and poison the workspace, then trap or
+// give up (view.trap_on_timeout). static: this header is included by more than one translation unit.
+// Every thread waiting for the same peer expires within the same few polls, so several get here at once: the one
+// that claims the report writes it. In trap mode the others must not trap before it has (a trap ends the whole
 // context, and the host would then find no record: an unnamed "unspecified launch failure", seen on the H200
-// about once in six runs of the skip-a-call test). So they wait for the flag, bounded (10 ms), then trap.
-__device__ __forceinline__ void report_timeout_and_trap(const WorkspaceView& ws, int peer, int phase,
-                                                            unsigned long long seq, unsigned long long waited) {
+// about once in six runs of the skip-a-call test), so they wait for the flag, bounded (10 ms), then trap.
+__device__ __forceinline__ void report_timeout(const WorkspaceView& ws, int peer, int phase, unsigned long long seq,
+                                               unsigned long long waited) {
   volatile ErrorRecord* rec = ws.error;
   if (atomicCAS(&ws.ctrl->report_claim, 0u, 1u) == 0u) {
     rec->rank = ws.rank;
@@ -126,13 +144,18 @@ __device__ __forceinline__ void report_timeout_and_trap(const WorkspaceView& ws,
     rec->waited_ns = static_cast<long long>(waited);
     __threadfence_system();
     rec->flag = 1;
+    *reinterpret_cast<volatile unsigned int*>(&ws.ctrl->poisoned) = 1u;
     __threadfence_system();
-  } else {
+  } else if (ws.trap_on_timeout) {
     const long long start = static_cast<long long>(global_timer_ns());
     while (rec->flag == 0 && static_cast<long long>(global_timer_ns()) - start < 10ll * 1000 * 1000) {
     }
   }
-  __trap();
+  if (ws.trap_on_timeout) __trap();
+}
+
+__device__ __forceinline__ bool workspace_poisoned(const WorkspaceView& ws) {
+  return *reinterpret_cast<volatile unsigned int*>(&ws.ctrl->poisoned) != 0u;
 }
 
 // I9: report that this call has waited `waited` ns for `peer`, once per call across all threads of the rank.
@@ -153,17 +176,30 @@ __device__ __forceinline__ void report_slow_wait(const WorkspaceView& ws, int pe
   }
 }
 
-// Called every 256 polls of a spin-wait that started at `start`: I9 (report once per call, go on), then I7 (trap).
-__device__ __forceinline__ void check_wait_bounds(const WorkspaceView& ws, long long start, int peer, int phase,
-                                                  unsigned long long seq) {
+// Called every 256 polls of a spin-wait that started at `start`: true when the wait must give up (I7: the workspace
+// is poisoned, by this thread's own timeout or by another's); else I9 (report once per call, go on).
+__device__ __forceinline__ bool wait_must_end(const WorkspaceView& ws, long long start, int peer, int phase,
+                                              unsigned long long seq) {
+  if (workspace_poisoned(ws)) return true;
   const long long waited = static_cast<long long>(global_timer_ns()) - start;
   if (waited > ws.warn_ns) {
-    if (waited > ws.timeout_ns) report_timeout_and_trap(ws, peer, phase, seq, static_cast<unsigned long long>(waited));
+    if (waited > ws.timeout_ns) {
+      report_timeout(ws, peer, phase, seq, static_cast<unsigned long long>(waited));
+      return true;
+    }
     report_slow_wait(ws, peer, phase, seq, waited);
   }
+  return false;
+}
+
+// I13: the pause after the n-th miss (n >= 1) of a host-memory poll; device-memory polls do not pause.
+__device__ __forceinline__ void poll_backoff(const WorkspaceView& ws, unsigned int misses) {
+  if (ws.host_memory) __nanosleep(misses >= 3u ? 1024u : 128u << misses);
 }
 
 // Spin until the pack at `addr` (local scratch written by `peer`) is ready (I3), bounded by I7, reported by I9.
+// After a timeout (exit mode) it returns whatever it loaded last: the call's outputs are garbage and the workspace
+// is poisoned (I7, I12).
 template <bool kWordPack>
 __device__ __forceinline__ uint4 wait_for_pack(const WorkspaceView& ws, const void* addr, int peer, int phase,
                                                unsigned long long seq) {
@@ -173,10 +209,11 @@ __device__ __forceinline__ uint4 wait_for_pack(const WorkspaceView& ws, const vo
   const long long start = static_cast<long long>(global_timer_ns());
   unsigned int spins = 0;
   while (true) {
+    poll_backoff(ws, spins + 1u);
     v = load_volatile(addr);
     empty = kWordPack ? word_pack_has_empty(v) : half_pack_has_empty(v);
     if (!empty) return v;
-    if ((++spins & 255u) == 0u) check_wait_bounds(ws, start, peer, phase, seq);
+    if ((++spins & 255u) == 0u && wait_must_end(ws, start, peer, phase, seq)) return v;
   }
 }
 
@@ -198,6 +235,7 @@ __device__ __forceinline__ void wait_for_packs(const WorkspaceView& ws, uint4 (&
   const long long start = static_cast<long long>(global_timer_ns());
   unsigned int spins = 0;
   while (missing != 0u) {
+    poll_backoff(ws, spins + 1u);
 #pragma unroll
     for (int i = 0; i < kMax; ++i)
       if ((missing >> i) & 1u) v[i] = load_volatile(addr(i));
@@ -206,7 +244,8 @@ __device__ __forceinline__ void wait_for_packs(const WorkspaceView& ws, uint4 (&
     for (int i = 0; i < kMax; ++i)
       still |= static_cast<unsigned>(((missing >> i) & 1u) != 0u && pack_has_empty<kWordPack>(v[i])) << i;
     missing = still;
-    if (missing != 0u && (++spins & 255u) == 0u) check_wait_bounds(ws, start, peer(__ffs(missing) - 1), phase, seq);
+    if (missing != 0u && (++spins & 255u) == 0u && wait_must_end(ws, start, peer(__ffs(missing) - 1), phase, seq))
+      return;  // I7 exit mode: give up, v[] holds what was loaded last
   }
 }
 
@@ -262,8 +301,8 @@ __device__ __forceinline__ unsigned long long load_sequence(const WorkspaceView&
 // Plain stores, no fence: the next reader is the next kernel on the same stream (I6), and kernel
 // completion publishes them; a fence here would also wait for this thread's remote pushes.
 __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
-  if (ws.host_memory) __threadfence_system();  // I11
-  __syncthreads();
+  __syncthreads();  // every thread's emptying stores (I4) precede the fence below, and every read of slot b
+  if (ws.host_memory && threadIdx.x == 0) asm volatile("fence.acq_rel.sys;" ::: "memory");  // I11
   for (int i = blockIdx.x + threadIdx.x * gridDim.x; i < ws.num_counters; i += gridDim.x * blockDim.x)
     ws.ctrl->seq[i] = seq + 1ull;
 }
@@ -276,6 +315,13 @@ __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned lo
 __device__ __forceinline__ void pdl_wait_and_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
+// I12: the start of every kernel: wait for the previous grid (PDL), then true when the workspace is poisoned and the
+// kernel must return at once (every thread reads the same flag, before any barrier).
+__device__ __forceinline__ bool begin_call(const WorkspaceView& ws) {
+  pdl_wait_and_release();
+  return workspace_poisoned(ws);
 }
 
 }  // namespace sgl_sm120

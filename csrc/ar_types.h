@@ -28,6 +28,7 @@ constexpr int kMaxCounters = 256;  // >= SM count of every supported GPU; the gr
 struct Ctrl {
   unsigned long long seq[kMaxCounters];  // number of calls completed on this workspace (I5)
   unsigned int report_claim;              // first timed-out thread claims the report (I7)
+  unsigned int poisoned;                  // 1 once a wait of this workspace timed out (I7): later calls do nothing
   unsigned long long slow_reported;       // seq + 1 of the latest call reported slow (I9), atomicMax'ed
 };
 static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
@@ -92,6 +93,7 @@ struct WorkspaceView {
   long long warn_ns;   // a wait this long is reported (I9); capped at timeout_ns by the host
   int num_counters;  // seq slots in use: the workspace's largest grid (<= kMaxCounters)
   int host_memory;   // 1: the slabs are in shared pinned host memory (no P2P), see I11
+  int trap_on_timeout;  // I7: 1 = trap (the CUDA context ends), 0 = record, poison the workspace and return
   Topology flat;
   Topology islands;
 };

@@ -2,65 +2,126 @@
 //
 // cudaDeviceCanAccessPeer says what the driver allows, not what the PCIe fabric delivers: with ACS redirection
 // on a switch or a translating IOMMU, peer writes can be dropped or land elsewhere while the capability still
-// says yes, and the first forward of a server would then die in a timeout (I7). So every rank pushes one
-// pattern pack to every peer through the very path the kernels use (its one-shot slot of parity 0 in the peer's
-// slab) and waits, bounded and without trapping, for the pack of every peer in its own slab. Islands need no
-// separate pass: the one-shot push reaches every peer, across islands too.
+// says yes, and the first forward of a server would then die in a timeout (I7). A mapping can also be broken
+// for part of a slab only. So every rank writes pattern packs to every peer through the very path the kernels
+// use, at the edges of every area the kernels write: in each parity region, the first and last pack of every
+// one-shot slot, of every chunk-sized block (the reduce-scatter, cross-island and all-gather slots are made of
+// those), and the end of the region. It then waits, bounded and without trapping, for every peer's packs in
+// its own slab. Islands need no separate pass: every rank writes to every peer, across islands too.
 //
-// Invariants kept: the slots are empty before (I1: the slab was just filled, no call has run) and after (the
+// Rounds: within one round the places of different senders never overlap; across rounds they may (a chunk
+// block can start where a one-shot slot does), so the host separates rounds by a group barrier, and a receiver
+// has emptied a round's packs before any sender writes the next round's.
+//
+// Invariants kept: the places are empty before (I1: the slab was just filled, no call has run) and after (the
 // waiter empties what it read, I4), so the first real call finds clean scratch. A probe that fails leaves the
 // workspace unused: the host tears it down.
+#include <algorithm>
+
 #include "ar_launch.h"
 #include "ar_protocol.cuh"
 
 namespace sgl_sm120 {
 namespace {
 
-// No half-word is kEmptyHalf (I2), and the pack names sender and receiver, so a write that lands in the wrong
-// slab or slot is caught, not only one that never lands.
-__device__ __forceinline__ uint4 probe_pattern(int sender, int receiver) {
-  return make_uint4(0x31000000u | (static_cast<uint32_t>(sender) << 8) | static_cast<uint32_t>(receiver),
-                    0x52525252u, 0x13579BDFu, 0x2468ACE0u);
+// The rounds of one parity region: one-shot slots, then the chunk blocks W at a time, then the region's end.
+__host__ __device__ __forceinline__ long long chunk_blocks(const WorkspaceView& v) {
+  return v.chunk_slot_bytes > 0 ? v.region_bytes / v.chunk_slot_bytes : 0;
+}
+__host__ __device__ __forceinline__ int chunk_rounds(const WorkspaceView& v) {
+  return static_cast<int>((chunk_blocks(v) + v.world - 1) / v.world);
+}
+__host__ __device__ __forceinline__ int rounds_per_parity(const WorkspaceView& v) { return 2 + chunk_rounds(v); }
+
+// The byte offset (in a parity region) of place `which` (0: first, 1: last) that `sender` writes in `round`, or -1.
+__host__ __device__ __forceinline__ long long probe_place(const WorkspaceView& v, int round, int sender, int which) {
+  const int k = round % rounds_per_parity(v);
+  long long first, last;
+  if (k == 0) {
+    first = sender * v.oneshot_slot_bytes;
+    last = first + v.oneshot_slot_bytes - kPackBytes;
+  } else if (k <= chunk_rounds(v)) {
+    const long long block = static_cast<long long>(k - 1) * v.world + sender;
+    if (block >= chunk_blocks(v)) return -1;
+    first = block * v.chunk_slot_bytes;
+    last = first + v.chunk_slot_bytes - kPackBytes;
+  } else {
+    first = last = v.region_bytes - static_cast<long long>(sender + 1) * kPackBytes;
+  }
+  if (which == 1 && last == first) return -1;
+  return which == 0 ? first : last;
 }
 
-// One thread per peer. `drop_peer` (>= 0 only in the tests' debug switch) skips the push to that peer, which
-// must then show up as a failed pair on that peer.
-__global__ void probe_kernel(WorkspaceView ws, int drop_peer, long long timeout_ns, int* outcomes) {
-  const int peer = static_cast<int>(threadIdx.x);
-  if (peer >= ws.world) return;
-  if (peer == ws.rank) {
-    outcomes[peer] = kProbeOk;
-    return;
-  }
-  if (peer != drop_peer)
-    store_volatile(region_of(ws, peer, 0) + ws.rank * ws.oneshot_slot_bytes, probe_pattern(ws.rank, peer));
+// No half-word is kEmptyHalf (I2), and the pack names sender, receiver, round and place, so a write that lands in
+// the wrong slab or place is caught, not only one that never lands.
+__device__ __forceinline__ uint4 probe_pattern(int sender, int receiver, int round, int which) {
+  return make_uint4(0x31000000u | (static_cast<uint32_t>(sender) << 8) | static_cast<uint32_t>(receiver),
+                    0x52000000u | (static_cast<uint32_t>(round) << 4) | static_cast<uint32_t>(which), 0x13579BDFu,
+                    0x2468ACE0u);
+}
+
+// Thread 2p + which handles place `which` with peer p: it writes ours into p's slab, then waits for p's in ours.
+// `drop_peer` (>= 0 only in the tests' debug switch) skips the writes to that peer, which must then show up as a
+// failed pair on that peer.
+__global__ void probe_kernel(WorkspaceView ws, int round, int drop_peer, long long timeout_ns, int* outcomes) {
+  const int peer = static_cast<int>(threadIdx.x) >> 1;
+  const int which = static_cast<int>(threadIdx.x) & 1;
+  if (peer >= ws.world || peer == ws.rank) return;
+  const int parity = round / rounds_per_parity(ws);
+  const long long send_at = probe_place(ws, round, ws.rank, which);
+  if (send_at >= 0 && peer != drop_peer)
+    store_volatile(region_of(ws, peer, parity) + send_at, probe_pattern(ws.rank, peer, round, which));
   __threadfence_system();
-  char* mine = region_of(ws, ws.rank, 0) + peer * ws.oneshot_slot_bytes;
-  const uint4 expect = probe_pattern(peer, ws.rank);
-  const long long start = static_cast<long long>(global_timer_ns());
-  int outcome = kProbeMissing;
-  while (static_cast<long long>(global_timer_ns()) - start <= timeout_ns) {
-    const uint4 v = load_volatile(mine);
-    if (!half_pack_has_empty(v)) {  // I3: every lane has landed
-      const bool same = v.x == expect.x && v.y == expect.y && v.z == expect.z && v.w == expect.w;
-      outcome = same ? kProbeOk : kProbeWrong;
-      break;
+  const long long receive_at = probe_place(ws, round, peer, which);
+  int outcome = kProbeOk;
+  if (receive_at >= 0) {
+    char* mine = region_of(ws, ws.rank, parity) + receive_at;
+    const uint4 expect = probe_pattern(peer, ws.rank, round, which);
+    const long long start = static_cast<long long>(global_timer_ns());
+    outcome = kProbeMissing;
+    while (static_cast<long long>(global_timer_ns()) - start <= timeout_ns) {
+      const uint4 v = load_volatile(mine);
+      if (!half_pack_has_empty(v)) {  // I3: every lane has landed
+        const bool same = v.x == expect.x && v.y == expect.y && v.z == expect.z && v.w == expect.w;
+        outcome = same ? kProbeOk : kProbeWrong;
+        break;
+      }
     }
+    store_volatile(mine, empty_pack());  // I4
+    __threadfence_system();
   }
-  store_volatile(mine, empty_pack());  // I4
-  __threadfence_system();
-  outcomes[peer] = outcome;
+  if (outcome != kProbeOk) atomicMax(&outcomes[peer], outcome);
 }
 
 }  // namespace
 
-std::string workspace_probe(Workspace* ws, long long timeout_ns, int drop_peer, int* outcomes) {
+int probe_round_count(const WorkspaceView& view) { return 2 * rounds_per_parity(view); }
+
+std::string probe_round_name(const WorkspaceView& view, int round) {
+  const int per = rounds_per_parity(view);
+  const int k = round % per;
+  std::string where;
+  if (k == 0) {
+    where = "the one-shot slots (first and last pack)";
+  } else if (k <= chunk_rounds(view)) {
+    const long long first = static_cast<long long>(k - 1) * view.world;
+    const long long last = std::min<long long>(first + view.world, chunk_blocks(view)) - 1;
+    where = "chunk blocks " + std::to_string(first) + "-" + std::to_string(last) + " of " +
+            std::to_string(chunk_blocks(view)) + " (first and last pack)";
+  } else {
+    where = "the end of the region";
+  }
+  return "parity " + std::to_string(round / per) + ", " + where;
+}
+
+std::string workspace_probe(Workspace* ws, long long timeout_ns, int round, int drop_peer, int* outcomes) {
+  if (round < 0 || round >= probe_round_count(ws->view)) return "probe round out of range";
   cudaError_t err = cudaSetDevice(ws->device);
   int* d_outcomes = nullptr;
   if (err == cudaSuccess) err = cudaMalloc(&d_outcomes, kMaxWorld * sizeof(int));
   if (err == cudaSuccess) err = cudaMemset(d_outcomes, 0, kMaxWorld * sizeof(int));
   if (err == cudaSuccess) {
-    probe_kernel<<<1, 32>>>(ws->view, drop_peer, timeout_ns, d_outcomes);
+    probe_kernel<<<1, 2 * kMaxWorld>>>(ws->view, round, drop_peer, timeout_ns, d_outcomes);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
@@ -68,6 +129,8 @@ std::string workspace_probe(Workspace* ws, long long timeout_ns, int drop_peer, 
   if (d_outcomes != nullptr) cudaFree(d_outcomes);
   if (err != cudaSuccess)
     return std::string("data-path probe: ") + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+  for (int p = 0; p < kMaxWorld; ++p)
+    if (outcomes[p] == 0) outcomes[p] = kProbeOk;  // no place failed
   return "";
 }
 

@@ -39,20 +39,24 @@ Topology make_topology(const std::vector<int64_t>& island_ranks, const std::vect
 }
 
 // flat_* describe the one-island (two-shot) placement; isl_* the island placement (empty lists: none).
-int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, double timeout_s, double warn_s,
-                  std::vector<int64_t> flat_island_ranks, std::vector<int64_t> flat_twin_ranks,
-                  int64_t flat_my_island, int64_t flat_my_index, std::vector<int64_t> isl_island_ranks,
-                  std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island, int64_t isl_my_index, int64_t memory,
-                  std::string shared_name, bool shared_create) {
+int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel, int64_t oneshot_max_numel,
+                  double timeout_s, double warn_s, bool trap_on_timeout, std::vector<int64_t> flat_island_ranks,
+                  std::vector<int64_t> flat_twin_ranks, int64_t flat_my_island, int64_t flat_my_index,
+                  std::vector<int64_t> isl_island_ranks, std::vector<int64_t> isl_twin_ranks, int64_t isl_my_island,
+                  int64_t isl_my_index, int64_t memory, std::string shared_dir, std::string shared_name,
+                  bool shared_create) {
   WorkspaceConfig cfg{};
   TORCH_CHECK(memory == 0 || memory == 1, "sgl_kernel_sm120: memory must be 0 (device) or 1 (host)");
   cfg.memory = static_cast<Memory>(memory);
+  cfg.shared_dir = shared_dir;
   cfg.shared_name = shared_name;
   cfg.shared_create = shared_create;
+  cfg.trap_on_timeout = trap_on_timeout;
   cfg.device = static_cast<int>(device);
   cfg.rank = static_cast<int>(rank);
   cfg.world = static_cast<int>(world);
   cfg.max_numel = max_numel;
+  cfg.oneshot_max_numel = oneshot_max_numel;
   TORCH_CHECK(timeout_s > 0 && timeout_s < 9e9 && warn_s > 0, "sgl_kernel_sm120: timeout_s and warn_s must be > 0");
   cfg.timeout_ns = static_cast<long long>(timeout_s * 1e9);
   cfg.warn_ns = static_cast<long long>(std::min(warn_s, timeout_s) * 1e9);
@@ -77,6 +81,68 @@ void ws_loopback_refill(int64_t handle) {
 }
 
 void ws_unlink_shared(int64_t handle) { check_ok(workspace_unlink_shared(as_workspace(handle))); }
+
+void ws_register_shared(int64_t handle) { check_ok(workspace_register_shared(as_workspace(handle))); }
+
+// Bytes of the shared host-memory buffer (every rank's slab) for these arguments: pure arithmetic, no GPU needed.
+int64_t host_shared_bytes_for(int64_t world, int64_t max_numel, int64_t oneshot_max_numel) {
+  TORCH_CHECK(world == 1 || world == 2 || world == 4 || world == 8, "world must be 1, 2, 4 or 8");
+  TORCH_CHECK(max_numel > 0 && max_numel % kElemsPerPack == 0 && oneshot_max_numel > 0 &&
+                  oneshot_max_numel % kElemsPerPack == 0 && oneshot_max_numel <= max_numel,
+              "max_numel and oneshot_max_numel must be positive multiples of 8, oneshot_max_numel <= max_numel");
+  return host_shared_bytes(static_cast<int>(world), max_numel, oneshot_max_numel);
+}
+
+// query_cluster_capacity for sizes [2, 4, 8] without a workspace (the doctor).
+std::vector<int64_t> cluster_capacity_for(int64_t device, int64_t world) {
+  TORCH_CHECK(world == 1 || world == 2 || world == 4 || world == 8, "world must be 1, 2, 4 or 8");
+  std::vector<int64_t> out;
+  for (int c = 2; c <= 8; c *= 2) {
+    int clusters = 0;
+    const cudaError_t err = query_cluster_capacity(static_cast<int>(device), static_cast<int>(world), c, &clusters);
+    TORCH_CHECK(err == cudaSuccess, "querying cluster capacity: ", cudaGetErrorString(err));
+    out.push_back(clusters);
+  }
+  return out;
+}
+
+// kHost: [NUMA node of this GPU (-1 unknown), 1 if this rank's slab prefers it].
+std::vector<int64_t> ws_host_numa(int64_t handle) {
+  const Workspace* ws = as_workspace(handle);
+  return {ws->numa_node, ws->numa_bound ? 1 : 0};
+}
+
+// This GPU's cluster capacities for cluster sizes [2, 4, 8] (0: cannot launch clusters of that size).
+std::vector<int64_t> ws_cluster_capacity(int64_t handle) {
+  const Workspace* ws = as_workspace(handle);
+  return {ws->cluster_capacity[2], ws->cluster_capacity[4], ws->cluster_capacity[8]};
+}
+
+// Installs the group-agreed launch limits (the same on every rank): the SM budget and, per cluster size [2, 4, 8],
+// how many clusters may run at once (0: that size is not launched; the grouped kernel computes its bits).
+void ws_set_launch_limits(int64_t handle, int64_t sm_budget, std::vector<int64_t> cluster_capacity) {
+  Workspace* ws = as_workspace(handle);
+  TORCH_CHECK(sm_budget >= 1 && sm_budget <= ws->view.num_counters,
+              "sm_budget must be in [1, this GPU's SM count (", ws->view.num_counters, ")]");
+  TORCH_CHECK(cluster_capacity.size() == 3, "cluster_capacity lists sizes 2, 4 and 8");
+  LaunchLimits limits;
+  limits.sm_budget = static_cast<int>(sm_budget);
+  const int sizes[3] = {2, 4, 8};
+  for (int i = 0; i < 3; ++i) {
+    const int c = sizes[i];
+    TORCH_CHECK(cluster_capacity[i] >= 0 && cluster_capacity[i] <= ws->cluster_capacity[c],
+                "cluster capacity for ", c, " CTAs must be in [0, this GPU's ", ws->cluster_capacity[c], "]");
+    limits.cluster_capacity[c] = static_cast<int>(cluster_capacity[i]);
+    if (cluster_capacity[i] > 0) limits.cluster_mask |= 1 << c;
+  }
+  ws->limits = limits;
+}
+
+// [sm_budget, capacity for 2, 4, 8 CTAs] as installed.
+std::vector<int64_t> ws_launch_limits(int64_t handle) {
+  const LaunchLimits& l = as_workspace(handle)->limits;
+  return {l.sm_budget, l.cluster_capacity[2], l.cluster_capacity[4], l.cluster_capacity[8]};
+}
 
 int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
 
@@ -105,12 +171,26 @@ void ws_open_peers(int64_t handle, const at::Tensor& handles) {
   check_ok(workspace_open_peers(ws, hs.data()));
 }
 
-std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t drop_peer) {
+std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t round, int64_t drop_peer) {
   Workspace* ws = as_workspace(handle);
   TORCH_CHECK(timeout_s > 0 && timeout_s < 3600, "sgl_kernel_sm120: probe timeout must be in (0, 3600) s");
   int outcomes[kMaxWorld] = {};
-  check_ok(workspace_probe(ws, static_cast<long long>(timeout_s * 1e9), static_cast<int>(drop_peer), outcomes));
+  check_ok(workspace_probe(ws, static_cast<long long>(timeout_s * 1e9), static_cast<int>(round),
+                           static_cast<int>(drop_peer), outcomes));
   return std::vector<int64_t>(outcomes, outcomes + ws->view.world);
+}
+
+int64_t ws_probe_rounds(int64_t handle) { return probe_round_count(as_workspace(handle)->view); }
+
+std::string ws_probe_round_name(int64_t handle, int64_t round) {
+  return probe_round_name(as_workspace(handle)->view, static_cast<int>(round));
+}
+
+// The cluster check's negative control (sgl_kernel_sm120/cluster_check.py): a kernel that traps, as an illegal
+// instruction in a cluster kernel would, killing the CUDA context of the process that runs it.
+void debug_trap(int64_t device) {
+  const c10::cuda::CUDAGuard guard(static_cast<int>(device));
+  check_ok(launch_debug_trap(c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 void ws_close_peers(int64_t handle) { check_ok(workspace_close_peers(as_workspace(handle))); }
@@ -170,6 +250,23 @@ Variant variant_of(const Workspace* ws, int64_t v) {
   return variant;
 }
 
+// Every call fits the workspace: the bound it was built for, and for one-shot the slots' own bound (smaller in host
+// memory at 4 and 8 ranks, see scratch_sizes).
+void check_fits(const Workspace* ws, int64_t numel, Variant v) {
+  TORCH_CHECK(numel <= ws->max_numel, "tensor larger than the workspace (", numel, " > ", ws->max_numel, " elements)");
+  TORCH_CHECK(v != Variant::kOneShot && v != Variant::kOneShotSerialPoll ? true : numel * 2 <= ws->view.oneshot_slot_bytes,
+              "one-shot takes at most ", ws->view.oneshot_slot_bytes / 2, " elements in this workspace, got ", numel);
+}
+
+// The call's launch shape from the group-agreed limits (identical on every rank, so is the grid).
+LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster) {
+  LaunchShape shape{threads, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->limits.sm_budget))),
+                    pdl, cluster};
+  shape.cluster_mask = ws->limits.cluster_mask;
+  for (int c = 0; c < 9; ++c) shape.cluster_capacity[c] = ws->limits.cluster_capacity[c];
+  return shape;
+}
+
 void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
                 int64_t max_blocks, bool pdl) {
   Workspace* ws = as_workspace(handle);
@@ -178,13 +275,13 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   check_io(ws, out, inp, "out");
   TORCH_CHECK(out.numel() == inp.numel(), "out must have inp's size");
   TORCH_CHECK(inp.numel() % kElemsPerPack == 0 && inp.numel() > 0, "numel must be a positive multiple of 8");
-  TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
   TORCH_CHECK(threads >= 32 && threads <= kPlainMaxThreads && threads % 32 == 0, "threads must be a multiple of 32 <= ", kPlainMaxThreads);
+  const Variant v = variant_of(ws, variant);
+  check_fits(ws, inp.numel(), v);
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape{static_cast<int>(threads),
-                          static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))), pdl};
-  const cudaError_t err = launch_all_reduce(ws->view, variant_of(ws, variant), type, inp.data_ptr(), out.data_ptr(),
-                                            inp.numel(), shape, c10::cuda::getCurrentCUDAStream().stream());
+  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0);
+  const cudaError_t err = launch_all_reduce(ws->view, v, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
+                                            c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
 }
 
@@ -198,7 +295,8 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   const int64_t hidden = inp.size(1);
   TORCH_CHECK(rows > 0 && hidden > 0 && hidden % kElemsPerPack == 0, "hidden must be a positive multiple of 8");
   TORCH_CHECK(hidden <= kMaxFusedHidden, "hidden must be at most ", kMaxFusedHidden, " for the fused op");
-  TORCH_CHECK(inp.numel() * 2 <= ws->view.oneshot_slot_bytes, "tensor larger than the workspace");
+  const Variant v = variant_of(ws, variant);
+  check_fits(ws, inp.numel(), v);
   check_io(ws, inp, inp, "inp");
   check_io(ws, residual, inp, "residual");
   check_io(ws, weight, inp, "weight");
@@ -211,10 +309,9 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   const c10::cuda::CUDAGuard guard(ws->device);
   TORCH_CHECK(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
               "cluster must be 0 (automatic), 1, 2, 4 or 8");
-  const LaunchShape shape{1024, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->view.num_counters))),
-                          pdl, static_cast<int>(cluster)};
+  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster));
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
-      ws->view, variant_of(ws, variant), type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+      ws->view, v, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
       static_cast<float>(eps), shape, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce_add_rmsnorm launch: ", cudaGetErrorString(err));
@@ -226,10 +323,21 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
 TORCH_LIBRARY(sgl_kernel_sm120, m) {
   using namespace sgl_sm120;
   m.def(
-      "ws_create(int device, int rank, int world, int max_numel, float timeout_s, float warn_s, int[] flat_island_ranks, "
-      "int[] flat_twin_ranks, int flat_my_island, int flat_my_index, int[] isl_island_ranks, "
-      "int[] isl_twin_ranks, int isl_my_island, int isl_my_index, int memory, str shared_name, bool shared_create) -> int",
+      "ws_create(int device, int rank, int world, int max_numel, int oneshot_max_numel, float timeout_s, float warn_s, "
+      "bool trap_on_timeout, int[] flat_island_ranks, int[] flat_twin_ranks, int flat_my_island, int flat_my_index, "
+      "int[] isl_island_ranks, int[] isl_twin_ranks, int isl_my_island, int isl_my_index, int memory, "
+      "str shared_dir, str shared_name, bool shared_create) -> int",
       &ws_create);
+  m.def("ws_register_shared(int ws) -> ()", &ws_register_shared);
+  m.def("host_shared_bytes_for(int world, int max_numel, int oneshot_max_numel) -> int", &host_shared_bytes_for);
+  m.def("ws_host_numa(int ws) -> int[]", &ws_host_numa);
+  m.def("cluster_capacity_for(int device, int world) -> int[]", &cluster_capacity_for);
+  m.def("ws_cluster_capacity(int ws) -> int[]", &ws_cluster_capacity);
+  m.def("ws_set_launch_limits(int ws, int sm_budget, int[] cluster_capacity) -> ()", &ws_set_launch_limits);
+  m.def("ws_launch_limits(int ws) -> int[]", &ws_launch_limits);
+  m.def("ws_probe_rounds(int ws) -> int", &ws_probe_rounds);
+  m.def("ws_probe_round_name(int ws, int round) -> str", &ws_probe_round_name);
+  m.def("debug_trap(int device) -> ()", &debug_trap);
   m.def("ws_create_loopback(int device, int world, int max_numel) -> int", &ws_create_loopback);
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
   m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
@@ -238,7 +346,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
-  m.def("ws_probe(int ws, float timeout_s, int drop_peer) -> int[]", &ws_probe);
+  m.def("ws_probe(int ws, float timeout_s, int round, int drop_peer) -> int[]", &ws_probe);
   m.def("ws_destroy(int ws) -> ()", &ws_destroy);
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
   m.def("ws_slow_record_address(int ws) -> int", &ws_slow_record_address);

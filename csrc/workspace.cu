@@ -4,11 +4,16 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <string>
 
 #include "ar_launch.h"
@@ -42,6 +47,8 @@ __global__ void count_dirty_kernel(const uint32_t* p, long long words, unsigned 
   if (local) atomicAdd(count, local);
 }
 
+__global__ void trap_kernel() { __trap(); }
+
 __global__ void fill_ready_kernel(uint32_t* p, long long words) {
   // 0x3F80: bf16 1.0 in both halves; never kEmptyHalf (I3 reads it as arrived)
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
@@ -53,46 +60,100 @@ struct ScratchSizes {
   long long oneshot_slot;
   long long chunk_slot;
   long long region;  // one parity region
+  long long slab;    // Ctrl head + both parity regions, a whole number of pages (kHost: each rank binds its own)
 };
 
-ScratchSizes scratch_sizes(const WorkspaceConfig& cfg) {
-  const long long max_packs = cfg.max_numel / kElemsPerPack;
+ScratchSizes scratch_sizes(int world, long long max_numel, long long oneshot_max_numel, const Topology& flat,
+                           const Topology& islands) {
+  const long long max_packs = max_numel / kElemsPerPack;
   ScratchSizes z{};
-  z.oneshot_slot = max_packs * kPackBytes;
+  // One-shot slots hold the largest one-shot call only: with the workspace in host memory, one-shot serves small
+  // calls only at 4 and 8 ranks (HOST_ONESHOT_MAX_BYTES), and sizing its W slots by the whole bound would make
+  // the shared buffer W times larger than needed.
+  z.oneshot_slot = oneshot_max_numel / kElemsPerPack * kPackBytes;
   // Hierarchical slots are sized for the smallest island of the two topologies (the largest chunk). A chunk is
   // a whole number of owner blocks (kOwnerBlockPacks): an owner's share is at most that many blocks.
-  int min_island = cfg.flat.island_size;
-  int max_groups = cfg.flat.num_islands;
-  if (cfg.islands.num_islands > 0) {
-    min_island = std::min(min_island, cfg.islands.island_size);
-    max_groups = std::max(max_groups, cfg.islands.num_islands);
+  int min_island = flat.island_size;
+  int max_groups = flat.num_islands;
+  if (islands.num_islands > 0) {
+    min_island = std::min(min_island, islands.island_size);
+    max_groups = std::max(max_groups, islands.num_islands);
   }
   const long long per_round = static_cast<long long>(kOwnerBlockPacks) * min_island;
   const long long chunk_packs = (max_packs + per_round - 1) / per_round * kOwnerBlockPacks;
   z.chunk_slot = chunk_packs * kPackBytes;
-  const long long oneshot_region = static_cast<long long>(cfg.world) * z.oneshot_slot;
-  const long long hier_region = (2ll * cfg.world + 2ll * max_groups) * z.chunk_slot;  // RS + AG + XS, worst case
+  const long long oneshot_region = static_cast<long long>(world) * z.oneshot_slot;
+  const long long hier_region = (2ll * world + 2ll * max_groups) * z.chunk_slot;  // RS + AG + XS, worst case
   z.region = (std::max(oneshot_region, hier_region) + 255) / 256 * 256;
+  z.slab = (kCtrlBytes + 2 * z.region + 4095) / 4096 * 4096;
   return z;
+}
+
+ScratchSizes scratch_sizes(const WorkspaceConfig& cfg) {
+  return scratch_sizes(cfg.world, cfg.max_numel, cfg.oneshot_max_numel, cfg.flat, cfg.islands);
 }
 
 std::string errno_failure(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// kHost: map the group's shared buffer (creating and filling it on the creating rank), pin it and map it into
-// the device's address space. Every rank maps the same physical pages, so a store by one GPU is a load away for
-// every other GPU, through host memory.
+std::string mebibytes(long long bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return text;
+}
+
+// What to do when the shared folder is too small (sgl_kernel_sm120/ipc_allreduce.py SHM_ADVICE says the same: its
+// size check runs first, this is the allocation's own error).
+constexpr const char* kShmAdvice =
+    "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or "
+    "point SGL_SM120_SHM_DIR at a larger tmpfs";
+
+// The NUMA node of the device's PCI function, from sysfs; -1 when unknown.
+int numa_node_of(int device) {
+  char bus[32] = {};
+  if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) return -1;
+  std::string id(bus);
+  for (char& c : id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
+  int node = -1;
+  if (!(f >> node)) return -1;
+  return node;
+}
+
+// Prefer `node` for the pages of [addr, addr + bytes) of a shared mapping: tmpfs keeps the policy with the file's
+// range, so the pages allocated below land there. Best effort: false where the kernel refuses (no NUMA, a
+// container without the capability); the workspace works either way, only a poll's distance differs.
+bool prefer_numa_node(void* addr, long long bytes, int node) {
+  if (node < 0 || node >= 1024) return false;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] = 1ul << (node % (8 * sizeof(unsigned long)));
+  constexpr int kMpolPreferred = 1;
+  return syscall(SYS_mbind, addr, static_cast<unsigned long>(bytes), kMpolPreferred, mask,
+                 static_cast<unsigned long>(8 * sizeof(mask)), 0u) == 0;
+}
+
+// kHost: map the group's shared buffer (the creating rank creates the file first, sparse), then allocate and fill
+// this rank's own slab: the slab this rank polls, so its pages go to this GPU's NUMA node rather than all to the
+// creator's. The host checked the folder's free space first; posix_fallocate still makes a tmpfs that filled up
+// since an error now, naming the folder and the sizes, where a bare ftruncate would succeed and the first store
+// to a missing page would raise SIGBUS. The buffer is pinned later
+// (workspace_register_shared), once every rank's slab exists: pinning earlier would allocate the other slabs'
+// pages here.
 std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
-  if (cfg.shared_name.empty() || cfg.shared_name[0] != '/' || cfg.shared_name.find('/', 1) != std::string::npos)
-    return "host memory: the shared-memory name must be '/name' (got '" + cfg.shared_name + "')";
+  if (cfg.shared_name.empty() || cfg.shared_name.find('/') != std::string::npos)
+    return "host memory: the shared file's name must be non-empty and hold no '/' (got '" + cfg.shared_name + "')";
+  const std::string dir = cfg.shared_dir.empty() ? std::string("/dev/shm") : cfg.shared_dir;
+  const std::string path = dir + "/" + cfg.shared_name;
   ws->shared_bytes = static_cast<long long>(cfg.world) * ws->slab_bytes;
-  ws->shared_name = cfg.shared_name;
-  const int fd = shm_open(cfg.shared_name.c_str(), cfg.shared_create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
-  if (fd < 0) return errno_failure("host memory: shm_open(" + cfg.shared_name + ")");
+  ws->shared_name = path;
+  const std::string need = mebibytes(ws->shared_bytes) + " (" + std::to_string(cfg.world) + " slabs of " +
+                           mebibytes(ws->slab_bytes) + ")";
+  const int fd = open(path.c_str(), cfg.shared_create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
+  if (fd < 0) return errno_failure("host memory: open(" + path + ")");
   if (cfg.shared_create) {
     ws->shared_owner = true;
     ws->shared_linked = true;
     if (ftruncate(fd, ws->shared_bytes) != 0) {
-      const std::string err = errno_failure("host memory: ftruncate of " + std::to_string(ws->shared_bytes) + " B");
+      const std::string err = errno_failure("host memory: ftruncate of " + path + " to " + need);
       close(fd);
       return err;
     }
@@ -100,26 +161,33 @@ std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
     struct stat st {};
     if (fstat(fd, &st) != 0 || st.st_size != ws->shared_bytes) {
       close(fd);
-      return "host memory: " + cfg.shared_name + " has " + std::to_string(static_cast<long long>(st.st_size)) +
+      return "host memory: " + path + " has " + std::to_string(static_cast<long long>(st.st_size)) +
              " B, this rank expects " + std::to_string(ws->shared_bytes) + " B (arguments differ across ranks?)";
     }
   }
   void* p = mmap(nullptr, ws->shared_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) return errno_failure("host memory: mmap of " + std::to_string(ws->shared_bytes) + " B");
-  ws->shared = static_cast<char*>(p);
-  if (cfg.shared_create) {
-    // I1 once, by the creator, before any other rank opens the buffer (the host orders the two steps).
-    uint32_t* words = reinterpret_cast<uint32_t*>(ws->shared);
-    std::fill(words, words + ws->shared_bytes / 4, kEmptyWord);
+  if (p == MAP_FAILED) {
+    const std::string err = errno_failure("host memory: mmap of " + need);
+    close(fd);
+    return err;
   }
-  SGL_RETURN_IF_CUDA("cudaHostRegister of the shared scratch",
-                     cudaHostRegister(ws->shared, ws->shared_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
-  ws->shared_registered = true;
-  char* device_view = nullptr;
-  SGL_RETURN_IF_CUDA("cudaHostGetDevicePointer of the shared scratch",
-                     cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->shared, 0));
-  for (int r = 0; r < cfg.world; ++r) ws->view.bases[r] = device_view + static_cast<long long>(r) * ws->slab_bytes;
+  ws->shared = static_cast<char*>(p);
+  const long long own = static_cast<long long>(cfg.rank) * ws->slab_bytes;
+  ws->numa_node = numa_node_of(cfg.device);
+  ws->numa_bound = prefer_numa_node(ws->shared + own, ws->slab_bytes, ws->numa_node);
+  const int rc = posix_fallocate(fd, own, ws->slab_bytes);
+  close(fd);
+  if (rc != 0) {
+    struct statvfs fs {};
+    const long long free_bytes =
+        statvfs(dir.c_str(), &fs) == 0 ? static_cast<long long>(fs.f_bavail) * static_cast<long long>(fs.f_frsize) : -1;
+    return "host memory: allocating this rank's slab in " + dir + " failed (" + std::strerror(rc) + "): " + dir +
+           " has " + (free_bytes >= 0 ? mebibytes(free_bytes) : std::string("an unknown amount")) +
+           " free, the workspace needs " + need + "; " + kShmAdvice;
+  }
+  // I1 for this rank's slab, before any rank can use the workspace (the host agrees every rank's outcome first).
+  uint32_t* words = reinterpret_cast<uint32_t*>(ws->shared + own);
+  std::fill(words, words + ws->slab_bytes / 4, kEmptyWord);
   return "";
 }
 
@@ -148,18 +216,29 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   if (cfg.world != 1 && cfg.world != 2 && cfg.world != 4 && cfg.world != 8) return "world size must be 1, 2, 4 or 8";
   if (cfg.rank < 0 || cfg.rank >= cfg.world) return "rank out of range";
   if (cfg.max_numel <= 0 || cfg.max_numel % kElemsPerPack != 0) return "max_numel must be a positive multiple of 8";
+  if (cfg.oneshot_max_numel <= 0 || cfg.oneshot_max_numel % kElemsPerPack != 0 || cfg.oneshot_max_numel > cfg.max_numel)
+    return "oneshot_max_numel must be a positive multiple of 8, at most max_numel";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(cfg.device));
 
+  // Everything that can fail without allocating comes first, so a failure here leaks nothing.
   int sm_count = 0;
   SGL_RETURN_IF_CUDA("cudaDeviceGetAttribute(SM count)",
                      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, cfg.device));
+  // A device that cannot say how many clusters it holds gets none: the grouped kernel computes the same bits.
+  int capacity[9] = {};
+  for (int c = 2; c <= 8; c *= 2) {
+    if (query_cluster_capacity(cfg.device, cfg.world, c, &capacity[c]) != cudaSuccess) {
+      capacity[c] = 0;
+      (void)cudaGetLastError();  // not sticky: clear it so that the next call does not report it
+    }
+  }
   auto* ws = new Workspace();
   ws->device = cfg.device;
   ws->memory = cfg.memory;
   ws->sm_count = sm_count;
+  for (int c = 0; c < 9; ++c) ws->cluster_capacity[c] = capacity[c];
   const ScratchSizes z = scratch_sizes(cfg);
-  ws->slab_bytes = kCtrlBytes + 2 * z.region;  // kHost: each rank's slab keeps the (unused) Ctrl head too, so
-                                               // region_of() is the same for both kinds
+  ws->slab_bytes = z.slab;  // kHost: each rank's slab keeps the (unused) Ctrl head too, so region_of() is the same
 
   std::string failure;
   if (cfg.memory == Memory::kHost) {
@@ -171,7 +250,8 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
     if (err != cudaSuccess) {
       failure = cuda_failure("cudaMalloc of the IPC slab", err);
     } else {
-      fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes), 2 * z.region / 4);
+      fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes),
+                                      (ws->slab_bytes - kCtrlBytes) / 4);
       err = cudaGetLastError();
       if (err != cudaSuccess) failure = cuda_failure("filling the IPC slab", err);
       ws->view.bases[cfg.rank] = ws->local;
@@ -197,10 +277,35 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   v.warn_ns = cfg.warn_ns;
   v.num_counters = std::min(ws->sm_count, kMaxCounters);
   v.host_memory = cfg.memory == Memory::kHost ? 1 : 0;
+  v.trap_on_timeout = cfg.trap_on_timeout ? 1 : 0;
   v.flat = cfg.flat;
   v.islands = cfg.islands;
+  ws->max_numel = cfg.max_numel;
+  ws->limits.sm_budget = v.num_counters;  // until the group agrees (Python: ws_set_launch_limits)
   *out = ws;
   return "";
+}
+
+std::string workspace_register_shared(Workspace* ws) {
+  if (ws->memory != Memory::kHost || ws->shared == nullptr) return "only a host-memory workspace has a shared buffer";
+  if (ws->shared_registered) return "";
+  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
+  SGL_RETURN_IF_CUDA("cudaHostRegister of the shared scratch",
+                     cudaHostRegister(ws->shared, ws->shared_bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  ws->shared_registered = true;
+  char* device_view = nullptr;
+  SGL_RETURN_IF_CUDA("cudaHostGetDevicePointer of the shared scratch",
+                     cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_view), ws->shared, 0));
+  for (int r = 0; r < ws->view.world; ++r) ws->view.bases[r] = device_view + static_cast<long long>(r) * ws->slab_bytes;
+  return "";
+}
+
+long long host_shared_bytes(int world, long long max_numel, long long oneshot_max_numel) {
+  Topology flat{};
+  flat.island_size = world;
+  flat.num_islands = 1;
+  Topology none{};
+  return static_cast<long long>(world) * scratch_sizes(world, max_numel, oneshot_max_numel, flat, none).slab;
 }
 
 std::string workspace_create_loopback(int device, int world, long long max_numel, Workspace** out) {
@@ -209,6 +314,7 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
   cfg.rank = 0;
   cfg.world = world;
   cfg.max_numel = max_numel;
+  cfg.oneshot_max_numel = max_numel;
   cfg.timeout_ns = 10ll * 1000 * 1000 * 1000;
   cfg.warn_ns = cfg.timeout_ns;
   cfg.flat.island_size = world;
@@ -218,6 +324,11 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
   std::string err = workspace_create(cfg, &ws);
   if (!err.empty()) return err;
   ws->loopback = true;
+  // A benchmark of the kernels' own work: it trusts the device's cluster capacity (no cluster check, no group).
+  for (int c = 2; c <= 8; c *= 2) {
+    ws->limits.cluster_capacity[c] = ws->cluster_capacity[c];
+    if (ws->cluster_capacity[c] > 0) ws->limits.cluster_mask |= 1 << c;
+  }
   for (int r = 1; r < world; ++r) {
     const cudaError_t e = cudaMalloc(&ws->loopback_slabs[r], ws->slab_bytes);
     if (e != cudaSuccess) {
@@ -234,15 +345,21 @@ std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream) {
   if (!ws->loopback) return "refill is for loopback workspaces only";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
   fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes),
-                                             2 * ws->view.region_bytes / 4);
+                                             (ws->slab_bytes - kCtrlBytes) / 4);
   SGL_RETURN_IF_CUDA("loopback refill launch", cudaGetLastError());
+  return "";
+}
+
+std::string launch_debug_trap(cudaStream_t stream) {
+  trap_kernel<<<1, 1, 0, stream>>>();
+  SGL_RETURN_IF_CUDA("debug trap launch", cudaGetLastError());
   return "";
 }
 
 std::string workspace_unlink_shared(Workspace* ws) {
   if (ws->memory != Memory::kHost || !ws->shared_owner || !ws->shared_linked) return "";
   ws->shared_linked = false;
-  if (shm_unlink(ws->shared_name.c_str()) != 0) return errno_failure("shm_unlink(" + ws->shared_name + ")");
+  if (unlink(ws->shared_name.c_str()) != 0) return errno_failure("unlink(" + ws->shared_name + ")");
   return "";
 }
 
@@ -296,7 +413,7 @@ std::string workspace_destroy(Workspace* ws) {
   if (ws->shared_registered) note("cudaHostUnregister", cudaHostUnregister(ws->shared));
   if (ws->shared != nullptr && munmap(ws->shared, ws->shared_bytes) != 0 && first_error.empty())
     first_error = errno_failure("munmap of the shared scratch");
-  if (ws->shared_owner && ws->shared_linked) shm_unlink(ws->shared_name.c_str());  // a failed creation
+  if (ws->shared_owner && ws->shared_linked) unlink(ws->shared_name.c_str());  // a failed creation
   if (ws->local) note("cudaFree", cudaFree(ws->local));
   if (ws->host_records) note("cudaFreeHost", cudaFreeHost(ws->host_records));
   delete ws;
@@ -311,7 +428,7 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
   cudaError_t err = cudaMemset(d_count, 0, sizeof(unsigned long long));
   if (err == cudaSuccess) {
     count_dirty_kernel<<<256, 256>>>(reinterpret_cast<const uint32_t*>(ws->view.bases[ws->view.rank] + kCtrlBytes),
-                                     2 * ws->view.region_bytes / 4, d_count);
+                                     (ws->slab_bytes - kCtrlBytes) / 4, d_count);
     err = cudaGetLastError();
   }
   unsigned long long host = 0;

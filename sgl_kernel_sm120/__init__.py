@@ -5,7 +5,13 @@ extension raises KernelsNotBuiltError with the command that builds it. This pack
 """
 
 from ._ext import kernels_available
-from .errors import IpcAllReduceError, IpcAllReduceProbeError, IpcAllReduceTimeoutError, KernelsNotBuiltError
+from .errors import (
+    IpcAllReduceError,
+    IpcAllReduceHostMemoryError,
+    IpcAllReduceProbeError,
+    IpcAllReduceTimeoutError,
+    KernelsNotBuiltError,
+)
 from .ipc_allreduce import IpcAllReduce
 from .reference import reference_add_rmsnorm, reference_all_reduce, reference_all_reduce_add_rmsnorm
 from .variants import Link, Variant, choose_variant, describe_schedule
@@ -13,6 +19,7 @@ from .variants import Link, Variant, choose_variant, describe_schedule
 __all__ = [
     "IpcAllReduce",
     "IpcAllReduceError",
+    "IpcAllReduceHostMemoryError",
     "IpcAllReduceProbeError",
     "IpcAllReduceTimeoutError",
     "KernelsNotBuiltError",

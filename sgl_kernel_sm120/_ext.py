@@ -78,6 +78,16 @@ def _load() -> tuple[object | None, str]:
     return torch.ops.sgl_kernel_sm120, ""
 
 
+def library_path() -> str:
+    """The file of the loaded library (the override, or the packaged module for this torch)."""
+    ops()
+    override = os.environ.get(LIBRARY_OVERRIDE_ENV)
+    if override:
+        return os.path.abspath(override)
+    module = importlib.import_module(f"{__package__}.{expected_module()}")
+    return os.path.abspath(module.__file__)
+
+
 def kernels_available() -> bool:
     """True when the compiled kernels can be loaded (a GPU is not required to load them)."""
     return _load()[0] is not None

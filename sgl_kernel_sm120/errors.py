@@ -24,18 +24,29 @@ class IpcAllReduceProbeError(IpcAllReduceError):
         )
 
 
+class IpcAllReduceHostMemoryError(IpcAllReduceError):
+    """The host-memory workspace does not fit the tmpfs that holds it (a small /dev/shm: Docker and Kubernetes
+    default to 64 MiB). The message names the folder, its free space and the size needed."""
+
+
 class IpcAllReduceTimeoutError(IpcAllReduceError):
     """A spin-wait in the kernel ran past its bound: a peer never arrived.
 
-    The kernel records who waited for whom in host-mapped memory and traps, so the CUDA context of the
-    waiting process is unusable afterwards; this error says why.
+    The kernel records who waited for whom in host-mapped memory. In trap mode (the default) it then traps, so the
+    CUDA context of the waiting process is unusable afterwards; in exit mode the workspace is poisoned and every
+    later call raises this error again (csrc/ar_protocol.cuh, I7 and I12).
     """
 
-    def __init__(self, rank: int, peer: int, phase: str, seq: int, waited_s: float):
+    def __init__(self, rank: int, peer: int, phase: str, seq: int, waited_s: float, *, context_lost: bool = True):
         self.rank, self.peer, self.phase, self.seq, self.waited_s = rank, peer, phase, seq, waited_s
+        self.context_lost = context_lost
+        after = (
+            "The CUDA context of this process is no longer usable."
+            if context_lost
+            else "The workspace is unusable (its later calls do nothing and raise this error); the CUDA context is not."
+        )
         super().__init__(
             f"sgl_kernel_sm120 all-reduce timed out on rank {rank}: call #{seq} waited {waited_s:.2f} s in the "
             f"{phase} phase for rank {peer}, which never arrived (a dead or desynchronised peer: every rank "
-            f"must make the same sequence of calls on a workspace). The CUDA context of this process is no "
-            f"longer usable."
+            f"must make the same sequence of calls on a workspace). {after}"
         )

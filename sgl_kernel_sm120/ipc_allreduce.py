@@ -4,7 +4,7 @@ Construction is collective over a CPU (gloo) process group: every step records i
 the outcomes are gathered, and every rank raises together if any rank failed, so no rank is left waiting in
 a later collective for a peer that gave up. Arguments are checked to be identical on every rank.
 
-Use (see DESIGN.md section 3 for the full contract):
+Use:
     ar = IpcAllReduce(gloo_group, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                      # x is not written
     norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6) # fresh outputs unless given
@@ -24,14 +24,20 @@ import logging
 import os
 import secrets
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-from . import _ext
-from .errors import IpcAllReduceError, IpcAllReduceProbeError, IpcAllReduceTimeoutError
+from . import _ext, cluster_check
+from .errors import (
+    IpcAllReduceError,
+    IpcAllReduceHostMemoryError,
+    IpcAllReduceProbeError,
+    IpcAllReduceTimeoutError,
+)
 from .link import local_gpu_has_nvlink
-from .variants import Link, Variant, choose_variant, placement, validate_islands
+from .variants import Link, Variant, choose_variant, oneshot_max_bytes, placement, validate_islands
 
 logger = logging.getLogger(__name__)
 
@@ -47,32 +53,59 @@ CLOSE_BARRIER_TIMEOUT_S = 60.0
 # The probe runs right after a gloo collective, so every rank's pushes land within milliseconds on a healthy
 # fabric; a few seconds also covers ranks time-slicing one GPU in the tests.
 PROBE_TIMEOUT_S = 5.0
-# Debug switch for the tests: "SRC:DST" makes rank SRC's probe skip its write to rank DST.
+# Debug switch for the tests: "SRC:DST" makes rank SRC's probe skip its writes to rank DST in every round,
+# "SRC:DST:ROUND" in that round only (a mapping broken for part of a slab).
 PROBE_DROP_ENV = "SGL_SM120_DEBUG_PROBE_DROP"
 _PROBE_OUTCOMES = {1: "ok", 2: "write never arrived", 3: "wrong data arrived"}
+WARN_ENV = "SGL_SM120_AR_WARN_S"
+# Where the host-memory workspace's shared file lives: a tmpfs (/dev/shm by default).
+SHM_DIR_ENV = "SGL_SM120_SHM_DIR"
+DEFAULT_SHM_DIR = "/dev/shm"
+SHM_ADVICE = (
+    "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or "
+    f"point {SHM_DIR_ENV} at a larger tmpfs"
+)
+# Tests only: skip the size check so that the allocation itself meets a full tmpfs (csrc/workspace.cu).
+SHM_NO_PRECHECK_ENV = "SGL_SM120_DEBUG_SHM_NO_PRECHECK"
+# What a timed-out wait does (csrc/ar_protocol.cuh I7): "trap" ends the CUDA context, "exit" poisons the workspace.
+ON_TIMEOUT_MODES = ("trap", "exit")
+# Trap mode's backstop: a trap was seen not to reach every process when several share one GPU (issue 22). If a
+# kernel recorded a timeout this long ago and the CUDA context still answers (the trap never arrived), the
+# watchdog aborts the process rather than leave it hanging in a synchronize. 0 switches the backstop off.
+ABORT_AFTER_ENV = "SGL_SM120_AR_ABORT_AFTER_S"
+DEFAULT_ABORT_AFTER_S = 30.0
 
 
-def probe_drop_target(rank: int, environ=None) -> int:
-    """The peer whose probe write this rank drops (debug switch), else -1."""
+def probe_drop_target(rank: int, environ=None, round_index: int | None = None) -> int:
+    """The peer whose probe writes this rank drops (debug switch) in `round_index` (None: any round), else -1."""
     raw = (os.environ if environ is None else environ).get(PROBE_DROP_ENV, "").strip()
     if not raw:
         return -1
     try:
-        src, dst = (int(part) for part in raw.split(":"))
+        parts = [int(part) for part in raw.split(":")]
+        if len(parts) not in (2, 3):
+            raise ValueError
     except ValueError:
-        raise ValueError(f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST (two rank numbers)") from None
-    return dst if src == rank else -1
+        raise ValueError(
+            f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST or SRC:DST:ROUND (rank and round numbers)"
+        ) from None
+    src, dst = parts[0], parts[1]
+    if src != rank:
+        return -1
+    if len(parts) == 3 and round_index is not None and parts[2] != round_index:
+        return -1
+    return dst
 
 
-def failed_probe_pairs(outcomes_by_receiver: list[list[int]]) -> list[tuple[int, int, str]]:
-    """(sender, receiver, what) for every pair whose probe pack did not arrive intact."""
+def failed_probe_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list[tuple[int, int, str]]:
+    """(sender, receiver, what) for every pair whose probe pack did not arrive intact (`where`: the round)."""
+    suffix = f" ({where})" if where else ""
     return [
-        (sender, receiver, _PROBE_OUTCOMES.get(outcome, f"outcome {outcome}"))
+        (sender, receiver, _PROBE_OUTCOMES.get(outcome, f"outcome {outcome}") + suffix)
         for receiver, row in enumerate(outcomes_by_receiver)
         for sender, outcome in enumerate(row)
         if sender != receiver and outcome != 1
     ]
-WARN_ENV = "SGL_SM120_AR_WARN_S"
 
 
 def plain_threads(nbytes: int) -> int:
@@ -129,7 +162,24 @@ def _joint_check(group, local_error: str | None, step: str) -> None:
     failed = {r: e for r, e in enumerate(outcomes) if e}
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
-        raise IpcAllReduceError(f"IpcAllReduce {step} failed ({detail})")
+        # A host-memory workspace that does not fit its tmpfs gets its own type: the overlay names the folder.
+        kind = IpcAllReduceHostMemoryError if any("host memory:" in e for e in failed.values()) else IpcAllReduceError
+        raise kind(f"IpcAllReduce {step} failed ({detail})")
+
+
+def agree_launch_limits(locals_: list[dict]) -> dict:
+    """The launch limits every rank uses, from every rank's own (a pure function of the gathered list, so every
+    rank gets the same): the smallest SM count, and per cluster size the smallest capacity, 0 for every size
+    unless every rank's cluster check passed. A group mixing two SKUs thus launches one grid shape everywhere."""
+    clusters_ok = all(entry["clusters_ok"] for entry in locals_)
+    capacity = [min(entry["capacity"][i] for entry in locals_) if clusters_ok else 0 for i in range(3)]
+    reasons = sorted({f"rank {r}: {entry['reason']}" for r, entry in enumerate(locals_) if not entry["clusters_ok"]})
+    return {
+        "sm_budget": min(entry["sm"] for entry in locals_),
+        "capacity": capacity,
+        "clusters": [c for c, cap in zip(cluster_check.CLUSTER_SIZES, capacity, strict=True) if cap > 0],
+        "reason": "; ".join(reasons) if reasons else locals_[0]["reason"],
+    }
 
 
 class IpcAllReduce:
@@ -145,10 +195,16 @@ class IpcAllReduce:
         memory: str = "device",
         timeout_s: float | None = None,
         warn_after_s: float | None = None,
+        on_timeout: str = "trap",
     ):
         """memory="device": each rank's scratch in its GPU, reached by peers over CUDA IPC/P2P (NVLink or PCIe).
-        memory="host": no P2P needed (GeForce cards): the scratch of every rank in one POSIX shared-memory buffer,
-        pinned and mapped into every GPU; all ranks on one host; no islands. Same ops, same results."""
+        memory="host": no P2P needed (GeForce cards): the scratch of every rank in one shared file on a tmpfs
+        (SGL_SM120_SHM_DIR, default /dev/shm), pinned and mapped into every GPU; all ranks on one host; no islands.
+        Same ops, same results.
+        on_timeout (csrc/ar_protocol.cuh I7): "trap" (default) ends the CUDA context of a rank whose wait timed
+        out, so no wrong result flows on; "exit" records the timeout, poisons the workspace (every later call
+        does nothing and raises) and keeps the context usable: for tests and measurements, where the caller
+        checks synchronize()."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -169,6 +225,15 @@ class IpcAllReduce:
         # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
         # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
         self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
+        self.on_timeout = on_timeout
+        self.shm_dir = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
+        self.abort_after_s = _seconds_from_env(ABORT_AFTER_ENV, DEFAULT_ABORT_AFTER_S)
+        # The one-shot bound of this workspace (host memory: smaller at 4 and 8 ranks, see variants.py).
+        self.oneshot_max_numel = self.max_numel
+        # Fused one-shot with a row over a cluster: the sizes the group may launch, and why (issue 22).
+        self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
+        self.sm_budget = 0
+        self.probe_rounds = 0
         self._handle = 0
         self._record = None
         self._slow = None
@@ -198,16 +263,26 @@ class IpcAllReduce:
                 raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
             if memory not in MEMORY_KINDS:
                 raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+            if on_timeout not in ON_TIMEOUT_MODES:
+                raise ValueError(f"on_timeout must be 'trap' or 'exit', got {on_timeout!r}")
+            if self.abort_after_s < 0:
+                raise ValueError(f"{ABORT_AFTER_ENV} must be >= 0 seconds (0: off), got {self.abort_after_s}")
+            if memory == "host":
+                limit = oneshot_max_bytes(self.world_size, Link.HOST) // 2 // 8 * 8
+                self.oneshot_max_numel = max(8, min(self.max_numel, limit))
             groups = validate_islands(islands, self.world_size)
             if memory == "host" and groups:
                 raise ValueError("islands need memory='device': through host memory every pair is one hop")
-            drop_peer = probe_drop_target(self.rank)
+            probe_drop_target(self.rank)  # a malformed debug switch fails here, on every rank
             _ext.ops()  # kernels built?
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA driver/GPU: torch.cuda.is_available() is False in this process")
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
         _joint_check(group, error, "argument check")
         signature = (
-            self.world_size, self.max_numel, str(dtype), groups, link, memory, self.timeout_s, self.warn_after_s
+            self.world_size, self.max_numel, str(dtype), groups, link, memory, self.timeout_s, self.warn_after_s,
+            on_timeout, self.shm_dir if memory == "host" else "",
         )
         signatures: list = [None] * self.world_size
         dist.all_gather_object(signatures, signature, group=group)
@@ -230,15 +305,16 @@ class IpcAllReduce:
         if memory == "host":
             self._create_host_workspace(ops, groups)
         else:
-            self._create_device_workspace(ops, groups, drop_peer)
+            self._create_device_workspace(ops, groups)
         self.sm_count = int(ops.ws_sm_count(self._handle))
-        self.max_blocks = self.sm_count
+        self.max_blocks = self.sm_budget
         self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
         self._slow = _SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle)))
         self._watchdog = threading.Thread(target=self._watch_for_timeouts, name="sgl-sm120-ar-watchdog", daemon=True)
         self._watchdog.start()
         logger.info(
-            "IpcAllReduce rank %d/%d on %s: memory=%s link=%s islands=%s max_numel=%d timeout=%.1fs warn=%.1fs",
+            "IpcAllReduce rank %d/%d on %s: memory=%s link=%s islands=%s max_numel=%d timeout=%.1fs (%s) warn=%.1fs; "
+            "launch: %d SMs (group minimum), fused rows %s",
             self.rank,
             self.world_size,
             self.device,
@@ -247,22 +323,40 @@ class IpcAllReduce:
             self.islands,
             self.max_numel,
             self.timeout_s,
+            self.on_timeout,
             self.warn_after_s,
+            self.sm_budget,
+            self.describe_fused_launch(),
         )
 
     def _create_args(self, groups, memory: str, shared_name: str = "", shared_create: bool = False) -> tuple:
         flat = placement([list(range(self.world_size))], self.rank)
         isl = placement(groups, self.rank) if groups else ([], [], 0, 0)
         return (
-            self.device.index, self.rank, self.world_size, self.max_numel, self.timeout_s, self.warn_after_s,
-            *flat, *isl, MEMORY_KINDS[memory], shared_name, shared_create,
+            self.device.index, self.rank, self.world_size, self.max_numel, self.oneshot_max_numel, self.timeout_s,
+            self.warn_after_s, self.on_timeout == "trap", *flat, *isl, MEMORY_KINDS[memory],
+            self.shm_dir if memory == "host" else "", shared_name, shared_create,
         )
 
     def _create_host_workspace(self, ops, groups) -> None:
-        """Rank 0 creates the shared buffer and fills it (I1); only then do the others map it (two agreed steps);
-        once all have, rank 0 removes the name, so nothing is left in /dev/shm whatever happens later."""
+        """Agreed steps: rank 0 creates the shared file (sparse, after checking the tmpfs has room for all of it)
+        and allocates its own slab; then every other rank allocates its own (posix_fallocate: a full tmpfs is a
+        named error on that rank, never a SIGBUS, csrc/workspace.cu); then every rank pins the whole buffer; once
+        all have, rank 0 removes the name, so nothing is left in the folder whatever happens later."""
+        error = None
+        try:
+            need = int(ops.host_shared_bytes_for(self.world_size, self.max_numel, self.oneshot_max_numel))
+            stat = os.statvfs(self.shm_dir)
+            free = stat.f_bavail * stat.f_frsize
+            if free < need and os.environ.get(SHM_NO_PRECHECK_ENV) != "1":
+                error = (f"host memory: {self.shm_dir} has {free / 2**20:.1f} MiB free, the workspace needs "
+                         f"{need / 2**20:.1f} MiB ({self.world_size} slabs of {need / self.world_size / 2**20:.1f} "
+                         f"MiB); {SHM_ADVICE}")
+        except Exception as exc:
+            error = f"host memory: checking the free space of {self.shm_dir}: {type(exc).__name__}: {exc}"
+        _joint_check(self.group, error, "host-memory workspace size check")
         names: list = [None] * self.world_size
-        dist.all_gather_object(names, f"/sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}", group=self.group)
+        dist.all_gather_object(names, f"sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}", group=self.group)
         shared_name = names[0]
         for creating in (True, False):
             error = None
@@ -276,16 +370,55 @@ class IpcAllReduce:
             except Exception:
                 self._release()
                 raise
+        error = None
         try:
+            ops.ws_register_shared(self._handle)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        try:
+            _joint_check(self.group, error, "pinning the host-memory workspace")
             if self.rank == 0:
                 ops.ws_unlink_shared(self._handle)
+            self._agree_launch_limits(ops)
             if self.world_size > 1:
-                self._probe_data_path(ops, probe_drop_target(self.rank))
+                self._probe_data_path(ops)
         except Exception:
             self._release()
             raise
 
-    def _create_device_workspace(self, ops, groups, drop_peer: int) -> None:
+    def _agree_launch_limits(self, ops) -> None:
+        """Every rank's SM count, cluster capacities and cluster-check verdict, agreed (agree_launch_limits) and
+        installed in the workspace, so every rank launches the same grids (issue 22)."""
+        error, local = None, None
+        try:
+            capacity = [int(c) for c in ops.ws_cluster_capacity(self._handle)]
+            verdict = cluster_check.ClusterVerdict(False, "the GPU reports no cluster capacity", "checked")
+            if any(capacity):
+                verdict = cluster_check.verdict_for(
+                    self.device.index, str(torch.cuda.get_device_properties(self.device).uuid), _ext.library_path()
+                )
+            local = {"sm": int(ops.ws_sm_count(self._handle)), "capacity": capacity, "clusters_ok": verdict.ok,
+                     "reason": verdict.reason}
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        _joint_check(self.group, error, "launch-limit check")
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, local, group=self.group)
+        agreed = agree_launch_limits(everyone)
+        ops.ws_set_launch_limits(self._handle, agreed["sm_budget"], agreed["capacity"])
+        self.sm_budget = agreed["sm_budget"]
+        self.fused_clusters = {"clusters": agreed["clusters"], "reason": agreed["reason"]}
+
+    def describe_fused_launch(self) -> str:
+        """For logs: how the fused one-shot spreads a few rows (cluster launch, or its one-CTA fallback)."""
+        clusters = self.fused_clusters["clusters"]
+        if clusters:
+            sizes = "/".join(map(str, sorted(clusters, reverse=True)))
+            return f"over {sizes}-CTA clusters ({self.fused_clusters['reason']})"
+        return (f"one CTA per row, the cluster kernel's bits without clusters (cluster launch not used: "
+                f"{self.fused_clusters['reason']})")
+
+    def _create_device_workspace(self, ops, groups) -> None:
         error = None
         try:
             self._handle = ops.ws_create(*self._create_args(groups, "device"))
@@ -305,29 +438,36 @@ class IpcAllReduce:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
             _joint_check(group, error, "opening peer IPC handles")
+            self._agree_launch_limits(ops)
             if self.world_size > 1:
-                self._probe_data_path(ops, drop_peer)
+                self._probe_data_path(ops)
         except Exception:
             self._release()
             raise
 
-    def _probe_data_path(self, ops, drop_peer: int) -> None:
-        """Step 5: every rank pushes a pattern to every peer through the kernels' own path (csrc/probe.cu) and
-        reports what arrived; all ranks agree; any failed pair raises IpcAllReduceProbeError on every rank."""
-        error, outcomes = None, None
-        try:
-            outcomes = [int(o) for o in ops.ws_probe(self._handle, min(PROBE_TIMEOUT_S, self.timeout_s), drop_peer)]
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        _joint_check(self.group, error, "data-path probe")
-        table: list = [None] * self.world_size
-        dist.all_gather_object(table, outcomes, group=self.group)
-        failed = failed_probe_pairs(table)
-        if failed:
-            # A write that is only slow could still land: unmap, let every rank do the same, then free (close()).
-            ops.ws_close_peers(self._handle)
-            dist.barrier(group=self.group)
-            raise IpcAllReduceProbeError(failed)
+    def _probe_data_path(self, ops) -> None:
+        """Step 5: in rounds (csrc/probe.cu), every rank writes pattern packs at the edges of every area the
+        kernels write in every peer's scratch, through the kernels' own path, and reports what arrived; all ranks
+        agree after each round (which is also the barrier between rounds); the first failed round raises
+        IpcAllReduceProbeError on every rank, naming the pairs and the area."""
+        timeout = min(PROBE_TIMEOUT_S, self.timeout_s)
+        self.probe_rounds = int(ops.ws_probe_rounds(self._handle))
+        for round_index in range(self.probe_rounds):
+            error, outcomes = None, None
+            try:
+                drop = probe_drop_target(self.rank, round_index=round_index)
+                outcomes = [int(o) for o in ops.ws_probe(self._handle, timeout, round_index, drop)]
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            _joint_check(self.group, error, "data-path probe")
+            table: list = [None] * self.world_size
+            dist.all_gather_object(table, outcomes, group=self.group)
+            failed = failed_probe_pairs(table, str(ops.ws_probe_round_name(self._handle, round_index)))
+            if failed:
+                # A write that is only slow could still land: unmap, let every rank do the same, then free (close()).
+                ops.ws_close_peers(self._handle)
+                dist.barrier(group=self.group)
+                raise IpcAllReduceProbeError(failed)
 
     # ----------------------------------------------------------------------------------------------------
     # Eligibility: pure functions of shape, dtype, contiguity and immutable attributes (same on every rank).
@@ -475,11 +615,13 @@ class IpcAllReduce:
         if rec is None or not rec.flag:
             return None
         return IpcAllReduceTimeoutError(
-            rec.rank, rec.peer, _PHASES.get(rec.phase, str(rec.phase)), rec.seq, rec.waited_ns / 1e9
+            rec.rank, rec.peer, _PHASES.get(rec.phase, str(rec.phase)), rec.seq, rec.waited_ns / 1e9,
+            context_lost=self.on_timeout == "trap",
         )
 
     def synchronize(self) -> None:
-        """torch.cuda.synchronize for this device, turning a kernel timeout into IpcAllReduceTimeoutError."""
+        """torch.cuda.synchronize for this device, turning a kernel timeout into IpcAllReduceTimeoutError (in trap
+        mode the synchronize fails and the record says why; in exit mode it succeeds and the record is read)."""
         try:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
@@ -487,6 +629,9 @@ class IpcAllReduce:
             if err is not None:
                 raise err from exc
             raise
+        err = self.timeout_error()
+        if err is not None:
+            raise err
 
     # Debug views for tests (each synchronizes the device).
     def scratch_dirty_count(self) -> int:
@@ -511,6 +656,11 @@ class IpcAllReduce:
         chosen = Variant(variant)
         if chosen is Variant.ISLAND and self.num_islands < 2:
             raise ValueError("Variant.ISLAND needs a workspace created with islands")
+        if chosen is Variant.ONESHOT and inp.numel() > self.oneshot_max_numel:
+            raise ValueError(
+                f"Variant.ONESHOT takes at most {self.oneshot_max_numel} elements in this workspace ({self.memory} "
+                f"memory, {self.world_size} ranks), got {inp.numel()}"
+            )
         return chosen
 
     def _check_usable(self) -> None:
@@ -539,10 +689,12 @@ class IpcAllReduce:
     def _watch_for_timeouts(self) -> None:
         # Log the timeout as soon as a kernel records it, so the server log names the missing peer even when
         # the CUDA error surfaces somewhere else first; log each slow wait once (I9), as a warning only.
-        while not self._stop_watchdog.wait(0.25):
+        while not self._stop_watchdog.wait(0.1):
             err = self.timeout_error()
             if err is not None:
                 logger.error("%s", err)
+                if self.on_timeout == "trap" and self.abort_after_s > 0:
+                    self._abort_if_trap_never_arrives(err)
                 return
             slow = self.slow_wait()
             if slow is not None and slow[0] + 1 != self._last_slow_call:
@@ -555,10 +707,34 @@ class IpcAllReduce:
                     self.rank, call, waited, phase, peer, self.timeout_s, TIMEOUT_ENV,
                 )
 
+    def _abort_if_trap_never_arrives(self, err: IpcAllReduceTimeoutError) -> None:
+        """Trap mode's backstop (ABORT_AFTER_ENV): the kernel trapped right after writing the record, so the CUDA
+        context should fail at once. If it still answers abort_after_s later, the trap did not reach this process
+        (seen with several processes time-slicing one GPU) and whatever waits on the GPU would wait forever: end the
+        process, as PyTorch's NCCL watchdog does on a collective timeout, rather than hang."""
+        deadline = time.monotonic() + self.abort_after_s
+        while not self._stop_watchdog.wait(0.5):
+            if self._handle == 0:
+                return
+            try:
+                _ext.ops().ws_calls_completed(self._handle)  # fails once the trap has ended the context
+            except Exception:
+                return
+            if time.monotonic() > deadline:
+                logger.critical(
+                    "%s The kernel trapped %.0f s ago but the CUDA error has not reached this process (%s); aborting "
+                    "it so that nothing waits on it forever (%s=0 keeps it alive).",
+                    err, self.abort_after_s, "seen when several processes share one GPU", ABORT_AFTER_ENV,
+                )
+                for handler in logging.getLogger().handlers + logger.handlers:
+                    handler.flush()
+                os.abort()
+
     def _release(self) -> None:
         if self._handle:
             handle, self._handle = self._handle, 0
             self._record = None
+            self._slow = None  # both records live in the pinned block ws_destroy frees
             _ext.ops().ws_destroy(handle)
 
     def _describe(self, t: torch.Tensor) -> str:

@@ -29,9 +29,10 @@ class Link(str, enum.Enum):
 # staged schedules). They wait for a run on a PCIe box to be measured.
 NVLINK_ONESHOT_MAX_BYTES = 512 * 1024
 PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
-# Through host memory every byte crosses PCIe twice (push, then the reader's poll), and one-shot makes each rank
-# read (W-1) payloads while two-shot reads ~2 payloads (reduce-scatter + all-gather). At 2 ranks one-shot
-# moves the same bytes in one hop, so it always wins there. The 4- and 8-rank bounds are seeds from that
+# Through host memory every byte crosses PCIe three times (the push, the reader's poll, and the reader's store
+# that empties the slot, csrc/ar_protocol.cuh I11), and one-shot makes each rank read (W-1) payloads while
+# two-shot reads ~2 payloads (reduce-scatter + all-gather). At 2 ranks one-shot moves the same bytes in one hop,
+# so it always wins there. The 4- and 8-rank bounds are seeds from that
 # arithmetic (a poll of host memory is a ~1 us round trip, so below these sizes the extra hop costs more than
 # the extra reads); no box with more than 2 GPUs has measured them.
 HOST_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 16 * 1024, 8: 8 * 1024}
@@ -58,6 +59,19 @@ def choose_variant(nbytes: int, world_size: int, link: Link | str, num_islands: 
     if nbytes <= PCIE_ONESHOT_MAX_BYTES.get(world_size, 16 * 1024):
         return Variant.ONESHOT
     return Variant.ISLAND if num_islands >= 2 else Variant.TWOSHOT
+
+
+def oneshot_max_bytes(world_size: int, link: Link | str) -> int:
+    """The largest message choose_variant ever sends one-shot (without islands): the one-shot slots of a workspace
+    need hold no more (csrc/workspace.cu sizes them by it; host memory at 4 and 8 ranks is the case that saves)."""
+    link = Link(link)
+    if world_size <= 2:
+        return 1 << 62
+    if link is Link.HOST:
+        return HOST_ONESHOT_MAX_BYTES.get(world_size, 8 * 1024)
+    if link is Link.NVLINK:
+        return NVLINK_ONESHOT_MAX_BYTES
+    return PCIE_ONESHOT_MAX_BYTES.get(world_size, 16 * 1024)
 
 
 def validate_islands(islands, world_size: int) -> list[list[int]] | None:
