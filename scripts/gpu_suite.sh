@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
 #   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
-#   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling
+#   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
+#   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
+#   junit: merge the stages' junit XML into $OUT/gpu_tests_<gpu>_tp<N>.xml (N: GPUs the ranks ran on)
+#   build also starts the negative-control builds in the background (tests/gpu/test_negative_controls.py), which
+#   the negative stage then uses
 #   hostmem: the kernel tests with the workspace in host memory (tests/gpu/test_hostmem_allreduce.py)
 #   polling: the one-GPU 8-rank polling microbenchmark (benchmarks/bench_polling.py)
 #   (default: all but probe and nop2p, in that order: the benchmarks come before the slow correctness-only tests)
@@ -35,6 +39,10 @@ echo ">>> building for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+# One GPU: multi-rank tests run with their ranks sharing it (correctness only).
+[ "$NGPU" -lt 2 ] && export SGL_SM120_TEST_SHARE_GPUS=${SGL_SM120_TEST_SHARE_GPUS:-1}
+GPU_TAG=$($PY -c "import torch; n=torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else n.split()[-1])")
+export SGL_SM120_NEGATIVE_BUILDS=${SGL_SM120_NEGATIVE_BUILDS:-$WORK/negative-builds}
 status=0
 publish() {
   tar -czf "$OUT/gpu-suite.tar.gz" -C "$WORK" logs results 2>/dev/null
@@ -82,7 +90,9 @@ fi
 
 for stage in $stages; do
   case $stage in
-    build) step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; } ;;
+    build) step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
+           $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" > "$WORK/logs/negative-builds.log" 2>&1 &
+           echo ">>> negative-control builds started in the background (pid $!)" | tee -a "$OUT/summary.log" ;;
     probe) step probe torchrun --nproc-per-node "$NGPU" scripts/probe_latency.py ;;
     kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
               --junitxml="$WORK/results/junit-kernel.xml" ;;
@@ -102,8 +112,14 @@ for stage in $stages; do
     polling) step bench-polling $PY -m benchmarks.bench_polling --out "$WORK/results" ;;
     oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
               -k oversubscribed --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
-    negative) step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \
+    negative) [ -d "$SGL_SM120_NEGATIVE_BUILDS" ] || $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" \
+                > "$WORK/logs/negative-builds.log" 2>&1
+              while pgrep -f "tests.gpu.test_negative_controls" > /dev/null; do sleep 2; done  # the background builds
+              step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \
               --junitxml="$WORK/results/junit-negative.xml" ;;
+    trapdiag) step trap-diagnosis $PY scripts/diagnose_trap_delivery.py --world 8 --abort-after 5 \
+              --out "$WORK/results/trap_delivery_${GPU_TAG}_w8.json" ;;
+    junit) step junit $PY scripts/merge_junit.py "$OUT/gpu_tests_${GPU_TAG}_tp${NGPU}.xml" $WORK/results/junit-*.xml ;;
     overlay) step overlay-tests $PY -m pytest -m gpu -v tests/gpu/test_sglang_integration.py \
               --junitxml="$WORK/results/junit-overlay.xml" ;;
     *) echo "unknown stage $stage"; status=1 ;;

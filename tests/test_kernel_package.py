@@ -144,12 +144,73 @@ def single_rank_group():
         ({"max_numel": 12}, "multiple of 8"),
         ({"timeout_s": 0.0}, "timeout_s"),
         ({"link": "ethernet"}, "link must be"),
+        ({"on_timeout": "explode"}, "on_timeout must be"),
     ],
 )
 def test_constructor_rejects_bad_arguments_clearly(single_rank_group, kwargs, message):
     args = {"device": "cuda:0", "max_numel": 1024, **kwargs}
     with pytest.raises(k.IpcAllReduceError, match=message):
         k.IpcAllReduce(single_rank_group, args.pop("device"), args.pop("max_numel"), **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a CUDA driver/GPU")
+def test_constructor_without_a_gpu_says_so(single_rank_group):
+    with pytest.raises(k.IpcAllReduceError, match="no CUDA driver/GPU"):
+        k.IpcAllReduce(single_rank_group, "cuda:0", 1024)
+
+
+def test_launch_limits_are_agreed_on_the_smallest_gpu_and_every_cluster_check():
+    """Issue 22 item 2: a group mixing two SKUs launches one grid shape everywhere (the smallest SM count and
+    cluster capacity), and one rank whose cluster check failed takes clusters away from every rank."""
+    from sgl_kernel_sm120.ipc_allreduce import agree_launch_limits
+
+    big = {"sm": 170, "capacity": [85, 42, 21], "clusters_ok": True, "reason": "checked"}
+    small = {"sm": 84, "capacity": [42, 21, 10], "clusters_ok": True, "reason": "checked"}
+    agreed = agree_launch_limits([big, small])
+    assert agreed == agree_launch_limits([small, big])  # the order of the ranks does not matter
+    assert agreed["sm_budget"] == 84 and agreed["capacity"] == [42, 21, 10] and agreed["clusters"] == [2, 4, 8]
+    failed = dict(small, clusters_ok=False, reason="the cluster check failed (exit code 1): illegal instruction")
+    agreed = agree_launch_limits([big, failed])
+    assert agreed["capacity"] == [0, 0, 0] and agreed["clusters"] == []
+    assert agreed["reason"] == "rank 1: the cluster check failed (exit code 1): illegal instruction"
+    assert agree_launch_limits([dict(big, capacity=[85, 0, 0])])["clusters"] == [2]
+
+
+def test_host_workspace_is_sized_by_the_one_shot_it_serves():
+    """Issue 22 item 3: at 8 ranks the host-memory workspace serves one-shot only up to HOST_ONESHOT_MAX_BYTES,
+    so its one-shot slots are sized by that, not by the whole bound: about 2 W^2 bound bytes (56 MiB at the
+    458,752 B bound) before, a fraction of that now. At 2 ranks one-shot serves everything."""
+    from sgl_kernel_sm120.variants import Link, oneshot_max_bytes
+
+    sized = _ext.ops().host_shared_bytes_for
+    bound = 458752 // 2  # elements of 2 B
+    uncapped = sized(8, bound, bound)
+    capped = sized(8, bound, oneshot_max_bytes(8, Link.HOST) // 2)
+    assert 55 * 2**20 < uncapped < 58 * 2**20, uncapped
+    assert capped < uncapped / 3, (capped, uncapped)
+    assert sized(2, bound, min(bound, oneshot_max_bytes(2, Link.HOST) // 2)) == sized(2, bound, bound)
+    assert sized(8, 2 * bound, 2 * bound) > uncapped  # a larger bound needs more
+    with pytest.raises(RuntimeError, match="oneshot_max_numel <= max_numel"):
+        sized(8, bound, 2 * bound)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("link", list(Link))
+def test_one_shot_bound_is_where_choose_variant_stops_using_one_shot(world, link):
+    from sgl_kernel_sm120.variants import oneshot_max_bytes
+
+    limit = oneshot_max_bytes(world, link)
+    assert choose_variant(limit, world, link) is Variant.ONESHOT
+    if limit < 1 << 62:
+        assert choose_variant(limit + 1, world, link) is not Variant.ONESHOT
+
+
+def test_timeout_error_says_what_is_left_usable():
+    trapped = k.IpcAllReduceTimeoutError(0, 3, "one-shot", 7, 1.5)
+    assert "CUDA context of this process is no longer usable" in str(trapped) and trapped.context_lost
+    exited = k.IpcAllReduceTimeoutError(0, 3, "one-shot", 7, 1.5, context_lost=False)
+    assert "workspace is unusable" in str(exited) and "the CUDA context is not" in str(exited)
+    assert "rank 3" in str(exited) and "call #7" in str(exited)
 
 
 def test_missing_extension_raises_with_build_command(monkeypatch):
@@ -271,8 +332,15 @@ def test_probe_outcomes_name_the_failing_pairs():
     assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == 0
     assert probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == -1
     assert probe_drop_target(0, {}) == -1
+    # one round only: a mapping broken for part of the slab
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=5) == 0
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=4) == -1
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=4) == 0
     with pytest.raises(ValueError, match="SRC:DST"):
         probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1-0"})
+    assert failed_probe_pairs([[1, 2], [1, 1]], "parity 1, the end of the region") == [
+        (1, 0, "write never arrived (parity 1, the end of the region)")
+    ]
     err = k.IpcAllReduceProbeError([(1, 0, "write never arrived")])
     assert isinstance(err, k.IpcAllReduceError) and err.pairs == [(1, 0, "write never arrived")]
     assert "rank 1 -> rank 0: write never arrived" in str(err) and "iommu=pt" in str(err)
@@ -280,5 +348,7 @@ def test_probe_outcomes_name_the_failing_pairs():
 
 def test_extension_registers_the_probe_and_close_ops():
     ops = _ext.ops()
-    for name in ("ws_probe", "ws_close_peers", "ws_slow_record_address"):
+    for name in ("ws_probe", "ws_probe_rounds", "ws_probe_round_name", "ws_close_peers", "ws_slow_record_address",
+                 "ws_register_shared", "host_shared_bytes_for", "ws_cluster_capacity", "ws_set_launch_limits",
+                 "ws_launch_limits", "cluster_capacity_for", "debug_trap"):
         assert hasattr(ops, name), name

@@ -483,6 +483,35 @@ def test_host_workspace_failure_is_not_retried(fake_kernel_module):
     assert all(not b.active and "no shared memory" in b.build_error for b in backends.values())
 
 
+def test_host_workspace_that_does_not_fit_its_tmpfs_names_the_folder_and_sizes(fake_kernel_module, caplog):
+    """Issue 22 item 3: a small /dev/shm (64 MiB in Docker and Kubernetes) leaves the group on NCCL with one line
+    that names the folder, its free space and the size needed, not a SIGBUS."""
+    from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    sentence = ("host memory: /dev/shm has 60.0 MiB free, the workspace needs 112.0 MiB (8 slabs of 14.0 MiB); "
+                "enlarge it (docker run --shm-size=1g) or point SGL_SM120_SHM_DIR at a larger tmpfs")
+    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error=f"IpcAllReduce host-memory workspace size check "
+                                    f"failed (rank 0: {sentence})", host_error_type=IpcAllReduceHostMemoryError)
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:shm-small", memory="host")
+    assert fake.attempts == ["host", "host"]
+    for backend in backends.values():
+        assert not backend.active
+        assert backend.build_error == f"the pinned host-memory workspace does not fit: {sentence}", backend.build_error
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and sentence in lines[0], lines
+    assert "all-reduce paths are used" in lines[0], lines[0]
+
+
+def test_activation_line_says_how_the_fused_op_spreads_a_few_rows(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:clusters")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert "a few rows over 8/4/2-CTA clusters" in _warnings(caplog)[-1], _warnings(caplog)[-1]
+    assert backend.describe()["fused_clusters"]["clusters"] == [8, 4, 2]
+
+
 def test_attach_reads_the_hostmem_setting(monkeypatch):
     from sglang_sm120 import config, hooks_distributed
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from sgl_kernel_sm120.errors import IpcAllReduceProbeError
+from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
 from sgl_kernel_sm120.variants import describe_schedule
 
 from . import exchange
@@ -263,6 +263,8 @@ class Sm120Communicator:
                             self.name, topology["error"], self.link)
 
         comm, failed = self._construct("built", memory, max_numel, dtype, kernel_timeout_s)
+        if failed and memory == "host" and _host_memory_failure(failed):
+            return self._give_up(f"the pinned host-memory workspace does not fit: {_host_memory_failure(failed)}")
         if failed:
             detail = _failure_detail(failed)
             probe_failed = all(o.get("error_type") == IpcAllReduceProbeError.__name__ for o in failed.values())
@@ -277,6 +279,9 @@ class Sm120Communicator:
                         "in pinned host memory", self.name, self.rank_in_group, pairs)
             memory = "host"
             comm, failed_host = self._construct("built-host", memory, max_numel, dtype, kernel_timeout_s)
+            if failed_host and _host_memory_failure(failed_host):
+                return self._give_up(f"building the IPC workspace failed ({detail}); the retry in pinned host memory "
+                                     f"does not fit: {_host_memory_failure(failed_host)}")
             if failed_host:
                 return self._give_up(
                     f"building the IPC workspace failed ({detail}); the retry in pinned host memory failed too "
@@ -318,10 +323,12 @@ class Sm120Communicator:
         waits = ""
         if getattr(comm, "timeout_s", None) is not None:
             waits = f"; a wait for a peer is logged after {comm.warn_after_s:g} s and fails after {comm.timeout_s:g} s"
+        fused_launch = comm.describe_fused_launch() if hasattr(comm, "describe_fused_launch") else "?"
         return (
             f"all-reduces up to {self.max_bytes} B go to the sm120 kernels ({schedule}; fused all-reduce + "
-            f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}), larger ones to "
-            f"NCCL; {transport}; islands {islands or 'none (flat)'}, link {link}{waits}; "
+            f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}, a few rows "
+            f"{fused_launch}), larger ones to NCCL; {transport}; islands {islands or 'none (flat)'}, "
+            f"link {link}{waits}; "
             f"bound: {self.bound_explanation}; gate: {self.decision.reason if self.decision else '?'}"
         )
 
@@ -348,6 +355,8 @@ class Sm120Communicator:
             )
         except Exception as exc:  # IpcAllReduce raises on every rank together; the agreement below checks it
             outcome = {"error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+            if isinstance(exc, IpcAllReduceHostMemoryError):
+                outcome["error_type"] = IpcAllReduceHostMemoryError.__name__
             if isinstance(exc, IpcAllReduceProbeError):
                 outcome["error_type"] = IpcAllReduceProbeError.__name__  # a subclass counts as the probe's
                 outcome["pairs"] = [[int(s), int(r), str(what)] for s, r, what in getattr(exc, "pairs", [])]
@@ -431,9 +440,21 @@ class Sm120Communicator:
             "link": self.link,
             "memory": self.memory,  # "device" (CUDA IPC over P2P) | "host" (pinned host memory) | None
             "memory_note": self.memory_note,
+            "fused_clusters": dict(getattr(self.comm, "fused_clusters", {}) or {}) if self.comm is not None else None,
             "stats": dict(self.stats),
             "device_calls": self.device_calls(),
         }
+
+
+def _host_memory_failure(failed: dict[int, dict[str, Any]]) -> str:
+    """The kernel's own sentence ("host memory: /dev/shm has X free, the workspace needs Y ...; enlarge it ...")
+    when the host-memory workspace did not fit its tmpfs, else ""."""
+    for outcome in failed.values():
+        text = str(outcome.get("error", ""))
+        if outcome.get("error_type") == IpcAllReduceHostMemoryError.__name__ and "host memory:" in text:
+            sentence = text[text.index("host memory:"):].splitlines()[0]
+            return sentence.rstrip(")").strip()
+    return ""
 
 
 def _failure_detail(failed: dict[int, dict[str, Any]]) -> str:

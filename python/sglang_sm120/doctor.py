@@ -166,6 +166,58 @@ def path_text(decision: GateDecision) -> str:
     return PATHS.get(decision.memory, f"sm120 kernels, memory {decision.memory!r}")
 
 
+def report_cluster_launch(found: list[dict]) -> None:
+    """Whether the fused kernel's cluster launch works on each GPU: its capacity, and the verdict of the check
+    that runs a cluster kernel in a child process (sgl_kernel_sm120.cluster_check; cached, so a server start
+    after the doctor pays nothing)."""
+    try:
+        from sgl_kernel_sm120 import _ext, cluster_check
+
+        ops = _ext.ops()
+        library = _ext.library_path()
+    except Exception as exc:
+        print(f"not checked: {exc}")
+        return
+    for gpu in found:
+        try:
+            capacity = [int(c) for c in ops.cluster_capacity_for(gpu["index"], 8)]
+            shown = ", ".join(f"{c} CTAs: {n}" for c, n in zip(cluster_check.CLUSTER_SIZES, capacity, strict=True))
+            verdict = (cluster_check.verdict_for(gpu["index"], gpu["uuid"], library) if any(capacity) else
+                       cluster_check.ClusterVerdict(False, "the GPU reports no cluster capacity", "checked"))
+        except Exception as exc:
+            print(f"cuda:{gpu['index']}: not checked ({type(exc).__name__}: {exc})")
+            continue
+        launch = "row over a cluster" if verdict.ok else "one CTA per row (same bits, slower at a few rows)"
+        print(f"cuda:{gpu['index']}: co-resident clusters ({shown}); check ({verdict.source}): {verdict.reason} -> "
+              f"fused one-shot: {launch}")
+
+
+def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
+    """What the pinned host-memory workspace (no P2P) would take in its tmpfs at this bound, and what is free."""
+    from sgl_kernel_sm120.ipc_allreduce import DEFAULT_SHM_DIR, SHM_DIR_ENV
+    from sgl_kernel_sm120.variants import Link, oneshot_max_bytes
+
+    folder = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
+    max_numel = bound.max_bytes // 2 // 8 * 8
+    oneshot = max(8, min(max_numel, oneshot_max_bytes(world, Link.HOST) // 2 // 8 * 8))
+    try:
+        from sgl_kernel_sm120 import _ext
+
+        need = int(_ext.ops().host_shared_bytes_for(world, max_numel, oneshot))
+    except Exception as exc:
+        print(f"host-memory workspace at TP={world}: size unknown ({exc})")
+        return
+    try:
+        stat = os.statvfs(folder)
+        free = stat.f_bavail * stat.f_frsize
+        verdict = "fits" if free >= need else f"DOES NOT FIT: enlarge {folder} or set {SHM_DIR_ENV}"
+        room = f"{folder} has {free / 2**20:.1f} MiB free: {verdict}"
+    except OSError as exc:
+        room = f"{folder}: {exc}"
+    print(f"host-memory workspace at TP={world}, bound {bound.max_bytes} B: needs {need / 2**20:.1f} MiB in {folder} "
+          f"({SHM_DIR_ENV}); {room}")
+
+
 def self_test(world: int, hidden: int, timeout_s: float, memory: str = "device") -> str | None:
     """Runs the kernels over `world` local GPUs in spawned processes, with the workspace in `memory`. None when
     it passed, else why not."""
@@ -362,6 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"the server stays on NCCL: {config.HOSTMEM_ENV}=off)"))
     if mode == "off":
         usable_world = None
+
+    section("fused one-shot: cluster launch")
+    report_cluster_launch(found)
+    section("pinned host-memory workspace (GPUs without P2P)")
+    report_host_memory_need(largest[0] if largest is not None else 2, bound)
 
     if usable_world is not None and not args.no_self_test:
         section(f"self-test over {usable_world} GPUs ({path_text(GateDecision(True, '', usable_memory))})")

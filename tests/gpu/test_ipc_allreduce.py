@@ -23,6 +23,7 @@ from sgl_kernel_sm120 import (
     IpcAllReduceProbeError,
     IpcAllReduceTimeoutError,
     Variant,
+    _ext,
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
@@ -97,6 +98,17 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
         for dtype, rows, hidden, variant in itertools.product(dtypes, rows_list, hiddens, _variants(world)):
             shape = (rows, hidden)
             tag = f"{dtype} {shape} {variant.name}"
+            if variant is Variant.ONESHOT and rows * hidden > ar.oneshot_max_numel:
+                # Host memory at 4 and 8 ranks sizes its one-shot slots by the one-shot range only (variants.py):
+                # forcing one-shot past it is refused, clearly.
+                try:
+                    ar.all_reduce(_int_tensor(shape, dtype, 0, dev), variant=variant)
+                except ValueError as err:
+                    if "ONESHOT takes at most" not in str(err):
+                        failures.append(f"{tag}: unclear refusal: {err}")
+                else:
+                    failures.append(f"{tag}: one-shot past the workspace's one-shot bound was not refused")
+                continue
             seed = _stable_seed(rows, hidden, str(dtype), int(variant))
             inputs = [_int_tensor(shape, dtype, seed + r, dev) for r in range(world)]
             residual = _int_tensor(shape, dtype, seed + 1000, dev)
@@ -180,6 +192,58 @@ def _scenario_cluster_sizes(rank, world):
 @need_ranks(2)
 def test_fused_every_cluster_size_exact_and_identical_across_ranks():
     run_ranks(2, _scenario_cluster_sizes)
+
+
+def _scenario_cluster_fallback(rank, world):
+    """Issue 22 item 1: with the cluster check failing on purpose (SGL_SM120_DEBUG_CLUSTER_CHECK=trap: the child
+    process runs a trapping kernel, as an illegal instruction would), this rank survives, the group agrees on no
+    clusters, the fallback is reported, and the fused results are bitwise those of a workspace launching clusters.
+    The launch limits are the same on every rank."""
+    import os
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with_clusters = _make(world, rank, 64 * 7168)
+    os.environ["SGL_SM120_DEBUG_CLUSTER_CHECK"] = "trap"
+    try:
+        without = _make(world, rank, 64 * 7168)
+    finally:
+        del os.environ["SGL_SM120_DEBUG_CLUSTER_CHECK"]
+    failures = []
+    try:
+        if sorted(with_clusters.fused_clusters["clusters"]) != [2, 4, 8]:
+            failures.append(f"the cluster check failed on a GPU that launches clusters: {with_clusters.fused_clusters}")
+        if without.fused_clusters["clusters"]:
+            failures.append(f"clusters still used after a failed check: {without.fused_clusters}")
+        reason = without.fused_clusters["reason"]
+        if "cluster check" not in reason or "one CTA per row" not in without.describe_fused_launch():
+            failures.append(f"the fallback is not reported: {reason!r} / {without.describe_fused_launch()!r}")
+        for ar in (with_clusters, without):
+            limits = [int(v) for v in _ext.ops().ws_launch_limits(ar._handle)]
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, limits)
+            if any(g != limits for g in gathered):
+                failures.append(f"launch limits differ across ranks: {gathered}")
+        for rows, hidden in itertools.product([1, 3, 16, 23, 40], [7168, 5120, 2048]):
+            seed = _stable_seed("fallback", rows, hidden)
+            inputs = [_int_tensor((rows, hidden), torch.bfloat16, seed + r, dev) for r in range(world)]
+            residual = _int_tensor((rows, hidden), torch.bfloat16, seed + 1000, dev)
+            weight = _int_tensor((hidden,), torch.bfloat16, seed + 2000, dev, 1, 4)
+            a = with_clusters.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=Variant.ONESHOT)
+            b = without.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=Variant.ONESHOT)
+            for name, x, y in (("norm_out", a[0], b[0]), ("residual_out", a[1], b[1])):
+                if not torch.equal(x.view(torch.int16), y.view(torch.int16)):
+                    failures.append(f"[{rows}, {hidden}] {name}: the fallback's bits differ from the clusters'")
+            if not _same_on_all_ranks(b[0]):
+                failures.append(f"[{rows}, {hidden}] the fallback's norm_out differs across ranks")
+    finally:
+        with_clusters.close()
+        without.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+@need_ranks(2)
+def test_cluster_check_failure_falls_back_to_the_same_bits_and_says_so():
+    run_ranks(2, _scenario_cluster_fallback, timeout_s=300)
 
 
 def _scenario_random_vs_fp64(rank, world):
@@ -292,9 +356,12 @@ def test_1000_back_to_back_calls_alternating_sizes():
 
 
 # --------------------------------------------------------------------------------------------------------
-def _scenario_graph(rank, world, calls_in_graph, replays):
+def _scenario_graph(rank, world, calls_in_graph, replays, on_timeout="trap"):
+    """A CUDA graph of mixed calls (sizes, plain and fused, every variant) replayed with fresh inputs. With ranks
+    time-slicing one GPU, a rank runs many captured calls in one slice, which is what lets the negative controls
+    (tests/gpu/test_negative_controls.py) catch a broken double buffer there."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    ar = _make(world, rank, 257 * 7168)
+    ar = _make(world, rank, 257 * 7168, on_timeout=on_timeout)
     failures = []
     try:
         # Static inputs, one set per captured call (distinct addresses inside one graph).
@@ -330,6 +397,9 @@ def _scenario_graph(rank, world, calls_in_graph, replays):
                     expected.append(reference_all_reduce_add_rmsnorm(inputs, res_new, w_new, EPS)[1])
             graph.replay()
             torch.cuda.synchronize()
+            if ar.timeout_error() is not None:
+                failures.append(f"replay {replay}: {ar.timeout_error()}")
+                break
             for call, (got, exp) in enumerate(zip(outputs, expected, strict=True)):
                 value = got if call % 2 else got[1]
                 if not torch.equal(value, exp):
@@ -345,9 +415,9 @@ def _scenario_graph(rank, world, calls_in_graph, replays):
 
 
 @need_ranks(2)
-def test_graph_of_50_mixed_calls_replayed_100_times():
+def test_graph_of_30_mixed_calls_replayed_40_times():
     assert 1000 % len(SHAPES_CYCLE) == 0  # replay inputs keep the captured shapes
-    run_ranks(2, _scenario_graph, 50, 100)
+    run_ranks(2, _scenario_graph, 30, 40)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -391,24 +461,32 @@ def test_create_close_100_times_with_a_delayed_peer_no_error_no_leak():
 
 
 # --------------------------------------------------------------------------------------------------------
-def _scenario_rank_skips_a_call(rank, world):
+def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
+    """The last rank never makes call #1; every other rank must end in IpcAllReduceTimeoutError naming it, and the
+    next call on its workspace must refuse at once with the same error. In trap mode the waiting ranks' CUDA
+    contexts are gone afterwards; in exit mode (csrc/ar_protocol.cuh I7, I12) the context survives and a new
+    workspace works."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    ar = _make(world, rank, 64 * 7168, timeout_s=1.0)
+    skipper = world - 1
+    ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout=on_timeout)
     x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
-    ar.all_reduce(x)
+    ar.all_reduce(x, variant=Variant.ONESHOT)
     ar.synchronize()
     dist.barrier()
     failure = None
-    if rank == 0:
-        # Whatever happens here, rank 0 must still reach the barrier below: leaving fn early would put it in the
-        # harness's verdict all-gather while rank 1 waits in that barrier, and the two would hang (seen once).
+    if rank != skipper:
+        # Whatever happens here, this rank must still reach the barrier below: leaving fn early would put it in the
+        # harness's verdict all-gather while the others wait in that barrier, and they would hang (seen once).
         try:
-            ar.all_reduce(x)  # rank 1 never makes this call
+            # One-shot: every waiting rank waits for the skipper itself (in the staged schedules a rank can wait
+            # on a peer that is itself waiting), so every rank must name it.
+            out = ar.all_reduce(x, variant=Variant.ONESHOT)
             try:
                 ar.synchronize()
             except IpcAllReduceTimeoutError as err:
-                assert err.rank == 0 and err.peer == 1 and err.seq == 1, f"wrong details: {err}"
-                assert "rank 1" in str(err) and "call #1" in str(err), str(err)
+                assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
+                assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
+                assert err.context_lost == (on_timeout == "trap"), str(err)
             else:
                 raise AssertionError("a call whose peer never arrived completed instead of timing out")
             # The next call must refuse at once, with the same error.
@@ -418,17 +496,39 @@ def _scenario_rank_skips_a_call(rank, world):
                 pass
             else:
                 raise AssertionError("a timed-out workspace accepted another call")
+            if on_timeout == "exit":
+                del out
+                torch.cuda.synchronize()  # the context survived: this must not raise
         except BaseException:  # noqa: B036 - reported after the barrier
             failure = traceback.format_exc()
     dist.barrier()
-    # rank 0's context is unusable after the trap: its close is local; rank 1 must not wait for it either
+    # A timed-out rank's workspace (and, in trap mode, its context) is unusable: its close is local, and the
+    # skipper must not wait for it either.
     ar.close(collective=False)
+    if on_timeout == "exit" and failure is None:
+        # Exit mode leaves every context usable: a fresh workspace must work on every rank.
+        fresh = _make(world, rank, 64 * 7168, timeout_s=30.0, on_timeout="exit")
+        try:
+            out = fresh.all_reduce(x)
+            fresh.synchronize()
+            if not torch.equal(out, torch.full_like(x, world)):
+                failure = "a fresh workspace after the timeout gave a wrong sum"
+        finally:
+            fresh.close()
     assert failure is None, failure
 
 
 @need_ranks(2)
 def test_rank_skipping_a_call_ends_in_timeout_error_not_hang():
-    run_ranks(2, _scenario_rank_skips_a_call, timeout_s=120)
+    run_ranks(2, _scenario_rank_skips_a_call, "trap", timeout_s=120)
+
+
+@need_ranks(2)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rank_skipping_a_call_ends_in_timeout_error_on_every_rank_exit_mode(world):
+    """Issue 22 item 7: at every world size each waiting rank raises (exit mode: no trap to be lost when several
+    processes share one GPU), and the workspace refuses the next call."""
+    run_ranks(world, _scenario_rank_skips_a_call, "exit", timeout_s=240)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -479,24 +579,34 @@ def test_late_peer_is_waited_for_and_warned_about_not_an_error():
 
 # --------------------------------------------------------------------------------------------------------
 def _scenario_probe_drop(rank, world):
-    # The debug switch drops rank 1's probe write to rank 0: construction must fail on every rank with the pair
+    # The debug switch drops rank 1's probe writes to rank 0: construction must fail on every rank with the pair
     # named (a broken P2P data path ends at start-up, never as a timeout trap in the first forward), and a
-    # workspace built afterwards without the switch must work (the failed one was torn down cleanly).
+    # workspace built afterwards without the switch must work (the failed one was torn down cleanly). Then the
+    # same for the last round only (the end of the parity-1 region): a mapping broken for part of a slab must be
+    # caught too, and named by its area.
     import os
 
-    os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = "1:0"
-    try:
-        _make(world, rank, 64 * 7168)
-    except IpcAllReduceProbeError as err:
-        assert err.pairs == [(1, 0, "write never arrived")], err.pairs
-        assert "rank 1 -> rank 0" in str(err) and "ACS" in str(err), str(err)
-    else:
-        raise AssertionError("the probe did not notice a dropped write")
-    finally:
-        del os.environ["SGL_SM120_DEBUG_PROBE_DROP"]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    probe = _make(world, rank, 64 * 7168)
+    rounds = probe.probe_rounds
+    probe.close()
+    assert rounds >= 6, f"only {rounds} probe rounds"
+    cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{rounds - 1}", "parity 1, the end of the region"))
+    for spec, where in cases:
+        os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec
+        try:
+            _make(world, rank, 64 * 7168)
+        except IpcAllReduceProbeError as err:
+            assert len(err.pairs) == 1 and err.pairs[0][:2] == (1, 0), err.pairs
+            assert "write never arrived" in err.pairs[0][2] and where in err.pairs[0][2], err.pairs
+            assert "rank 1 -> rank 0" in str(err) and "ACS" in str(err), str(err)
+        else:
+            raise AssertionError(f"the probe did not notice a dropped write ({spec})")
+        finally:
+            del os.environ["SGL_SM120_DEBUG_PROBE_DROP"]
     ar = _make(world, rank, 64 * 7168)
     try:
-        x = torch.ones(3, 7168, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device()))
+        x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
         out = ar.all_reduce(x)
         ar.synchronize()
         assert torch.equal(out, torch.full_like(x, world)), "wrong sum after a failed probe"

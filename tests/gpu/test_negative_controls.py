@@ -5,9 +5,15 @@ purpose must make the ordinary checks fail. A suite that passed these builds wou
   SGL_SM120_DEBUG_SINGLE_BUFFER  one scratch buffer instead of two (breaks I5): a rank that runs ahead
                                  overwrites, or has cleared, packs its peer has not consumed yet
 
-Each build is loaded in the spawned ranks instead of the packaged `_C` (SGL_SM120_EXT_LIBRARY), and runs the
-back-to-back scenario of test_ipc_allreduce with a short spin bound, so a broken protocol ends in a wrong
-result or a timeout error, never a hang.
+Each build is loaded in the spawned ranks instead of the packaged `_C` (SGL_SM120_EXT_LIBRARY), and runs a CUDA
+graph of mixed calls (sizes, plain and fused, every variant) replayed many times, with a short spin bound and the
+timeout in exit mode (a timeout is then a clean record, not a trap), so a broken protocol ends in a wrong result
+or a timeout error, never a hang. A graph rather than eager calls: with ranks time-slicing one GPU, a rank runs
+many captured calls in one time slice, and only then does a rank get a whole call ahead of its peer, which is
+what a broken double buffer needs to show (the eager back-to-back scenario let SINGLE_BUFFER pass on one GPU).
+
+The broken builds take minutes; `python -m tests.gpu.test_negative_controls DIR` builds them ahead (the GPU suite
+starts it in the background) and SGL_SM120_NEGATIVE_BUILDS=DIR makes the test use them.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import pytest
 
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
 from tests.gpu.harness import need_ranks, run_ranks
-from tests.gpu.test_ipc_allreduce import _scenario_back_to_back
+from tests.gpu.test_ipc_allreduce import _scenario_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -38,21 +44,41 @@ load(name=name, sources=sources, extra_cflags=["-O2", "-D" + flag], extra_cuda_c
 """
 
 
+FLAGS = ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"]
+PREBUILT_ENV = "SGL_SM120_NEGATIVE_BUILDS"
+
+
 def _build_broken(flag: str, out: str) -> str:
     # A subprocess: loading the library here would register the op namespace a second time next to `_C`.
     name = "sgl_sm120_" + flag.lower()
-    subprocess.run([sys.executable, "-c", BUILD, ROOT, name, flag, out], check=True, timeout=600)
-    (path,) = glob.glob(os.path.join(out, name + "*.so"))
+    out = os.path.join(out, name)  # one build folder per library: each holds its own build.ninja
+    found = glob.glob(os.path.join(out, name + "*.so"))
+    if not found:
+        os.makedirs(out, exist_ok=True)
+        subprocess.run([sys.executable, "-c", BUILD, ROOT, name, flag, out], check=True, timeout=900)
+        found = glob.glob(os.path.join(out, name + "*.so"))
+    (path,) = found
     return path
 
 
 @need_ranks(2)
-@pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"])
+@pytest.mark.parametrize("flag", FLAGS)
 def test_broken_protocol_is_caught(flag, monkeypatch):
-    with tempfile.TemporaryDirectory() as out:
-        monkeypatch.setenv(LIBRARY_OVERRIDE_ENV, _build_broken(flag, out))
+    with tempfile.TemporaryDirectory() as scratch:
+        monkeypatch.setenv(LIBRARY_OVERRIDE_ENV, _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch))
         monkeypatch.setenv("SGL_SM120_AR_TIMEOUT_S", "2")
         with pytest.raises(AssertionError) as caught:
-            run_ranks(2, _scenario_back_to_back, 300, timeout_s=300)
+            run_ranks(2, _scenario_graph, 24, 100, "exit", timeout_s=300)
     report = str(caught.value)
     assert "wrong" in report or "timed out" in report or "scratch not clean" in report, report[-2000:]
+
+
+if __name__ == "__main__":
+    # Build every broken library into DIR, in parallel (the GPU suite runs this in the background).
+    import concurrent.futures
+
+    target = sys.argv[1]
+    os.makedirs(target, exist_ok=True)
+    with concurrent.futures.ThreadPoolExecutor(len(FLAGS)) as pool:
+        for path in pool.map(lambda flag: _build_broken(flag, target), FLAGS):
+            print("built", path, flush=True)

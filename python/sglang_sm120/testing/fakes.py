@@ -21,9 +21,12 @@ class FakeIpcAllReduce:
     # host build fails with.
     probe_pairs: list[tuple[int, int, str]] | None = None
     host_error: str | None = None
+    host_error_type: type[Exception] = RuntimeError
+    # What the real workspace reports about the fused one-shot's cluster launch (agreed over the group).
+    fused_clusters = {"clusters": [8, 4, 2], "reason": "fake: clusters assumed to work"}
 
     def __init__(self, group=None, device=None, max_numel=0, dtype=torch.bfloat16, *, islands=None, link="auto",
-                 memory="device", timeout_s=None, warn_after_s=None, world_size=2, fail=None):
+                 memory="device", timeout_s=None, warn_after_s=None, on_timeout="trap", world_size=2, fail=None):
         attempts = type(self).__dict__.get("attempts")
         if attempts is not None:
             attempts.append(memory)
@@ -36,7 +39,7 @@ class FakeIpcAllReduce:
         if memory == "device" and self.probe_pairs:
             raise IpcAllReduceProbeError(list(self.probe_pairs))
         if memory == "host" and self.host_error:
-            raise RuntimeError(self.host_error)
+            raise self.host_error_type(self.host_error)
         self.group, self.device, self.max_numel, self.dtype = group, device, int(max_numel), dtype
         self.memory, self.world_size = memory, world_size
         self.islands = islands
@@ -46,15 +49,20 @@ class FakeIpcAllReduce:
         FakeIpcAllReduce.instances.append(self)
 
     @classmethod
-    def failing(cls, probe_pairs=((1, 0, "dropped"),), host_error: str | None = None) -> type[FakeIpcAllReduce]:
+    def failing(cls, probe_pairs=((1, 0, "dropped"),), host_error: str | None = None,
+                host_error_type: type[Exception] = RuntimeError) -> type[FakeIpcAllReduce]:
         """A subclass whose device-memory builds raise IpcAllReduceProbeError(probe_pairs) (None: they succeed)
-        and whose host-memory builds raise RuntimeError(host_error) when given. `attempts` lists the memory of
+        and whose host-memory builds raise host_error_type(host_error) when given. `attempts` lists the memory of
         every construction, successful or not, in call order (all ranks together)."""
         return type("FailingFakeIpcAllReduce", (cls,), {
             "probe_pairs": list(probe_pairs) if probe_pairs else None,
             "host_error": host_error,
+            "host_error_type": host_error_type,
             "attempts": [],
         })
+
+    def describe_fused_launch(self) -> str:
+        return f"over {'/'.join(map(str, self.fused_clusters['clusters']))}-CTA clusters (fake)"
 
     def supports(self, inp: torch.Tensor) -> bool:
         return (

@@ -1,0 +1,93 @@
+"""The cluster-launch check (sgl_kernel_sm120/cluster_check.py) on CPU: switches, the cache, and how a child's
+outcome becomes a verdict. The child itself runs on the GPU (tests/gpu/test_ipc_allreduce.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from sgl_kernel_sm120 import cluster_check
+from sgl_kernel_sm120.cluster_check import ClusterVerdict
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """Replaces the child process: records each run and answers with the verdict set in `answer`."""
+    runs = []
+    answer = {"verdict": ClusterVerdict(True, "clusters of 2, 4, 8 CTAs ran", "checked")}
+
+    def fake(device_index, debug):
+        runs.append((device_index, debug))
+        return answer["verdict"]
+
+    monkeypatch.setattr(cluster_check, "_run_child", fake)
+    return runs, answer
+
+
+def test_switched_off_runs_no_check(tmp_path, children):
+    runs, _ = children
+    env = {cluster_check.SWITCH_ENV: "off", cluster_check.CACHE_ENV: str(tmp_path)}
+    verdict = cluster_check.verdict_for(0, "GPU-a", "/lib.so", env)
+    assert not verdict.ok and verdict.source == "off" and "SGL_SM120_FUSED_CLUSTERS=off" in verdict.reason
+    assert runs == []
+    with pytest.raises(ValueError, match="auto or off"):
+        cluster_check.verdict_for(0, "GPU-a", "/lib.so", {cluster_check.SWITCH_ENV: "maybe"})
+
+
+def test_verdict_is_cached_per_gpu_and_library(tmp_path, children):
+    runs, answer = children
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"x")
+    env = {cluster_check.CACHE_ENV: str(tmp_path / "cache")}
+    first = cluster_check.verdict_for(0, "GPU-a", str(library), env)
+    again = cluster_check.verdict_for(0, "GPU-a", str(library), env)
+    assert first.ok and first.source == "checked" and again.ok and again.source == "cache"
+    assert len(runs) == 1
+    answer["verdict"] = ClusterVerdict(False, "illegal instruction", "checked")
+    other_gpu = cluster_check.verdict_for(1, "GPU-b", str(library), env)
+    assert not other_gpu.ok and len(runs) == 2  # another GPU is checked on its own
+    library.write_bytes(b"rebuilt")  # another build of the library: checked again
+    assert not cluster_check.verdict_for(0, "GPU-a", str(library), env).ok and len(runs) == 3
+    table = json.loads((tmp_path / "cache" / cluster_check.CACHE_FILE).read_text())
+    assert len(table) == 3 and all({"ok", "reason", "when"} <= entry.keys() for entry in table.values())
+
+
+def test_debug_switch_bypasses_the_cache(tmp_path, children):
+    runs, answer = children
+    env = {cluster_check.CACHE_ENV: str(tmp_path), cluster_check.DEBUG_ENV: "trap"}
+    answer["verdict"] = ClusterVerdict(False, "the cluster check failed (exit code 1): launch failure", "debug")
+    assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
+    assert runs == [(0, "trap")]
+    assert not (tmp_path / cluster_check.CACHE_FILE).exists()
+
+
+class _Done:
+    def __init__(self, returncode, stdout="", stderr=""):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.mark.parametrize(
+    "outcome, ok, says",
+    [
+        (_Done(0, 'noise\n{"ok": true, "reason": "clusters of 2, 4, 8 CTAs ran"}\n'), True, "clusters of 2, 4, 8"),
+        (_Done(0, '{"ok": false, "reason": "other bits than one CTA per row"}\n'), False, "other bits"),
+        (_Done(1, "", "Traceback ...\nRuntimeError: CUDA error: an illegal instruction was encountered\n"), False,
+         "exit code 1): Traceback ... RuntimeError: CUDA error: an illegal instruction"),
+        (_Done(-6, "", ""), False, "exit code -6"),
+    ],
+)
+def test_a_child_outcome_becomes_a_verdict(monkeypatch, outcome, ok, says):
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: outcome)
+    verdict = cluster_check._run_child(0, "")
+    assert verdict.ok is ok and says in verdict.reason, verdict
+
+
+def test_a_child_that_hangs_is_no_clusters(monkeypatch):
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout"))
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    verdict = cluster_check._run_child(0, "")
+    assert not verdict.ok and "did not finish" in verdict.reason
