@@ -33,6 +33,8 @@ visible_archs() {  # "9.0a" / "12.0a" / "9.0a;12.0a": one entry per distinct cap
           (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))})))"
 }
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+# Keep what the ranks print (a hanging rank's stack dump above all) in the junit XML that comes back.
+export PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} -o junit_logging=all"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(visible_archs)}
 [ -n "$TORCH_CUDA_ARCH_LIST" ] || { echo "no visible CUDA GPU: set TORCH_CUDA_ARCH_LIST"; exit 1; }
 echo ">>> building for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"

@@ -370,13 +370,19 @@ class IpcAllReduce:
             except Exception:
                 self._release()
                 raise
-        error = None
         try:
-            ops.ws_register_shared(self._handle)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        try:
-            _joint_check(self.group, error, "pinning the host-memory workspace")
+            # One rank at a time. In the GPU run of 2026-12-02 the construction of a 2-rank host-memory workspace
+            # hung on the H200 (rank 0 never reached the unlink below) when every rank pinned the buffer at once;
+            # every earlier run, which passed, had pinned one rank after the other. Which call hung was not seen,
+            # so this ordering is the suspected fix, not a proven one, until the next GPU run.
+            for turn in range(self.world_size):
+                error = None
+                if self.rank == turn:
+                    try:
+                        ops.ws_register_shared(self._handle)
+                    except Exception as exc:
+                        error = f"{type(exc).__name__}: {exc}"
+                _joint_check(self.group, error, f"pinning the host-memory workspace (rank {turn})")
             if self.rank == 0:
                 ops.ws_unlink_shared(self._handle)
             self._agree_launch_limits(ops)
