@@ -939,7 +939,7 @@ def _prepare_overlay_backend(hidden: int) -> dict:
 
     import torch
 
-    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    hd = importlib.import_module("sglang_sm120.hooks.distributed")
     comm = hd.prepare_tp_backend(hd.runtime_server_args(), hidden, torch.bfloat16)
     return comm.describe() if comm is not None else {"active": False, "reason": "no sm120 communicator on the TP group"}
 
@@ -947,7 +947,7 @@ def _prepare_overlay_backend(hidden: int) -> dict:
 def _describe_overlay() -> dict:
     import importlib
 
-    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    hd = importlib.import_module("sglang_sm120.hooks.distributed")
     comm = hd.tp_communicator()
     return comm.describe() if comm is not None else {"active": False}
 

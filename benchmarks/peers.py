@@ -465,7 +465,7 @@ def resolve_islands(d: Dist, arg: str) -> tuple[list[list[int]] | None, str]:
     answer = (None, "auto: flat (world size is not 8)")
     if d.rank == 0 and d.world_size == 8:
         try:
-            topo = importlib.import_module("sglang_sm120.topology")
+            topo = importlib.import_module("sglang_sm120.core.topology")
             t = topo.probe(uuids)
             isl = topo.kernel_islands(t.islands(), d.world_size)
             answer = (isl, f"auto: probed ({t.error or 'ok'})")

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sglang_sm120 import communicator as comm_mod
-from sglang_sm120 import exchange
-from sglang_sm120.config import ByteBound
-from sglang_sm120.facts import group_facts
-from sglang_sm120.gate import GateDecision
+from sglang_sm120.core import exchange
+from sglang_sm120.core.config import ByteBound
+from sglang_sm120.core.facts import group_facts
+from sglang_sm120.core.gate import GateDecision
+from sglang_sm120.runtime import communicator as comm_mod
 from sglang_sm120.testing.fakes import FakeIpcAllReduce
 
 
@@ -281,7 +281,8 @@ def test_failed_build_is_one_disabled_warning_line(fake_kernel_module, caplog):
 
 
 def test_mode_off_is_one_disabled_warning_line(monkeypatch, caplog):
-    from sglang_sm120 import config, hooks_distributed
+    from sglang_sm120.core import config
+    from sglang_sm120.hooks import distributed as hooks_distributed
 
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     monkeypatch.setenv(config.MODE_ENV, "off")
@@ -293,7 +294,8 @@ def test_mode_off_is_one_disabled_warning_line(monkeypatch, caplog):
 
 
 def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkeypatch):
-    from sglang_sm120 import hooks_distributed, hooks_server_info
+    from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import server_info as hooks_server_info
 
     backend = enabled_backend(0, 1, dist.HashStore(), "tp:info")
     assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
@@ -319,7 +321,7 @@ def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkey
 
 def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(fake_kernel_module, monkeypatch,
                                                                                   caplog):
-    from sglang_sm120 import upstream_pcie
+    from sglang_sm120.hooks import upstream_pcie
 
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: True)
@@ -371,7 +373,8 @@ def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostme
 
 
 def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kernel_module, caplog, monkeypatch):
-    from sglang_sm120 import hooks_distributed, hooks_server_info
+    from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import server_info as hooks_server_info
 
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     store = dist.HashStore()
@@ -484,7 +487,8 @@ def test_host_workspace_failure_is_not_retried(fake_kernel_module):
 
 
 def test_attach_reads_the_hostmem_setting(monkeypatch):
-    from sglang_sm120 import config, hooks_distributed
+    from sglang_sm120.core import config
+    from sglang_sm120.hooks import distributed as hooks_distributed
 
     monkeypatch.setenv(config.HOSTMEM_ENV, "off")
     monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)

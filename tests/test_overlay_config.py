@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_sm120 import config
+from sglang_sm120.core import config
 
 
 def test_parse_mode():
@@ -170,7 +170,7 @@ def test_explicit_bound_wins_over_the_derived_cap():
 
 
 def test_bad_environment_stops_the_cli_launch_before_sglang_builds_server_args(monkeypatch, capsys):
-    from sglang_sm120 import hooks_server_args
+    from sglang_sm120.hooks import server_args as hooks_server_args
 
     calls = []
 
@@ -189,7 +189,7 @@ def test_bad_environment_stops_the_cli_launch_before_sglang_builds_server_args(m
 
 
 def test_bad_environment_raises_before_sglang_post_init_runs(monkeypatch):
-    from sglang_sm120 import hooks_server_args
+    from sglang_sm120.hooks import server_args as hooks_server_args
 
     calls = []
     post_init = hooks_server_args.wrap_post_init(lambda self: calls.append(self))

@@ -18,7 +18,7 @@ def test_doctor_without_gpus(monkeypatch, capsys):
 
 
 def test_dispatch_table_matches_the_bound(capsys):
-    from sglang_sm120.config import ByteBound
+    from sglang_sm120.core.config import ByteBound
 
     doctor.dispatch_table(7168, ByteBound(3 * 7168 * 2, "three tokens"))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
@@ -32,7 +32,7 @@ def _quiet_machine(monkeypatch):
 
 
 def test_doctor_reports_a_bad_variable_in_one_line_without_traceback(monkeypatch, capsys):
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     _quiet_machine(monkeypatch)
     monkeypatch.setenv(config.MAX_BYTES_ENV, "abc")
@@ -44,7 +44,7 @@ def test_doctor_reports_a_bad_variable_in_one_line_without_traceback(monkeypatch
 
 
 def test_doctor_shows_mode_off_as_off(monkeypatch, capsys):
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     _quiet_machine(monkeypatch)
     monkeypatch.setenv(config.MODE_ENV, "off")
@@ -77,7 +77,7 @@ def _fake_box(monkeypatch, name, p2p_ok):
 
 
 def test_doctor_gives_geforce_cards_the_host_memory_path(monkeypatch, capsys):
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     monkeypatch.delenv(config.HOSTMEM_ENV, raising=False)
     _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
@@ -91,7 +91,7 @@ def test_doctor_gives_geforce_cards_the_host_memory_path(monkeypatch, capsys):
 
 
 def test_doctor_with_hostmem_off_sends_geforce_cards_to_nccl(monkeypatch, capsys):
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     monkeypatch.setenv(config.HOSTMEM_ENV, "off")
     _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
@@ -127,7 +127,7 @@ def test_doctor_self_test_retries_in_host_memory_after_a_probe_failure(monkeypat
 
 
 def test_doctor_reports_a_bad_hostmem_value_in_one_line(monkeypatch, capsys):
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     _quiet_machine(monkeypatch)
     monkeypatch.setenv(config.HOSTMEM_ENV, "maybe")

@@ -10,9 +10,10 @@ import torch
 pytest.importorskip("sglang")
 
 import sglang_sm120  # noqa: E402
-from sglang_sm120 import hooks_distributed, hooks_fusion  # noqa: E402
-from sglang_sm120.communicator import Sm120Communicator  # noqa: E402
-from sglang_sm120.gate import GateDecision  # noqa: E402
+from sglang_sm120.core.gate import GateDecision  # noqa: E402
+from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
+from sglang_sm120.hooks import fusion as hooks_fusion
+from sglang_sm120.runtime.communicator import Sm120Communicator  # noqa: E402
 from sglang_sm120.testing.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 

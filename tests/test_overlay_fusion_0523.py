@@ -17,7 +17,10 @@ pytestmark = requires_sglang("0.5.23")
 pytest.importorskip("sglang")
 
 import sglang_sm120  # noqa: E402
-from sglang_sm120 import hooks_distributed, hooks_fusion, hooks_v0_5_23, upstream_pcie  # noqa: E402
+from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
+from sglang_sm120.hooks import fusion as hooks_fusion  # noqa: E402
+from sglang_sm120.hooks import upstream_pcie  # noqa: E402
+from sglang_sm120.hooks import v0_5_23 as hooks_v0_5_23  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 from tests.test_overlay_fusion import HIDDEN, WORLD, fake_backend, ints, reference, rmsnorm  # noqa: E402
 

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from sglang_sm120 import gate
-from sglang_sm120.gate import decide
+from sglang_sm120.core import gate
+from sglang_sm120.core.gate import decide
 
 CAPS = {"sm120": (12, 0), "sm121": (12, 1), "hopper": (9, 0), "blackwell_dc": (10, 0)}
 

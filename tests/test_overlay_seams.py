@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("sglang")
 
 import sglang_sm120  # noqa: E402
-from sglang_sm120 import config, plugin, seams  # noqa: E402
+from sglang_sm120 import plugin, seams  # noqa: E402
+from sglang_sm120.core import config  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
@@ -178,7 +179,7 @@ def test_cli_beats_env(overlay, monkeypatch):
 def test_flashinfer_fusion_kept_off_on_sm12x(overlay):
     from types import SimpleNamespace
 
-    from sglang_sm120.hooks_server_args import keep_flashinfer_fusion_off_on_sm120
+    from sglang_sm120.hooks.server_args import keep_flashinfer_fusion_off_on_sm120
 
     args = SimpleNamespace(sm120_allreduce="auto", enable_flashinfer_allreduce_fusion=True)
     assert keep_flashinfer_fusion_off_on_sm120(args, capability=(12, 0))
@@ -297,7 +298,7 @@ def test_locating_a_module_imports_nothing(tmp_path, monkeypatch):
 
 
 def test_upstream_pcie_ipc_is_not_requested_where_sglang_has_none(monkeypatch):
-    from sglang_sm120 import upstream_pcie
+    from sglang_sm120.hooks import upstream_pcie
 
     monkeypatch.setenv(upstream_pcie.ENV, "1")
     assert upstream_pcie.upstream_pcie_ipc_requested() is upstream_pcie.upstream_has_pcie_ipc()

@@ -23,7 +23,10 @@ from tests.sglang_versions import requires_sglang
 pytestmark = requires_sglang("0.5.23")
 pytest.importorskip("sglang")
 
-from sglang_sm120 import config, hooks_distributed, hooks_v0_5_23, seams  # noqa: E402
+from sglang_sm120 import seams  # noqa: E402
+from sglang_sm120.core import config  # noqa: E402
+from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
+from sglang_sm120.hooks import v0_5_23 as hooks_v0_5_23  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,7 +248,7 @@ def test_default_store_falls_back_to_sglangs_tcp_store(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
     from sglang.srt.distributed import utils
 
-    from sglang_sm120 import exchange
+    from sglang_sm120.core import exchange
 
     store = object()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -323,7 +326,7 @@ def test_seams_run_inside_sglangs_own_distributed_init_on_cpu():
         from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
         from sglang.srt.distributed import parallel_state as ps
-        from sglang_sm120 import hooks_distributed
+        from sglang_sm120.hooks import distributed as hooks_distributed
         from sglang_sm120.seams import base
         server_args = ServerArgs(model_path="dummy", device="cpu")
         server_args.resolve_once()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_sm120.topology import islands_from_levels, kernel_islands, link_type
+from sglang_sm120.core.topology import islands_from_levels, kernel_islands, link_type
 
 PIX, PXB, PHB, NODE, SYS = 10, 20, 30, 40, 50
 

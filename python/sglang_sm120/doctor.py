@@ -20,10 +20,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from . import config
-from .facts import gpu_uuid, kernel_error
-from .gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
-from .topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
+from .core import config
+from .core.facts import gpu_uuid, kernel_error
+from .core.gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
+from .core.topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
 
 NCCL_SETTINGS = [
     ("NCCL_P2P_LEVEL", "SYS", "let NCCL use P2P across the CPU interconnect too (large reductions stay on NCCL)"),

@@ -13,10 +13,10 @@ Not patched, on purpose:
 
 from __future__ import annotations
 
-from .. import hooks_distributed as dist_hooks
-from .. import hooks_fusion as fusion_hooks
-from .. import hooks_server_args as args_hooks
-from .. import hooks_server_info as info_hooks
+from ..hooks import distributed as dist_hooks
+from ..hooks import fusion as fusion_hooks
+from ..hooks import server_args as args_hooks
+from ..hooks import server_info as info_hooks
 from .base import Seam
 
 SGLANG_VERSION = "0.5.13.post1"

@@ -14,7 +14,7 @@ import functools
 import logging
 from typing import Any
 
-from .hooks_distributed import tp_communicator
+from .distributed import tp_communicator
 
 logger = logging.getLogger("sglang_sm120")
 

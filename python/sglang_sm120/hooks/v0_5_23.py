@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 import logging
 
-from . import config, upstream_pcie
-from . import hooks_distributed as dist_hooks
+from ..core import config
+from . import distributed as dist_hooks
+from . import upstream_pcie
 
 logger = logging.getLogger("sglang_sm120")
 

@@ -26,7 +26,7 @@ SET_ASIDE_ATTR = "_sm120_set_aside_pcie_ipc_comm"
 
 def upstream_has_pcie_ipc() -> bool:
     """Whether the installed SGLang has its own PCIe-IPC all-reduce (located, not imported)."""
-    from .seams.base import find_module_spec
+    from ..seams.base import find_module_spec
 
     try:
         return find_module_spec(UPSTREAM_MODULE) is not None
@@ -49,7 +49,7 @@ def upstream_pcie_ipc_requested() -> bool:
 def set_aside_upstream(group) -> bool:
     """After our gate resolved on `group`: take SGLang's PCIe-IPC communicator off it if ours is enabled.
     Returns True if it did. Every rank reaches the same answer (the gate is agreed)."""
-    from .hooks_distributed import group_communicator
+    from .distributed import group_communicator
 
     comm = group_communicator(group)
     upstream = getattr(group, "pcie_ipc_comm", None)
@@ -70,7 +70,7 @@ def restore_upstream_if_ours_failed(group, failed: bool = False) -> bool:
     """After our build attempt: if our workspace could not be built (or preparing it raised: `failed`), hand
     the group back to SGLang's PCIe-IPC communicator, before SGLang's own pre-capture step, which then builds
     it. Returns True if it did."""
-    from .hooks_distributed import group_communicator
+    from .distributed import group_communicator
 
     upstream = getattr(group, SET_ASIDE_ATTR, None)
     comm = group_communicator(group)

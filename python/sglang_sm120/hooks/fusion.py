@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .hooks_distributed import tp_communicator
+from .distributed import tp_communicator
 
 logger = logging.getLogger("sglang_sm120")
 

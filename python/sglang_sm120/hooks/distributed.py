@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from . import config
-from .communicator import Sm120Communicator, activation_line
+from ..core import config
+from ..runtime.communicator import Sm120Communicator, activation_line
 
 logger = logging.getLogger("sglang_sm120")
 

@@ -30,11 +30,11 @@ import torch
 from sgl_kernel_sm120.errors import IpcAllReduceProbeError
 from sgl_kernel_sm120.variants import describe_schedule
 
-from . import exchange
-from .config import HOSTMEM_ENV, ByteBound
-from .facts import group_facts, local_facts
-from .gate import GateDecision, decide
-from .topology import kernel_islands, probe
+from ..core import exchange
+from ..core.config import HOSTMEM_ENV, ByteBound
+from ..core.facts import group_facts, local_facts
+from ..core.gate import GateDecision, decide
+from ..core.topology import kernel_islands, probe
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -52,7 +52,7 @@ def upstream_pcie_note(enabled: bool) -> str:
     """What the activation line says about SGLang's own PCIe-IPC all-reduce (0.5.23+, opt-in) when it was asked
     for: with ours enabled, ours takes the group and upstream's workspace is not built (upstream_pcie.py)."""
     try:
-        from .upstream_pcie import ENV, upstream_pcie_ipc_requested
+        from ..hooks.upstream_pcie import ENV, upstream_pcie_ipc_requested
 
         if not upstream_pcie_ipc_requested():
             return ""

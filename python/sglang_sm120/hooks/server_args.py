@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 
-from . import config
+from ..core import config
 
 logger = logging.getLogger("sglang_sm120")
 
