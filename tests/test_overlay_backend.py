@@ -326,14 +326,15 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: True)
     backend = enabled_backend(0, 1, dist.HashStore(), "tp:coexist")
+    backend.upstream_note = upstream_pcie.activation_note  # what hooks/distributed.attach gives every backend
     assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
     line = _warnings(caplog)[-1]
     assert "ENABLED" in line and "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set too" in line, line
     assert "PCIe-IPC workspace is not built" in line, line
-    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P").endswith(
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set: SGLang's own PCIe-IPC all-reduce is used")
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
-    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P").endswith(
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLang's own all-reduce paths are used")
 
 
@@ -489,13 +490,15 @@ def test_host_workspace_failure_is_not_retried(fake_kernel_module):
 def test_attach_reads_the_hostmem_setting(monkeypatch):
     from sglang_sm120.core import config
     from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import upstream_pcie
 
     monkeypatch.setenv(config.HOSTMEM_ENV, "off")
     monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
-    monkeypatch.setattr(comm_mod.exchange, "default_store", lambda: None)
+    monkeypatch.setattr(hooks_distributed, "default_store", lambda: None)
     class Group:  # the communicator keeps a weak reference to its GroupCoordinator
         unique_name, world_size, rank_in_group, ranks, cpu_group = "tp:0", 2, 1, [0, 1], None
         device = torch.device("cuda", 0)
 
     comm = hooks_distributed.attach(Group())
     assert comm is not None and comm.hostmem == "off"
+    assert comm.upstream_note is upstream_pcie.activation_note

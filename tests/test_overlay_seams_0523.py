@@ -248,8 +248,6 @@ def test_default_store_falls_back_to_sglangs_tcp_store(monkeypatch):
     import torch.distributed.distributed_c10d as c10d
     from sglang.srt.distributed import utils
 
-    from sglang_sm120.core import exchange
-
     store = object()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
 
@@ -258,7 +256,7 @@ def test_default_store_falls_back_to_sglangs_tcp_store(monkeypatch):
 
     monkeypatch.setattr(c10d, "_get_default_store", no_default_store)
     monkeypatch.setattr(utils, "get_global_tcp_store", lambda: store)
-    assert exchange.default_store() is store
+    assert hooks_distributed.default_store() is store
 
 
 def test_tp_communicator_uses_the_runtime_tp_group(monkeypatch):

@@ -41,26 +41,6 @@ class AgreementFailed(RuntimeError):
     pass
 
 
-def default_store():
-    """The store of the default process group (the one SGLang's `init_distributed_environment` made)."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:  # private API: degrade to SGLang's global TCP store when it moves
-        # The accessor exists in every supported release (0.5.23 no longer has the module global).
-        try:
-            from sglang.srt.distributed.utils import get_global_tcp_store
-
-            return get_global_tcp_store()
-        except Exception:
-            return None
-
-
 def next_prefix(scope: str, rank: int) -> str:
     """A key prefix for `rank`'s n-th exchange in `scope`. Ranks make the same exchanges in the same order,
     so the n-th exchange gets the same prefix on every rank without communicating. (Counted per rank, not

@@ -15,10 +15,11 @@ import torch
 
 from ..core import config
 from ..runtime.communicator import Sm120Communicator, activation_line
+from ..runtime.registry import group_communicator, set_group_communicator
+from . import upstream_pcie
 
 logger = logging.getLogger("sglang_sm120")
 
-ATTR = "sm120_comm"
 TP_GROUP_NAME = "tp"
 
 
@@ -45,8 +46,25 @@ def runtime_server_args():
         return None
 
 
-def group_communicator(group) -> Sm120Communicator | None:
-    return getattr(group, ATTR, None)
+def default_store():
+    """The store of the default process group (the one SGLang's `init_distributed_environment` made), which the
+    backend's agreements run over; None before torch.distributed is set up."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # private API: degrade to SGLang's global TCP store when it moves
+        # The accessor exists in every supported release (0.5.23 no longer has the module global).
+        try:
+            from sglang.srt.distributed.utils import get_global_tcp_store
+
+            return get_global_tcp_store()
+        except Exception:
+            return None
 
 
 def tp_communicator() -> Sm120Communicator | None:
@@ -89,7 +107,8 @@ def attach(group) -> Sm120Communicator | None:
     if settings.mode == "off":
         if group.rank_in_group == 0:
             logger.warning("%s", activation_line(False, group.unique_name, group.world_size, "off",
-                                                 "mode off (--sm120-allreduce / SGLANG_SM120_ALLREDUCE)"))
+                                                 "mode off (--sm120-allreduce / SGLANG_SM120_ALLREDUCE)",
+                                                 upstream_pcie.activation_note(False)))
         return None
     comm = Sm120Communicator.for_group(
         group,
@@ -97,6 +116,8 @@ def attach(group) -> Sm120Communicator | None:
         deterministic=deterministic_inference(server_args),
         timeout_s=config.agreement_timeout_s(),
         hostmem=config.hostmem_from_env(),
+        store=default_store(),
+        upstream_note=upstream_pcie.activation_note,
     )
     comm.resolve_gate()
     return comm
@@ -106,9 +127,9 @@ def wrap_group_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        setattr(self, ATTR, None)
+        set_group_communicator(self, None)
         try:
-            setattr(self, ATTR, attach(self))
+            set_group_communicator(self, attach(self))
         except Exception:
             # attach() handles its own collective failures; reaching here is a bug. Say so loudly; this rank
             # stays on NCCL and the peers' agreement rounds time out into the same answer.
@@ -170,7 +191,7 @@ def _must_use_original(inp: torch.Tensor) -> bool:
 def wrap_group_all_reduce(original):
     @functools.wraps(original)
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        comm = getattr(self, ATTR, None)
+        comm = group_communicator(self)
         if comm is None or comm.comm is None:
             return original(self, input_)
         # Checked before SGLang's own dispatch on purpose: on NVLink machines SGLang enables
@@ -186,10 +207,10 @@ def wrap_group_all_reduce(original):
 def wrap_group_destroy(original):
     @functools.wraps(original)
     def destroy(self):
-        comm = getattr(self, ATTR, None)
+        comm = group_communicator(self)
         if comm is not None:
             comm.close()  # before the gloo group the workspace was built over goes away
-            setattr(self, ATTR, None)
+            set_group_communicator(self, None)
         return original(self)
 
     return destroy

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import logging
 
+from ..runtime.registry import group_communicator
+from .installed import find_module_spec
+
 logger = logging.getLogger("sglang_sm120")
 
 ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
@@ -26,8 +29,6 @@ SET_ASIDE_ATTR = "_sm120_set_aside_pcie_ipc_comm"
 
 def upstream_has_pcie_ipc() -> bool:
     """Whether the installed SGLang has its own PCIe-IPC all-reduce (located, not imported)."""
-    from ..seams.base import find_module_spec
-
     try:
         return find_module_spec(UPSTREAM_MODULE) is not None
     except (ImportError, ValueError):
@@ -46,11 +47,23 @@ def upstream_pcie_ipc_requested() -> bool:
     return bool(envs.SGLANG_ENABLE_PCIE_IPC_ALLREDUCE.get())
 
 
+def activation_note(enabled: bool) -> str:
+    """What the activation line says about SGLang's own PCIe-IPC all-reduce when it was asked for: with ours
+    enabled, ours takes the group and upstream's workspace is not built; with ours off, upstream's is used."""
+    try:
+        if not upstream_pcie_ipc_requested():
+            return ""
+    except Exception as exc:  # reading SGLang's env registry failed: say so rather than guess
+        return f"; could not tell whether SGLang's own PCIe-IPC all-reduce was requested ({exc})"
+    if enabled:
+        return (f"; {ENV} is set too: the sm120 backend takes the TP group's all-reduces (it also fuses the "
+                "residual-add + RMSNorm) and SGLang's PCIe-IPC workspace is not built")
+    return f"; {ENV} is set: SGLang's own PCIe-IPC all-reduce is used"
+
+
 def set_aside_upstream(group) -> bool:
     """After our gate resolved on `group`: take SGLang's PCIe-IPC communicator off it if ours is enabled.
     Returns True if it did. Every rank reaches the same answer (the gate is agreed)."""
-    from .distributed import group_communicator
-
     comm = group_communicator(group)
     upstream = getattr(group, "pcie_ipc_comm", None)
     if comm is None or not comm.gate_enabled or upstream is None:
@@ -70,8 +83,6 @@ def restore_upstream_if_ours_failed(group, failed: bool = False) -> bool:
     """After our build attempt: if our workspace could not be built (or preparing it raised: `failed`), hand
     the group back to SGLang's PCIe-IPC communicator, before SGLang's own pre-capture step, which then builds
     it. Returns True if it did."""
-    from .distributed import group_communicator
-
     upstream = getattr(group, SET_ASIDE_ATTR, None)
     comm = group_communicator(group)
     if upstream is None or comm is None or comm.active or not (comm.build_attempted or failed):

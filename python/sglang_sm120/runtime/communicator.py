@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,28 +49,13 @@ def transport_text(memory: str | None) -> str:
     return TRANSPORTS.get(memory or "", f"unknown ({memory!r})")
 
 
-def upstream_pcie_note(enabled: bool) -> str:
-    """What the activation line says about SGLang's own PCIe-IPC all-reduce (0.5.23+, opt-in) when it was asked
-    for: with ours enabled, ours takes the group and upstream's workspace is not built (upstream_pcie.py)."""
-    try:
-        from ..hooks.upstream_pcie import ENV, upstream_pcie_ipc_requested
-
-        if not upstream_pcie_ipc_requested():
-            return ""
-    except Exception as exc:  # reading SGLang's env registry failed: say so rather than guess
-        return f"; could not tell whether SGLang's own PCIe-IPC all-reduce was requested ({exc})"
-    if enabled:
-        return (f"; {ENV} is set too: the sm120 backend takes the TP group's all-reduces (it also fuses the "
-                "residual-add + RMSNorm) and SGLang's PCIe-IPC workspace is not built")
-    return f"; {ENV} is set: SGLang's own PCIe-IPC all-reduce is used"
-
-
-def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str) -> str:
+def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str, note: str = "") -> str:
     """The one line (WARNING, rank 0) that says at server start whether the backend serves this TP group. It is
     a warning on purpose: launchers show SGLang's INFO lines only once its logging is set up, and a user must be
-    able to see which all-reduce runs without raising the log level."""
+    able to see which all-reduce runs without raising the log level. `note`: what the hooks add about SGLang's
+    own PCIe-IPC all-reduce (hooks/upstream_pcie.py, `activation_note`); empty when it was not asked for."""
     state = "ENABLED" if enabled else "DISABLED"
-    tail = upstream_pcie_note(enabled) or ("" if enabled else "; SGLang's own all-reduce paths are used")
+    tail = note or ("" if enabled else "; SGLang's own all-reduce paths are used")
     head = f"sglang_sm120: sm120 IPC all-reduce {state} for TP group {group} ({world_size} ranks, mode {mode})"
     return f"{head}: {detail}{tail}"
 
@@ -95,6 +81,7 @@ class Sm120Communicator:
         store: Any = None,
         group_coordinator: Any = None,
         hostmem: str = "auto",
+        upstream_note: Callable[[bool], str] | None = None,
     ):
         self.name = name
         self.ranks = list(ranks)
@@ -108,6 +95,8 @@ class Sm120Communicator:
         self.store = store
         self.hostmem = hostmem  # "auto" | "off": may a group without working P2P use host memory?
         self._group_ref = weakref.ref(group_coordinator) if group_coordinator is not None else None
+        # enabled -> what the activation line adds about SGLang's own PCIe-IPC all-reduce (given by the hooks).
+        self.upstream_note = upstream_note or _no_note
 
         self.decision: GateDecision | None = None
         self.uuids: list[str | None] = []
@@ -134,8 +123,10 @@ class Sm120Communicator:
     # ------------------------------------------------------------------------------------------------------
     @classmethod
     def for_group(
-        cls, group, mode: str, deterministic: bool, timeout_s: float, hostmem: str = "auto"
+        cls, group, mode: str, deterministic: bool, timeout_s: float, hostmem: str = "auto", *, store: Any = None,
+        upstream_note: Callable[[bool], str] | None = None,
     ) -> Sm120Communicator:
+        """The backend of a GroupCoordinator-like `group`; `store`: the c10d store the ranks agree over."""
         return cls(
             name=group.unique_name,
             ranks=list(group.ranks),
@@ -146,9 +137,10 @@ class Sm120Communicator:
             mode=mode,
             deterministic=deterministic,
             timeout_s=timeout_s,
-            store=exchange.default_store(),
+            store=store,
             group_coordinator=group,
             hostmem=hostmem,
+            upstream_note=upstream_note,
         )
 
     @property
@@ -169,6 +161,9 @@ class Sm120Communicator:
     def _agree(self, step: str, payload: Any) -> list[Any]:
         prefix = exchange.next_prefix(self._scope(step), self.rank_in_group)
         return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload, self.timeout_s)
+
+    def _activation_line(self, enabled: bool, detail: str) -> str:
+        return activation_line(enabled, self.name, self.world_size, self.mode, detail, self.upstream_note(enabled))
 
     def _log_rank0(self, level: int, message: str, *args) -> None:
         if self.rank_in_group == 0:
@@ -211,7 +206,7 @@ class Sm120Communicator:
             )
         else:
             self._log_rank0(
-                logging.WARNING, "%s", activation_line(False, self.name, self.world_size, self.mode, decision.reason)
+                logging.WARNING, "%s", self._activation_line(False, decision.reason)
             )
         return decision
 
@@ -301,8 +296,7 @@ class Sm120Communicator:
         self.max_bytes = max_numel * element_size
         self.max_fused_tokens = max_numel // int(hidden_size)
         self.bound_explanation = bound.explanation
-        self._log_rank0(logging.WARNING, "%s", activation_line(True, self.name, self.world_size, self.mode,
-                                                                self.serving_summary()))
+        self._log_rank0(logging.WARNING, "%s", self._activation_line(True, self.serving_summary()))
         return True
 
     def serving_summary(self) -> str:
@@ -367,7 +361,7 @@ class Sm120Communicator:
         self.memory = None
         # Every rank keeps its own view in its log; the user-facing verdict is one line, from rank 0.
         logger.info("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
-        self._log_rank0(logging.WARNING, "%s", activation_line(False, self.name, self.world_size, self.mode, reason))
+        self._log_rank0(logging.WARNING, "%s", self._activation_line(False, reason))
         return False
 
     # ------------------------------------------------------------------------------------------------------
@@ -434,6 +428,10 @@ class Sm120Communicator:
             "stats": dict(self.stats),
             "device_calls": self.device_calls(),
         }
+
+
+def _no_note(enabled: bool) -> str:
+    return ""
 
 
 def _failure_detail(failed: dict[int, dict[str, Any]]) -> str:
