@@ -20,7 +20,6 @@ import sglang_sm120  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion  # noqa: E402
 from sglang_sm120.hooks import upstream_pcie  # noqa: E402
-from sglang_sm120.hooks import v0_5_23 as hooks_v0_5_23  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 from tests.test_overlay_fusion import HIDDEN, WORLD, fake_backend, ints, reference, rmsnorm  # noqa: E402
 
@@ -312,7 +311,7 @@ def test_ours_disabled_leaves_upstream_untouched(monkeypatch):
     def original_init(self, name):
         self.unique_name, self.pcie_ipc_comm = name, upstream
 
-    init = hooks_v0_5_23.wrap_group_init(original_init)
+    init = hooks_distributed.wrap_group_init_with_upstream_pcie(original_init)
     for gate_enabled in (None, False):
         if gate_enabled is None:
             monkeypatch.setattr(hooks_distributed, "attach", lambda g: None)  # mode off, or not a TP group

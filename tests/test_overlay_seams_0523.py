@@ -26,7 +26,7 @@ pytest.importorskip("sglang")
 from sglang_sm120 import seams  # noqa: E402
 from sglang_sm120.core import config  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
-from sglang_sm120.hooks import v0_5_23 as hooks_v0_5_23  # noqa: E402
+from sglang_sm120.hooks import server_args as hooks_server_args  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +156,7 @@ def test_bad_env_value_fails_at_resolution_naming_the_variable(overlay, monkeypa
 
 def test_resolve_once_wrapper_leaves_a_sealed_record_alone(clean_env):
     calls = []
-    resolve_once = hooks_v0_5_23.wrap_resolve_once(lambda self: calls.append("original"))
+    resolve_once = hooks_server_args.wrap_resolve_once(lambda self: calls.append("original"))
     sealed = SimpleNamespace(_resolution_finished=True)
     resolve_once(sealed)
     assert calls == ["original"] and not hasattr(sealed, config.MODE_ATTR)
@@ -184,7 +184,7 @@ def test_flashinfer_fusion_declared_off_on_sm12x(clean_env, capability, mode, re
 
     server_args = ServerArgs(model_path="dummy", flashinfer_allreduce_fusion_backend=requested)
     setattr(server_args, config.MODE_ATTR, mode)
-    changed = hooks_v0_5_23.keep_flashinfer_fusion_off_on_sm12x(server_args, capability=capability)
+    changed = hooks_server_args.keep_flashinfer_fusion_off_on_sm12x(server_args, capability=capability)
     assert resolution_result(server_args, "flashinfer_allreduce_fusion_backend") == expected
     assert changed == (requested is not None and expected is None)
     assert server_args.flashinfer_allreduce_fusion_backend == requested  # the operator's input is not written
@@ -196,7 +196,7 @@ def test_fusion_switch_inside_sglangs_resolution_pipeline(overlay, monkeypatch, 
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.server_args import ServerArgs
 
-    monkeypatch.setattr(hooks_v0_5_23, "_device_capability", lambda: capability)
+    monkeypatch.setattr(hooks_server_args, "_device_capability", lambda: capability)
     server_args = ServerArgs(
         model_path=tiny_model, device="cpu", skip_tokenizer_init=True, flashinfer_allreduce_fusion_backend="trtllm"
     )
@@ -208,7 +208,7 @@ def test_deprecated_fusion_flag_is_also_switched_off_on_sm12x(overlay, monkeypat
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.server_args import ServerArgs
 
-    monkeypatch.setattr(hooks_v0_5_23, "_device_capability", lambda: (12, 0))
+    monkeypatch.setattr(hooks_server_args, "_device_capability", lambda: (12, 0))
     server_args = ServerArgs(model_path=tiny_model, device="cpu", skip_tokenizer_init=True,
                              enable_flashinfer_allreduce_fusion=True)
     server_args.resolve_once()

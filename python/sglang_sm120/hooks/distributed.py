@@ -4,6 +4,11 @@ version's seam table (`seams/v*.py`) says where they go.
 
 Patching the class methods (not the free `tensor_model_parallel_all_reduce`) matters: model code such as
 `models/deepseek_v2.py` imports that free function by name, but every path ends in `GroupCoordinator.all_reduce`.
+
+SGLang 0.5.23 (last section): the pre-capture hook moved to `BaseRunner` (self is the runner), and the batch
+bound is SGLang's own row count `BaseRunner._widest_decode_rows()` (the old cuda_graph_max_bs / cuda_graph_bs
+fields are gone); `GroupCoordinator.__init__` also builds SGLang's own PCIe-IPC communicator when asked to,
+which ours sets aside (upstream_pcie.py says why).
 """
 
 from __future__ import annotations
@@ -273,6 +278,62 @@ def wrap_pre_capture(original):
             prepare_tp_backend(self.server_args, int(self.model_config.hidden_size), self.dtype)
         except Exception:
             logger.exception("sglang_sm120: preparing the sm120 workspace failed; all-reduces stay on NCCL")
+        return result
+
+    return _pre_initialize_flashinfer_allreduce_workspace
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SGLang 0.5.23: the runner's pre-capture hook, and SGLang's own PCIe-IPC all-reduce beside ours
+
+
+def wrap_group_init_with_upstream_pcie(original):
+    """The shared GroupCoordinator.__init__ hook (gate agreement for the TP group), then the coexistence rule
+    with SGLang's PCIe-IPC all-reduce."""
+    attach_init = wrap_group_init(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        attach_init(self, *args, **kwargs)
+        try:
+            upstream_pcie.set_aside_upstream(self)
+        except Exception:
+            logger.exception("sglang_sm120 [%s]: deciding between SGLang's PCIe-IPC all-reduce and ours failed",
+                             getattr(self, "unique_name", "?"))
+
+    return __init__
+
+
+def wrap_runner_pre_capture(original):
+    """BaseRunner._pre_initialize_flashinfer_allreduce_workspace: runs once per model runner in its warm-up,
+    before any CUDA graph of that runner is captured, on every rank, and before SGLang's own PCIe-IPC step."""
+
+    @functools.wraps(original)
+    def _pre_initialize_flashinfer_allreduce_workspace(self):
+        result = original(self)
+        model_runner = self.model_runner
+        # The first build is final (captured graphs keep its pointers), so it is sized from the target
+        # model's widest decode/verify reduction, never from a draft model's narrower one. The draft warms up
+        # after the target; if it ever came first it would simply run on NCCL until the target builds.
+        if getattr(model_runner, "is_draft_worker", False):
+            return result
+        failed = False
+        try:
+            prepare_tp_backend(
+                model_runner.server_args,
+                int(model_runner.model_config.hidden_size),
+                model_runner.dtype,
+                decode_rows=self._widest_decode_rows(),
+            )
+        except Exception:
+            failed = True  # same inputs on every rank, so every rank fails here together
+            logger.exception("sglang_sm120: preparing the sm120 workspace failed; all-reduces stay on NCCL")
+        try:
+            from sglang.srt.distributed import parallel_state
+
+            upstream_pcie.restore_upstream_if_ours_failed(parallel_state.get_tp_group(), failed=failed)
+        except Exception:
+            logger.exception("sglang_sm120: handing the TP group back to SGLang's PCIe-IPC all-reduce failed")
         return result
 
     return _pre_initialize_flashinfer_allreduce_workspace
