@@ -44,9 +44,9 @@ for _p in (_ROOT / "python", _ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import format_bytes, parse_int_list, parse_size  # noqa: E402
-from benchmarks.schema import NO_P2P_TARGETS, crossover_bytes, evaluate_targets, validate_allreduce_doc  # noqa: E402
+from benchmarks.harness import common  # noqa: E402
+from benchmarks.harness.common import format_bytes, parse_int_list, parse_size  # noqa: E402
+from benchmarks.harness.schema import NO_P2P_TARGETS, crossover_bytes, evaluate_targets, validate_allreduce_doc  # noqa: E402
 
 HIDDEN = 7168
 EPS = 1e-6

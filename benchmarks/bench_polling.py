@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+from benchmarks.harness import common
 
 WORLDS = (8, 2)
 HIDDEN = 7168

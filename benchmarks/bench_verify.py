@@ -4,8 +4,9 @@
     torchrun --nproc-per-node N benchmarks/bench_verify.py [--config kimi_k25] [--backend both|NAME[,NAME...]]
              [--compute none|gemm|none,gemm] [--tokens 1,2,3,4,8,16,32,64] [--via-sglang] [--no-p2p] [--out DIR]
 
-One graph per (backend, compute, T) holds one whole forward of the model in ``benchmarks/configs/<config>.json``
-(the op list comes from ``verify_pattern.build_verify_pattern``; Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
+One graph per (backend, compute, T) holds one whole forward of the model in
+``benchmarks/workloads/configs/<config>.json`` (the op list comes from ``verify_pattern.build_verify_pattern``;
+Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
 
 - ``nccl``: what SGLang runs on SM120 today: every all-reduce is NCCL (in place), and every norm after one is
   one fused add + RMSNorm kernel (sgl_kernel's or FlashInfer's if they work here, else our Triton kernel).
@@ -45,10 +46,11 @@ for _p in (_ROOT / "python", _ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from benchmarks import common, sglang_compat  # noqa: E402
-from benchmarks import verify_pattern as vp  # noqa: E402
-from benchmarks.common import parse_int_list, short_exc  # noqa: E402
-from benchmarks.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+from benchmarks.harness import common  # noqa: E402
+from benchmarks.harness.common import parse_int_list, short_exc  # noqa: E402
+from benchmarks.harness.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+from benchmarks.workloads import sglang_compat  # noqa: E402
+from benchmarks.workloads import verify_pattern as vp  # noqa: E402
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 
@@ -65,7 +67,7 @@ FINAL_REL_TOL = 0.05
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="kimi_k25",
-                   help=f"name in benchmarks/configs ({', '.join(vp.available_configs())}) or a JSON path")
+                   help=f"name in benchmarks/workloads/configs ({', '.join(vp.available_configs())}) or a JSON path")
     p.add_argument("--backend", default="both",
                    help=f"both | comma list of {', '.join(BACKENDS)}; both = nccl,sm120 (--no-p2p: "
                         "nccl_no_p2p,sm120_hostmem)")

@@ -43,7 +43,7 @@ def _fake_kernel_module():
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import reference_add_rmsnorm
+    from benchmarks.harness.common import reference_add_rmsnorm
 
     mod = types.ModuleType("sgl_kernel_sm120")
 
@@ -139,7 +139,7 @@ def install_fakes() -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks import common
+    from benchmarks.harness import common
 
     sys.modules["sgl_kernel_sm120"] = _fake_kernel_module()
     torch.cuda.Event = _FakeEvent

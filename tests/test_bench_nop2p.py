@@ -12,10 +12,10 @@ import types
 
 import pytest
 
-from benchmarks import common, schema
+from benchmarks.harness import common, schema
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.9", "world_size": 2}
-TRITON = "triton (benchmarks/triton_add_rmsnorm.py)"
+TRITON = "triton (benchmarks/harness/triton_add_rmsnorm.py)"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import verify_pattern as vp
+from benchmarks.workloads import verify_pattern as vp
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from benchmarks import sglang_compat  # noqa: E402
+from benchmarks.workloads import sglang_compat  # noqa: E402
 from tests.sglang_versions import installed_sglang  # noqa: E402
 
 

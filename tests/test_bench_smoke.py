@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from benchmarks import cpu_smoke, schema  # noqa: E402
+from benchmarks import cpu_smoke
+from benchmarks.harness import schema  # noqa: E402
 
 
 def _run(which, argv, timeout_s=240):

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from benchmarks import triton_add_rmsnorm as k
-    from benchmarks.common import reference_add_rmsnorm
+    from benchmarks.harness import triton_add_rmsnorm as k
+    from benchmarks.harness.common import reference_add_rmsnorm
 
     g = torch.Generator().manual_seed(0)
     for rows, hidden in ((1, 7168), (3, 1000), (4, 1024)):

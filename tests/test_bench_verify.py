@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from benchmarks import bench_verify as bv  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks import verify_pattern as vp  # noqa: E402
+from benchmarks.harness import common  # noqa: E402
+from benchmarks.workloads import verify_pattern as vp  # noqa: E402
 
 
 class Exchange:

@@ -59,7 +59,8 @@ def test_verify_tiny_config_two_gpus(tmp_path):
     assert len(files) == 1, log
     doc = json.loads(files[0].read_text())
 
-    from benchmarks import bench_verify, schema
+    from benchmarks import bench_verify
+    from benchmarks.harness import schema
 
     schema.validate_verify_doc(doc)
     assert doc["complete"] is True, doc.get("notes")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import NCCL_NO_P2P, Dist, install_sglang_standins, nccl_label_error, short_exc
+from benchmarks.harness.common import NCCL_NO_P2P, Dist, install_sglang_standins, nccl_label_error, short_exc
 
 RETRY_NUMEL = 4 << 20  # elements (8 MB of bf16)
 

@@ -117,7 +117,7 @@ def available_configs() -> list[str]:
 
 
 def load_config(name_or_path: str) -> ModelConfig:
-    """Load ``benchmarks/configs/<name>.json`` or a JSON file path."""
+    """Load ``benchmarks/workloads/configs/<name>.json`` or a JSON file path."""
     path = Path(name_or_path)
     if not path.suffix:
         path = CONFIG_DIR / f"{name_or_path}.json"

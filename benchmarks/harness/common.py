@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SCHEMA_VERSION = 1
 
@@ -742,8 +742,8 @@ def _norm_candidates() -> list[tuple[str, Callable[[], NormKernel]]]:
 
     def triton_():
         setup_import_paths()
-        mod = importlib.import_module("benchmarks.triton_add_rmsnorm")
-        return NormKernel("triton (benchmarks/triton_add_rmsnorm.py)", mod.fused_add_rmsnorm, mod.rmsnorm)
+        mod = importlib.import_module("benchmarks.harness.triton_add_rmsnorm")
+        return NormKernel("triton (benchmarks/harness/triton_add_rmsnorm.py)", mod.fused_add_rmsnorm, mod.rmsnorm)
 
     return [("sgl_kernel", sgl), ("flashinfer", flashinfer), ("triton", triton_), ("torch", torch_norm_kernel)]
 
