@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from benchmarks.harness import common, schema
+from benchmarks.harness import io, nccl_mode, schema
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.9", "world_size": 2}
 TRITON = "triton (benchmarks/harness/triton_add_rmsnorm.py)"
@@ -23,12 +23,12 @@ TRITON = "triton (benchmarks/harness/triton_add_rmsnorm.py)"
 
 
 def test_nccl_label_error():
-    assert common.nccl_label_error(["nccl", "sm120"], no_p2p=False) is None
-    assert common.nccl_label_error(["nccl_no_p2p", "sm120_hostmem"], no_p2p=True) is None
-    assert common.nccl_label_error(["sm120_hostmem"], no_p2p=False) is None  # ours via host memory: any mode
-    why = common.nccl_label_error(["nccl"], no_p2p=True)
+    assert nccl_mode.nccl_label_error(["nccl", "sm120"], no_p2p=False) is None
+    assert nccl_mode.nccl_label_error(["nccl_no_p2p", "sm120_hostmem"], no_p2p=True) is None
+    assert nccl_mode.nccl_label_error(["sm120_hostmem"], no_p2p=False) is None  # ours via host memory: any mode
+    why = nccl_mode.nccl_label_error(["nccl"], no_p2p=True)
     assert "nccl_no_p2p" in why and "NCCL_P2P_DISABLE=1" in why
-    why = common.nccl_label_error(["sm120", "nccl_no_p2p"], no_p2p=False)
+    why = nccl_mode.nccl_label_error(["sm120", "nccl_no_p2p"], no_p2p=False)
     assert "--no-p2p" in why and "once per process" in why
 
 
@@ -136,23 +136,23 @@ def test_sm120_hostmem_needs_the_host_transport(monkeypatch):
 
 def test_prepare_no_p2p_sets_the_env_before_nccl():
     env = {"NCCL_P2P_DISABLE": "0", "PATH": "/bin"}
-    mode = common.prepare_nccl_mode(True, True, env, nccl_started=False)
+    mode = nccl_mode.prepare_nccl_mode(True, True, env, nccl_started=False)
     try:
         assert env["NCCL_P2P_DISABLE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_DEBUG"] == "INFO"
         assert env["NCCL_DEBUG_FILE"].endswith("nccl.%p.log") and "%h" not in env["NCCL_DEBUG_FILE"]
         assert mode["mode"] == "no_p2p" and mode["no_p2p"] is True
         assert mode["env_before"]["NCCL_P2P_DISABLE"] == "0" and mode["env_before"]["NCCL_DEBUG"] is None
         assert mode["env_at_init"]["NCCL_P2P_DISABLE"] == "1" and "PATH" not in mode["env_at_init"]
-        public = common.public_nccl_mode(mode)
+        public = nccl_mode.public_nccl_mode(mode)
         assert "_debug_file" not in public and public["set_by_benchmark"]["NCCL_P2P_DISABLE"] == "1"
     finally:
-        common.cleanup_nccl_log(mode)
+        nccl_mode.cleanup_nccl_log(mode)
     assert not os.path.exists(os.path.dirname(mode["_debug_file"]))
 
 
 def test_prepare_no_p2p_leaves_a_callers_debug_settings():
     env = {"NCCL_DEBUG": "WARN", "NCCL_NVLS_ENABLE": "0"}
-    mode = common.prepare_nccl_mode(True, True, env, nccl_started=False)
+    mode = nccl_mode.prepare_nccl_mode(True, True, env, nccl_started=False)
     assert env == {"NCCL_DEBUG": "WARN", "NCCL_NVLS_ENABLE": "0", "NCCL_P2P_DISABLE": "1"}
     assert mode["_debug_file"] is None and "not collected" in mode["transport_log"]
 
@@ -165,17 +165,17 @@ def test_prepare_no_p2p_leaves_a_callers_debug_settings():
 def test_prepare_no_p2p_refusals(env, started, says):
     before = dict(env)
     with pytest.raises(ValueError, match=says):
-        common.prepare_nccl_mode(True, True, env, nccl_started=started)
+        nccl_mode.prepare_nccl_mode(True, True, env, nccl_started=started)
     assert env == before  # nothing set when it refuses
 
 
 def test_default_mode_refuses_a_p2p_free_nccl_named_nccl():
     for env in ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_DISABLE": "0x1"}, {"NCCL_P2P_LEVEL": "LOC"}):
         with pytest.raises(ValueError, match="--no-p2p"):
-            common.prepare_nccl_mode(False, True, dict(env), nccl_started=False)
-        mode = common.prepare_nccl_mode(False, False, dict(env), nccl_started=False)  # no NCCL result: allowed
+            nccl_mode.prepare_nccl_mode(False, True, dict(env), nccl_started=False)
+        mode = nccl_mode.prepare_nccl_mode(False, False, dict(env), nccl_started=False)  # no NCCL result: allowed
         assert mode["p2p_disabled_by"]
-    mode = common.prepare_nccl_mode(False, True, {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": "SYS"},
+    mode = nccl_mode.prepare_nccl_mode(False, True, {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": "SYS"},
                                     nccl_started=True)
     assert mode == {"mode": "default", "no_p2p": False, "set_by_benchmark": {}, "p2p_disabled_by": [],
                     "env_at_init": {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": "SYS"}}
@@ -183,7 +183,7 @@ def test_default_mode_refuses_a_p2p_free_nccl_named_nccl():
 
 def test_enter_nccl_mode_exits_2_before_any_number(monkeypatch, capsys):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    code, err = _exit_code(lambda: common.enter_nccl_mode("benchmarks/bench_allreduce.py", False, True), capsys)
+    code, err = _exit_code(lambda: nccl_mode.enter_nccl_mode("benchmarks/bench_allreduce.py", False, True), capsys)
     assert code == 2 and "No numbers were produced" in err and "NCCL_P2P_DISABLE=1" in err
 
 
@@ -200,35 +200,35 @@ box:1:2 [0] NCCL INFO Connected all rings, use ring PXN 0 GDR 0
 
 
 def test_parse_and_merge_nccl_logs(tmp_path):
-    assert common.parse_nccl_log(LOG) == {"transports": {"SHM": 2}, "nccl_version": "2.28.9+cuda13.0"}
-    p2p = common.parse_nccl_log("x [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via P2P/CUMEM/read\n")
+    assert nccl_mode.parse_nccl_log(LOG) == {"transports": {"SHM": 2}, "nccl_version": "2.28.9+cuda13.0"}
+    p2p = nccl_mode.parse_nccl_log("x [1] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via P2P/CUMEM/read\n")
     assert p2p["transports"] == {"P2P": 1} and p2p["nccl_version"] is None
-    shm = {"found": True, **common.parse_nccl_log(LOG)}
-    m = common.merge_nccl_logs([shm, shm])
+    shm = {"found": True, **nccl_mode.parse_nccl_log(LOG)}
+    m = nccl_mode.merge_nccl_logs([shm, shm])
     assert m["transports_seen"] == {"SHM": 4} and m["p2p_seen"] is False and m["ranks_with_log"] == 2
     assert m["verdict"] == "no P2P channel logged" and m["nccl_version_logged"] == "2.28.9+cuda13.0"
-    m = common.merge_nccl_logs([shm, {"found": True, **p2p}])
+    m = nccl_mode.merge_nccl_logs([shm, {"found": True, **p2p}])
     assert m["p2p_seen"] is True and "did not run without P2P" in m["verdict"]
-    assert common.merge_nccl_logs([None, None])["verdict"] == "not collected"
+    assert nccl_mode.merge_nccl_logs([None, None])["verdict"] == "not collected"
     missing = {"found": False, "transports": {}, "nccl_version": None}
-    assert common.merge_nccl_logs([missing, missing])["verdict"] == "no NCCL log file was written"
+    assert nccl_mode.merge_nccl_logs([missing, missing])["verdict"] == "no NCCL log file was written"
     # this process's file, by pid
     (tmp_path / f"nccl.{os.getpid()}.log").write_text(LOG)
-    got = common.read_nccl_log(str(tmp_path / "nccl.%p.log"))
+    got = nccl_mode.read_nccl_log(str(tmp_path / "nccl.%p.log"))
     assert got["found"] and got["transports"] == {"SHM": 2}
-    assert common.read_nccl_log(None) is None
-    assert common.read_nccl_log(str(tmp_path / "none.%p.log"))["found"] is False
+    assert nccl_mode.read_nccl_log(None) is None
+    assert nccl_mode.read_nccl_log(str(tmp_path / "none.%p.log"))["found"] is False
 
 
 def test_output_names():
-    tag = common.output_tag(True)
-    assert common.result_path("r", "allreduce", "NVIDIA H200", 2, tag=tag).name == "allreduce_h200_tp2_nop2p.json"
-    assert common.result_path("r", "allreduce", "NVIDIA H200", 2, ".png", tag=tag).name == (
+    tag = nccl_mode.output_tag(True)
+    assert io.result_path("r", "allreduce", "NVIDIA H200", 2, tag=tag).name == "allreduce_h200_tp2_nop2p.json"
+    assert io.result_path("r", "allreduce", "NVIDIA H200", 2, ".png", tag=tag).name == (
         "allreduce_h200_tp2_nop2p.png")
-    assert common.result_path("r", "verify", "NVIDIA H200", 8, tag=tag).name == "verify_h200_tp8_nop2p.json"
-    assert common.result_path("r", "allreduce", "NVIDIA H200", 2, tag=common.output_tag(False)).name == (
+    assert io.result_path("r", "verify", "NVIDIA H200", 8, tag=tag).name == "verify_h200_tp8_nop2p.json"
+    assert io.result_path("r", "allreduce", "NVIDIA H200", 2, tag=nccl_mode.output_tag(False)).name == (
         "allreduce_h200_tp2.json")
-    assert common.result_path("r", "verify", "NVIDIA H200", 2).with_suffix(".png").name == "verify_h200_tp2.png"
+    assert io.result_path("r", "verify", "NVIDIA H200", 2).with_suffix(".png").name == "verify_h200_tp2.png"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Result schemas and the pure helpers of the benchmarks (benchmarks/schema.py, benchmarks/common.py)."""
+"""Result schemas and the pure helpers of the benchmarks (benchmarks/harness/schema.py, io.py, timing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from benchmarks.harness import common, schema
+from benchmarks.harness import io, ranks, schema, timing
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.3", "world_size": 2}
 
@@ -105,46 +105,46 @@ def test_e2e_estimate_anchored_and_given():
 
 
 def test_gpu_slug():
-    assert common.gpu_slug("NVIDIA H200") == "h200"
-    assert common.gpu_slug("NVIDIA RTX PRO 6000 Blackwell Workstation Edition") == (
+    assert io.gpu_slug("NVIDIA H200") == "h200"
+    assert io.gpu_slug("NVIDIA RTX PRO 6000 Blackwell Workstation Edition") == (
         "rtx-pro-6000-blackwell-workstation-edition")
-    assert common.gpu_slug("  ") == "unknown-gpu"
+    assert io.gpu_slug("  ") == "unknown-gpu"
 
 
 def test_parse_size_and_format():
-    assert common.parse_size("1K") == 1024
-    assert common.parse_size("64KB") == 65536
-    assert common.parse_size("64KiB") == 65536
-    assert common.parse_size("4m") == 4 << 20
-    assert common.parse_size("42") == 42
+    assert io.parse_size("1K") == 1024
+    assert io.parse_size("64KB") == 65536
+    assert io.parse_size("64KiB") == 65536
+    assert io.parse_size("4m") == 4 << 20
+    assert io.parse_size("42") == 42
     for bad in ("", "x", "1.5", "-3K"):
         with pytest.raises(ValueError):
-            common.parse_size(bad)
-    assert common.format_bytes(43008) == "42KB"
-    assert common.format_bytes(1 << 20) == "1MB"
-    assert common.format_bytes(100) == "100B"
+            io.parse_size(bad)
+    assert io.format_bytes(43008) == "42KB"
+    assert io.format_bytes(1 << 20) == "1MB"
+    assert io.format_bytes(100) == "100B"
 
 
 def test_aggregate_takes_max_over_ranks_then_median():
     per_rank = [[1.0, 5.0, 3.0, 2.0, 9.0], [2.0, 1.0, 4.0, 2.0, 1.0]]
-    out = common.aggregate_iteration_times(per_rank)
+    out = timing.aggregate_iteration_times(per_rank)
     # per-iteration maxima: 2, 5, 4, 2, 9 -> median 4
     assert out["median_us"] == 4.0
     assert out["min_us"] == 2.0 and out["iters"] == 5
     with pytest.raises(ValueError):
-        common.aggregate_iteration_times([[1.0], [1.0, 2.0]])
+        timing.aggregate_iteration_times([[1.0], [1.0, 2.0]])
 
 
 def test_calls_per_replay_is_a_function_of_size():
-    assert common.calls_per_replay(1024) == 20
-    assert common.calls_per_replay(4 << 20) == 10
-    assert common.calls_per_replay(64 << 20) == 4
-    assert common.calls_per_replay(64 << 20, base=2) == 1
+    assert timing.calls_per_replay(1024) == 20
+    assert timing.calls_per_replay(4 << 20) == 10
+    assert timing.calls_per_replay(64 << 20) == 4
+    assert timing.calls_per_replay(64 << 20, base=2) == 1
 
 
 def test_write_json_atomic(tmp_path):
     p = tmp_path / "sub" / "x.json"
-    common.write_json(p, {"a": 1, "v": (1, 2)})
+    io.write_json(p, {"a": 1, "v": (1, 2)})
     assert p.read_text().startswith("{")
     assert not list(tmp_path.glob("**/*.tmp"))
 
@@ -152,7 +152,7 @@ def test_write_json_atomic(tmp_path):
 def test_plot_lines(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "p.png"
-    err = common.plot_lines(png, [{"title": "t", "xlabel": "x", "ylabel": "y", "logx": 2, "logy": True,
+    err = io.plot_lines(png, [{"title": "t", "xlabel": "x", "ylabel": "y", "logx": 2, "logy": True,
                                    "series": {"a": ([1024, 2048], [1.0, None]), "b": ([1024], [2.0])}}])
     assert err is None and png.stat().st_size > 0
 
@@ -187,6 +187,6 @@ def test_bench_verify_args():
 def test_require_multi_gpu_refuses_single_rank(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit) as e:
-        common.require_multi_gpu("benchmarks/bench_verify.py")
+        ranks.require_multi_gpu("benchmarks/bench_verify.py")
     assert e.value.code == 2
     assert "No numbers were produced" in capsys.readouterr().err

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from benchmarks.harness import triton_add_rmsnorm as k
-    from benchmarks.harness.common import reference_add_rmsnorm
+    from benchmarks.harness.norms import reference_add_rmsnorm
 
     g = torch.Generator().manual_seed(0)
     for rows, hidden in ((1, 7168), (3, 1000), (4, 1024)):

@@ -16,7 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from benchmarks import bench_verify as bv  # noqa: E402
-from benchmarks.harness import common  # noqa: E402
+from benchmarks.harness import norms  # noqa: E402
+from benchmarks.workloads import verify_model as vm  # noqa: E402
 from benchmarks.workloads import verify_pattern as vp  # noqa: E402
 
 
@@ -32,7 +33,7 @@ class Exchange:
         return vals
 
 
-class EmuNccl(bv.NcclComm):
+class EmuNccl(vm.NcclComm):
     def __init__(self, d, norm, ex):
         super().__init__(d, norm)
         self.ex = ex
@@ -61,24 +62,24 @@ class EmuKernel:
 
     def all_reduce_add_rmsnorm(self, part, residual, w, eps, norm_out=None, residual_out=None):
         r = (self._sum(part) + residual.float()).to(torch.bfloat16)
-        return common.reference_add_rmsnorm(r, None, w, eps)[0], r
+        return norms.reference_add_rmsnorm(r, None, w, eps)[0], r
 
 
 def run(cfg, world, gemm, T, backend, broken=False, capture=True):
     ex = Exchange(world)
     outs, errors = [None] * world, []
-    norm = common.torch_norm_kernel()
+    norm = norms.torch_norm_kernel()
 
     def worker(rank):
         try:
             torch.set_num_threads(1)
             d = types.SimpleNamespace(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-            model = bv.Model(cfg, d, gemm, T, 0, 40.0)
+            model = vm.Model(cfg, d, gemm, T, 0, 40.0)
             model.prepare_tokens(T)
             if backend == "nccl":
                 comm = EmuNccl(d, norm, ex)
             else:
-                comm = bv.Sm120Comm(d, norm, EmuKernel(d, ex, broken))
+                comm = vm.Sm120Comm(d, norm, EmuKernel(d, ex, broken))
             ops = vp.build_verify_pattern(cfg, fuse=comm.fuse, eagle3_capture=capture)
             h = torch.empty(T, cfg.hidden_size, dtype=torch.bfloat16)
             x, aux = model.forward(ops, comm, norm, T, h)
@@ -152,7 +153,7 @@ def test_dense_gqa_model_runs():
 
 def test_expert_cap_is_recorded(tiny):
     d = types.SimpleNamespace(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    m = bv.Model(tiny, d, True, 64, 0, max_expert_gib=1e-5)
+    m = vm.Model(tiny, d, True, 64, 0, max_expert_gib=1e-5)
     assert "experts_capped" in m.notes and m.e_alloc >= 1
     m.prepare_tokens(64)
     x = torch.randn(64, tiny.hidden_size).to(torch.bfloat16)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 
+from benchmarks.harness.io import setup_import_paths, short_exc
+
 
 def sglang_version() -> str:
     return importlib.metadata.version("sglang")
@@ -54,3 +56,16 @@ def fusion_gate():
     except ImportError:
         module = importlib.import_module("sglang.srt.layers.communicator")
         return module.apply_flashinfer_allreduce_fusion
+
+
+def install_sglang_standins() -> str | None:
+    """On machines without real sgl_kernel/flashinfer wheels, SGLang needs the overlay's stand-ins to import.
+    Returns None if installed (or not needed), else why not (never raises)."""
+    setup_import_paths()
+    try:
+        from sglang_sm120.testing import standins  # type: ignore
+
+        standins.install()
+        return None
+    except Exception as e:  # noqa: BLE001
+        return short_exc(e)
