@@ -152,6 +152,14 @@ def test_constructor_rejects_bad_arguments_clearly(single_rank_group, kwargs, me
         k.IpcAllReduce(single_rank_group, args.pop("device"), args.pop("max_numel"), **args)
 
 
+def test_no_driver_or_gpu_is_named_as_such(single_rank_group, monkeypatch):
+    """kernels_available() only says the library loads; without a driver the constructor says what is missing."""
+    monkeypatch.setattr(_ext, "ops", lambda: object())  # as if the kernels were built
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(k.IpcAllReduceError, match="no CUDA driver/GPU"):
+        k.IpcAllReduce(single_rank_group, "cuda:0", 1024)
+
+
 def test_missing_extension_raises_with_build_command(monkeypatch):
     monkeypatch.setattr(_ext, "_load", lambda: (None, _ext.BUILD_HINT))
     assert not k.kernels_available()
