@@ -62,6 +62,24 @@ def test_bad_flag_values_get_our_message_not_argparse_lambda(argv, needle, capsy
     assert "<lambda>" not in err and "invalid" not in err.split(needle)[0].splitlines()[-1], err
 
 
+def test_a_bad_flag_value_is_one_line_without_the_usage(capsys):
+    with pytest.raises(SystemExit) as caught:
+        _parser().parse_args(["--sm120-allreduce=maybe"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert err == "error: argument --sm120-allreduce: --sm120-allreduce='maybe' is not a valid mode; allowed: " \
+                  "auto, on, off\n", err
+
+
+def test_a_parser_that_does_not_exit_gets_argparses_error():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="launch_server", exit_on_error=False)
+    config.add_cli_args(parser)
+    with pytest.raises(argparse.ArgumentError, match="is out of range"):
+        parser.parse_args(["--sm120-allreduce-max-bytes", "-5"])
+
+
 def test_good_flag_values_parse():
     args = _parser().parse_args(["--sm120-allreduce", "ON", "--sm120-allreduce-max-bytes", "0x10000"])
     assert args.sm120_allreduce == "on" and args.sm120_allreduce_max_bytes == 65536

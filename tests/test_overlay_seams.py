@@ -64,6 +64,20 @@ def test_unknown_version_is_refused_naming_supported_ones(monkeypatch):
     assert base.applied_targets() == []
 
 
+def test_unknown_version_with_our_flag_on_the_command_line_stops_in_one_line(monkeypatch, capsys):
+    """Before SGLang's parser would say `unrecognized arguments: --sm120-allreduce auto`."""
+    monkeypatch.setattr(seams, "sglang_version", lambda: "0.5.99")
+    monkeypatch.setattr(sys, "argv", ["launch_server", "--model-path", "m", "--sm120-allreduce", "auto"])
+    with pytest.raises(SystemExit) as caught:
+        sglang_sm120.activate()
+    assert caught.value.code == 2 and not plugin.is_active()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: sglang_sm120: sglang_sm120 has no seam table for sglang 0.5.99; supported:"), err
+    assert "names --sm120-allreduce, which only the overlay adds" in err and "drop it" in err, err
+    plugin.refuse_our_flags(RuntimeError("x"), ["prog", "--model-path", "m"])  # no flag of ours: nothing to say
+
+
 @ONLY_0513
 def test_the_pinned_version_has_a_table():
     assert seams.sglang_version() == "0.5.13.post1"

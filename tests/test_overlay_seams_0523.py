@@ -165,6 +165,25 @@ def test_resolve_once_wrapper_leaves_a_sealed_record_alone(clean_env):
     assert fresh.sm120_allreduce == "auto" and calls == ["original", "original"]
 
 
+def test_an_error_of_sglangs_resolve_once_shows_no_frame_of_ours(clean_env):
+    """A wrapper on the stack would put hooks/server_args.py into every traceback of SGLang's own resolution."""
+    import traceback
+
+    def resolve_once(self):
+        raise ValueError("SGLang's own complaint")
+
+    class Record:
+        pass
+
+    Record.resolve_once = hooks_server_args.wrap_resolve_once(resolve_once)
+    record = Record()
+    with pytest.raises(ValueError, match="own complaint") as caught:
+        record.resolve_once()
+    frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert not any(os.sep + "sglang_sm120" + os.sep in name for name in frames), frames
+    assert record.sm120_allreduce == "auto"  # our part ran, at the lookup
+
+
 @pytest.mark.parametrize(
     "capability,mode,requested,expected",
     [

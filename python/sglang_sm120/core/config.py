@@ -153,17 +153,25 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     hostmem_from_env(environ)
 
 
-def _cli_type(parse, flag: str):
-    """An argparse `type` whose error message is ours (argparse would say "invalid <lambda> value")."""
+class SettingAction(argparse.Action):
+    """Parses a flag's value with one of the parsers above. A bad value ends the command with one line,
+    `error: argument --flag: <why>`, exit code 2, instead of argparse's way of printing the whole usage first
+    (483 lines for SGLang's server). A parser built with exit_on_error=False gets argparse's ArgumentError."""
 
-    def convert(text: str):
+    def __init__(self, option_strings, dest, parse=None, **kwargs):
+        if parse is None:
+            raise ValueError("SettingAction needs parse=")
+        self.parse = parse
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
         try:
-            return parse(text, flag)
+            value = self.parse(values, option_string or self.option_strings[0])
         except SettingError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = flag.lstrip("-").replace("-", "_")
-    return convert
+            if getattr(parser, "exit_on_error", True):
+                parser.exit(2, f"error: argument {'/'.join(self.option_strings)}: {exc}\n")
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, value)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -174,8 +182,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sm120-allreduce",
         dest=MODE_ATTR,
-        type=_cli_type(parse_mode, "--sm120-allreduce"),
-        choices=MODES,
+        action=SettingAction,
+        parse=parse_mode,
+        metavar="{" + ",".join(MODES) + "}",
         default=None,
         help=(
             "Route small tensor-parallel all-reduces (and the fused all-reduce + residual-add + RMSNorm) to "
@@ -189,7 +198,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--sm120-allreduce-max-bytes",
         dest=MAX_BYTES_ATTR,
-        type=_cli_type(parse_max_bytes, "--sm120-allreduce-max-bytes"),
+        action=SettingAction,
+        parse=parse_max_bytes,
         default=None,
         metavar="N",
         help=(

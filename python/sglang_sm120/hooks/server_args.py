@@ -150,15 +150,36 @@ def fill_settings_from_env(server_args) -> None:
         setattr(server_args, config.MAX_BYTES_ATTR, config.max_bytes_from_env())
 
 
-def wrap_resolve_once(original):
-    @functools.wraps(original)
-    def resolve_once(self):
-        # A finished (or failed) record is sealed; the early return of the original is what runs then.
-        if not getattr(self, "_resolution_finished", False) and not getattr(self, "_resolution_failed", False):
-            fill_settings_from_env(self)
-        return original(self)
+class RunsFirst:
+    """A method replacement that does its work when the method is looked up (`record.resolve_once`) and hands
+    back SGLang's own bound method, which the caller then calls itself. A wrapper function would still be on the
+    stack while the original runs, so every error SGLang raises there (a bad argument, a missing model) would
+    show a frame of ours and invite the blame; this shows SGLang's frames only. Called through the class
+    (`ServerArgs.resolve_once(record)`), it runs both steps itself."""
 
-    return resolve_once
+    def __init__(self, original, first):
+        functools.update_wrapper(self, original)
+        self.original, self.first = original, first
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        self.first(instance)
+        return self.original.__get__(instance, owner)
+
+    def __call__(self, instance, *args, **kwargs):
+        return self.__get__(instance, type(instance))(*args, **kwargs)
+
+
+def _fill_unless_sealed(server_args) -> None:
+    # A finished (or failed) record is sealed; the early return of the original is what runs then.
+    if not getattr(server_args, "_resolution_finished", False) and not getattr(server_args, "_resolution_failed",
+                                                                               False):
+        fill_settings_from_env(server_args)
+
+
+def wrap_resolve_once(original):
+    return RunsFirst(original, _fill_unless_sealed)
 
 
 def _device_capability() -> tuple[int, int] | None:
