@@ -136,3 +136,14 @@ def test_doctor_reports_a_bad_hostmem_value_in_one_line(monkeypatch, capsys):
     assert code == 1
     assert "cannot run: SGLANG_SM120_HOSTMEM='maybe' is not a valid host-memory setting" in out, out
     assert "Traceback" not in out + err
+
+
+def test_doctor_names_the_architectures_the_library_was_built_for(monkeypatch, tmp_path):
+    """pip hides the build's output; setup.py leaves a record beside the library and the doctor reads it."""
+    library = tmp_path / "_C_torch9_9_9_cuda13_0.cpython-311-x86_64-linux-gnu.so"
+    monkeypatch.setenv("SGL_SM120_EXT_LIBRARY", str(library))
+    assert "no record at" in doctor.build_record_line()
+    record = {"archs": ["9.0a", "12.0a"], "nvcc_release": "13.0", "torch": "9.9.9+cu130"}
+    (tmp_path / "_C_torch9_9_9_cuda13_0.build.json").write_text(__import__("json").dumps(record))
+    line = doctor.build_record_line()
+    assert "built for 9.0a;12.0a with nvcc 13.0 against torch 9.9.9+cu130" in line, line
