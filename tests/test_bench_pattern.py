@@ -1,4 +1,5 @@
-"""The verify-forward pattern generator (benchmarks/verify_pattern.py): counts, positions, EAGLE-3 capture rule."""
+"""The verify-forward pattern generator (benchmarks/workloads/verify_pattern.py): counts, positions, EAGLE-3 capture
+rule."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/triton_add_rmsnorm.py under Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess so the
+"""benchmarks/harness/triton_add_rmsnorm.py under Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess so the
 setting cannot leak into other tests)."""
 
 from __future__ import annotations

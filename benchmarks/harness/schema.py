@@ -56,7 +56,7 @@ def crossover_bytes(ours: Mapping[int, float | None], nccl: Mapping[int, float |
 # validator recomputes every verdict from the times next to it and the result entries they came from.
 # Issue 13, item 3 (the --no-p2p run, 2x H200 with NCCL_P2P_DISABLE=1): at [3, 7168] bf16, ours through host
 # memory >= 3x faster than NCCL's shared-memory transport, plain all-reduce, and fused against NCCL + the
-# Triton add+RMSNorm (benchmarks/triton_add_rmsnorm.py).
+# Triton add+RMSNorm (benchmarks/harness/triton_add_rmsnorm.py).
 NO_P2P_TARGETS = (
     {"name": "allreduce_3x7168_vs_nccl_no_p2p", "op": "allreduce", "rows": 3, "hidden": 7168,
      "ours": "sm120_hostmem", "peer": "nccl_no_p2p", "min_speedup": 3.0,

@@ -3,7 +3,7 @@
 No torch import: this module is imported by CPU tests and by the GPU benchmark alike.
 
 SGLang 0.5.13.post1 runs a DeepSeek-V3-style decoder (Kimi-K2.5) with tensor parallelism like this
-(``models/deepseek_v2.py`` + ``layers/communicator.py``; see notes/sglang_seams.md section 2d):
+(``models/deepseek_v2.py`` + ``layers/communicator.py``):
 
 * the vocab-parallel embedding ends in one plain all-reduce;
 * every layer's attention output (``o_proj``, ``reduce_results=False``) is all-reduced and fused with the

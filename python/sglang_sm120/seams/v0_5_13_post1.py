@@ -1,4 +1,4 @@
-"""Seam table for sglang 0.5.13.post1 (the pinned release; see notes/sglang_seams.md section 5.2).
+"""Seam table for sglang 0.5.13.post1 (docs/overlay.md says why each entry is here).
 
 Not patched, on purpose:
 - `GroupCoordinator.graph_capture`: the kernel pushes its input into IPC scratch it owns and keeps its

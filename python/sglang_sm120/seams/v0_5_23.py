@@ -1,5 +1,5 @@
-"""Seam table for sglang 0.5.23 (the `layer_boundary/` layout; notes/sglang_0523_seams.md maps each 0.5.13.post1
-seam onto it, docs/overlay.md says why each entry is here).
+"""Seam table for sglang 0.5.23 (the `layer_boundary/` layout; docs/overlay.md maps each 0.5.13.post1 seam onto it
+and says why each entry is here).
 
 Not patched, on purpose:
 - `ServerArgs.__post_init__`: msgspec binds it when the struct class is built; a replacement never runs.
