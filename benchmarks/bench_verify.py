@@ -65,7 +65,7 @@ DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 # equal in general: the fused path rounds the residual once (bf16(sum + r), sum in fp32) where NCCL + separate
 # norm rounds twice (bf16(bf16(sum) + r), and at >2 ranks NCCL also rounds partial sums), so each of the 2L+1
 # boundaries may differ by about one bf16 ulp (2^-8 relative), which the GEMMs then carry forward. CPU
-# emulations of the tiny test config (tests/test_bench_verify.py) give <= 0.015 at 2-8 ranks with GEMMs, and
+# emulations of the tiny test config (tests/bench/test_verify.py) give <= 0.015 at 2-8 ranks with GEMMs, and
 # exactly 0 for communication only at 2 ranks (identical partials: the sum is exact and both round once);
 # a fused op that forgets its all-reduce gives >= 0.9 with GEMMs. 0.05 sits well between the two.
 FINAL_REL_TOL = 0.05

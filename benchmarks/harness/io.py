@@ -1,5 +1,5 @@
 """Result files and their words: where results go, JSON and plots, table lines, and the small parsers and
-formatters every benchmark uses. Pure Python (matplotlib optional); covered by tests/test_bench_schema.py."""
+formatters every benchmark uses. Pure Python (matplotlib optional); covered by tests/bench/test_schema.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """bench_verify on 2 GPUs with the tiny config (4 layers, hidden 1024): both backends must give the same final
 hidden states (within the stated tolerance) and bit-identical results on every rank.
 
-Tolerances (rms(nccl - sm120) / rms(nccl) of the final hidden states; derivation in tests/test_bench_verify.py,
+Tolerances (rms(nccl - sm120) / rms(nccl) of the final hidden states; derivation in tests/bench/test_verify.py,
 which emulates both paths on CPU):
 - communication only, 2 ranks: every rank's partial is the same tensor, so the sum is exact on both paths and
   the fused path's single rounding equals NCCL + norm's double rounding; the emulation is bitwise equal. On a

@@ -75,7 +75,7 @@ def test_verify_smoke_and_merge(tmp_path):
             assert r["comm_us"] == r["step_us"]
     checks = {(c["compute"], c["tokens"]): c for c in doc["checks"]}
     assert len(checks) == 4 and all(c["ok"] for c in checks.values())
-    assert checks[("none", 1)]["rel_rms_diff"] == 0.0  # 2 ranks, comm only: bitwise equal (see test_bench_verify)
+    assert checks[("none", 1)]["rel_rms_diff"] == 0.0  # 2 ranks, comm only: bitwise equal (see test_verify.py)
     assert len(doc["runs"]) == 2
     est = doc["e2e_estimate"]
     assert [e["compute_ms"] for e in est] == [5.0, 8.0] and all(e["tokens"] == 3 for e in est)

@@ -1,7 +1,7 @@
 """The overlay on the real SGLang 0.5.23 package (no GPU): its seam table, server arguments through the CLI, the
 environment, resolution, pickling and copies, the FlashInfer-fusion switch inside SGLang's own resolution
 pipeline, and the version-neutral lookups as 0.5.23 answers them. Version-independent checks (every seam
-patched and restored, idempotence, refusal of unknown versions, ...) live in test_overlay_seams.py and run
+patched and restored, idempotence, refusal of unknown versions, ...) live in test_seams.py and run
 here too."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import server_args as hooks_server_args  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture

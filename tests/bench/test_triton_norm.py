@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """

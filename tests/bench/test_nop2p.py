@@ -1,6 +1,6 @@
 """The --no-p2p mode of the benchmarks (ours through host memory against NCCL with NCCL_P2P_DISABLE=1): which
 names each mode accepts, the NCCL environment it sets up before NCCL starts, the output names, the NCCL log
-parsing, and the targets computed from (synthetic) results. The end-to-end runs are in test_bench_smoke.py."""
+parsing, and the targets computed from (synthetic) results. The end-to-end runs are in test_smoke.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's fused boundary, pre-capture hook and own PCIe-IPC all-reduce, with a fake backend on CPU
 against the real modules. The fused-call behaviour shared with 0.5.13.post1 (kernel, fallbacks, fresh
-residual) is tested in test_overlay_fusion.py, which runs here too; this file checks that SGLang 0.5.23's own
+residual) is tested in test_fusion.py, which runs here too; this file checks that SGLang 0.5.23's own
 code reaches it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion  # noqa: E402
 from sglang_sm120.hooks import upstream_pcie  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
-from tests.test_overlay_fusion import HIDDEN, WORLD, fake_backend, ints, reference, rmsnorm  # noqa: E402
+from tests.overlay.hooks.test_fusion import HIDDEN, WORLD, fake_backend, ints, reference, rmsnorm  # noqa: E402
 
 BOUNDARY = "sglang.srt.layers.layer_boundary"
 
@@ -140,7 +140,7 @@ def test_preserves_residual_contract_follows_our_gate(overlay, backend, monkeypa
     monkeypatch.setattr(allreduce, "get_parallel", lambda: SimpleNamespace(attn_tp_size=WORLD))
     value = ints(4, HIDDEN)
     # SGLang skips the clone of a captured residual on this answer, so the fused path must return a fresh one
-    # (checked in test_overlay_fusion.py::test_fused_call_uses_kernel_and_returns_fresh_residual).
+    # (checked in test_fusion.py::test_fused_call_uses_kernel_and_returns_fresh_residual).
     assert allreduce.flashinfer_preserves_residual(value, None)
     assert not allreduce.flashinfer_preserves_residual(ints(9, HIDDEN), None)
 
