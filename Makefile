@@ -87,7 +87,7 @@ test-gpu:
 	$(PY) -m pytest -m gpu
 
 clean:
-	rm -rf build *.egg-info python/*.egg-info sgl_kernel_sm120/_C*.so .pytest_cache .ruff_cache
+	rm -rf build *.egg-info python/*.egg-info sgl_kernel_sm120/_C*.so sgl_kernel_sm120/_C*.build.json .pytest_cache .ruff_cache
 	find . -path ./$(VENVS) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

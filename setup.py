@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +33,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 SKIP_ENV = "SGL_SM120_SKIP_EXT"
 BUILD_HINT = (
     "Needed to build the kernels: a CUDA build of torch (the default isolated build installs the one pyproject.toml "
-    "names) and nvcc >= 12.8 (export CUDA_HOME=/usr/local/cuda). For a Python-only install set SGL_SM120_SKIP_EXT=1."
+    "names, CUDA 13.0) and an nvcc of the same CUDA major version, 13.x for it (torch refuses another major; "
+    "export CUDA_HOME=/usr/local/cuda). For a Python-only install set SGL_SM120_SKIP_EXT=1."
 )
 
 
@@ -89,8 +93,9 @@ def _nvidia_wheel_includes(cuda_home: str, torch_dir: str) -> list[str]:
     """ATen's CUDA headers include cuBLAS/cuSPARSE/cuSOLVER headers. A bare nvcc toolkit may lack them while
     torch's `nvidia-*` wheels ship them, next to copies of the CUDA runtime headers that must NOT shadow nvcc's
     own (adding the whole wheel include folder breaks nvcc 13.0). So expose only those three libraries' headers,
-    through a folder of symlinks under build/. The wheels sit beside torch (in pip's isolated build environment
-    too, whose folder is not one of `site.getsitepackages()`)."""
+    through a folder of copies under build/. The wheels sit beside torch (in pip's isolated build environment
+    too, whose folder is not one of `site.getsitepackages()`), and that environment is deleted after the build:
+    links into it would dangle, copies do not."""
     if os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
         return []
     import site
@@ -110,7 +115,7 @@ def _nvidia_wheel_includes(cuda_home: str, torch_dir: str) -> list[str]:
         dst = os.path.join(stage, name)
         if os.path.islink(dst) or os.path.exists(dst):
             os.remove(dst)
-        os.symlink(src, dst)
+        shutil.copy2(src, dst)
     return [stage]
 
 
@@ -156,10 +161,57 @@ def _extension():
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
         py_limited_api=False,
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=_have_ninja())
+    record = {
+        "module": f"sgl_kernel_sm120.{module}",
+        "archs": archs,
+        "gencode": _gencode_flags(archs),
+        "nvcc": os.path.join(cuda_home, "bin", "nvcc"),
+        "nvcc_release": _nvcc_release(cuda_home),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+    build_ext = _recording_build_ext(cpp_extension.BuildExtension.with_options(use_ninja=_have_ninja()), record)
     # One build folder per torch, so environments sharing this checkout never reuse each other's objects.
     options = {"build": {"build_base": os.path.join("build", abi.extension_tag(torch.__version__, torch.version.cuda))}}
     return [ext], {"build_ext": build_ext}, [f"torch=={torch_release}"], options
+
+
+# Written next to each built library: pip shows none of the build's output, so this is where the user (and
+# `python -m sglang_sm120.doctor`) learns which architectures were compiled, with which nvcc, against which torch.
+BUILD_RECORD_SUFFIX = ".build.json"
+
+
+def _nvcc_release(cuda_home: str) -> str | None:
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def _recording_build_ext(base, record: dict):
+    """`base` (torch's build_ext) that also writes `record` as <module>.build.json beside every library it builds:
+    in the build folder (what a wheel installs, and `setup.py build_ext --build-lib DIR`), and in the source
+    tree when it copies the library there (editable installs)."""
+
+    class BuildExt(base):
+        def run(self):
+            super().run()
+            inplace = self.inplace
+            for ext in self.extensions:
+                for self.inplace in dict.fromkeys((0, inplace)):
+                    library = self.get_ext_fullpath(ext.name)
+                    if os.path.exists(library):
+                        module = os.path.basename(library).split(".", 1)[0]
+                        path = os.path.join(os.path.dirname(library), module + BUILD_RECORD_SUFFIX)
+                        with open(path, "w", encoding="utf-8") as handle:
+                            json.dump(record, handle, indent=1)
+                            handle.write("\n")
+            self.inplace = inplace
+
+    return BuildExt
 
 
 def _have_ninja() -> bool:

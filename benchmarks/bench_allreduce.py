@@ -44,9 +44,9 @@ for _p in (_ROOT / "python", _ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import format_bytes, parse_int_list, parse_size  # noqa: E402
-from benchmarks.schema import NO_P2P_TARGETS, crossover_bytes, evaluate_targets, validate_allreduce_doc  # noqa: E402
+from benchmarks.harness import io, nccl_mode, norms, ranks, run, timing  # noqa: E402
+from benchmarks.harness.io import format_bytes, parse_int_list, parse_size  # noqa: E402
+from benchmarks.harness.schema import NO_P2P_TARGETS, crossover_bytes, evaluate_targets, validate_allreduce_doc  # noqa: E402
 
 HIDDEN = 7168
 EPS = 1e-6
@@ -104,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed replays first (default 5, quick 3)")
     p.add_argument("--calls", type=int, default=20, help="calls per graph at <= 1 MB (fewer above)")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(io.RESULTS_DIR))
     p.add_argument("--time-limit", type=float, default=float(os.environ.get("BENCH_TIME_LIMIT_S", "480")),
                    help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
                         "(default 480, env BENCH_TIME_LIMIT_S)")
@@ -137,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown implementation(s) {','.join(unknown)}; known: {','.join(_known_impls())}")
     if not a.impls:
         p.error("--impls is empty")
-    why = common.nccl_label_error(a.impls, a.no_p2p)
+    why = nccl_mode.nccl_label_error(a.impls, a.no_p2p)
     if why:
         p.error(why)
     if a.no_p2p and a.norm_kernel is None:
@@ -170,7 +170,7 @@ def _known_impls():
 
 def reference_names(no_p2p: bool) -> tuple[str, str]:
     """(ours, NCCL) of this mode: the pair behind crossover_bytes and the tables' ratio column."""
-    return ("sm120_hostmem", common.NCCL_NO_P2P) if no_p2p else ("sm120", common.NCCL_PLAIN)
+    return ("sm120_hostmem", nccl_mode.NCCL_NO_P2P) if no_p2p else ("sm120", nccl_mode.NCCL_PLAIN)
 
 
 def mode_targets(no_p2p: bool) -> tuple:
@@ -203,29 +203,21 @@ class Buffers:
             )
             self.weight = (1 + 0.1 * torch.randn(sh.shape[-1], generator=gs, device=dev)).to(torch.bfloat16)
             self.res_orig = self.residual.clone()
-            self.ref_fused = [common.reference_add_rmsnorm(r, self.residual, self.weight, EPS) for r in self.ref]
+            self.ref_fused = [norms.reference_add_rmsnorm(r, self.residual, self.weight, EPS) for r in self.ref]
         torch.cuda.synchronize()
 
 
-class Bench:
-    def __init__(self, d, args, nccl_mode: dict | None = None):
-        self.d = d
-        self.args = args
-        self.no_p2p = bool(getattr(args, "no_p2p", False))
-        self.nccl_mode = nccl_mode if nccl_mode is not None else {"mode": "no_p2p" if self.no_p2p else "default",
-                                                                   "no_p2p": self.no_p2p}
+class Bench(run.Run):
+    kind = "allreduce"
+    validate = staticmethod(validate_allreduce_doc)
+
+    def __init__(self, d, args, mode: dict | None = None):
+        super().__init__(d, args, mode)
         self.ours, self.nccl_name = reference_names(self.no_p2p)
         self.results: list[dict] = []
-        self.skipped: list[dict] = []
         self.impl_notes: dict = {}
         self.norm = None
         self.norm_rejected: list = []
-        self.hw = common.hardware_info(d)
-        self.t0 = time.monotonic()
-        self.complete = False
-        self.aborted: str | None = None
-        self.out_json = common.result_path(Path(args.out), "allreduce", self.hw["gpu"], d.world_size,
-                                           tag=common.output_tag(self.no_p2p))
 
     # ---------------------------------------------------------------- output
     def doc(self) -> dict:
@@ -242,14 +234,14 @@ class Bench:
             return {r["bytes"]: r["median_us"] for r in res if r["label"] == label and r["op"] == op and r["rows"]}
 
         norm_name = self.norm.name if self.norm else None
-        mode = common.public_nccl_mode(self.nccl_mode)
+        mode = nccl_mode.public_nccl_mode(self.nccl_mode)
         p2p_seen = (mode.get("transports") or {}).get("p2p_seen")
         invalid = "NCCL logged P2P channels in this --no-p2p run" if self.no_p2p and p2p_seen else None
         return {
-            "schema_version": common.SCHEMA_VERSION,
+            "schema_version": io.SCHEMA_VERSION,
             "benchmark": "bench_allreduce",
             "hardware": self.hw,
-            "date": common.utc_now(),
+            "date": io.utc_now(),
             "complete": self.complete,
             "aborted": self.aborted,
             "no_p2p": self.no_p2p,
@@ -278,20 +270,6 @@ class Bench:
             ),
             "targets": evaluate_targets(res, mode_targets(self.no_p2p), norm_kernel=norm_name, invalid=invalid),
         }
-
-    def write(self) -> None:
-        if not self.d.is_main:
-            return
-        doc = self.doc()
-        try:
-            validate_allreduce_doc(doc)
-        except Exception as e:  # noqa: BLE001 - never lose the numbers over a schema slip
-            doc["schema_error"] = common.short_exc(e)
-        common.write_json(self.out_json, doc)
-
-    def skip(self, impl: str, reason: str, **extra) -> None:
-        self.skipped.append({"impl": impl, "reason": reason or "unknown", **extra})
-        self.d.log(f"  skip {impl} {extra if extra else ''}: {reason}")
 
     # ---------------------------------------------------------------- setup
     def setup_impls(self, max_numel: int):
@@ -368,7 +346,7 @@ class Bench:
                     mism = mism or f"all_reduce != NCCL sum (max |diff| {(y.float() - B.ref[j].float()).abs().max():g})"
                 if not torch.equal(B.ins[j], B.ins_orig[j]):
                     mism = mism or "input was modified"
-                dig = dig or common.tensor_digest(y)
+                dig = dig or ranks.tensor_digest(y)
             return mism, dig
         mism, dig = None, None
         for j in range(2):
@@ -389,7 +367,7 @@ class Bench:
                 mism = mism or f"norm_out off (max |diff| {(n_out.float() - ref_n.float()).abs().max():g})"
             if not torch.equal(B.ins[j], B.ins_orig[j]) or not torch.equal(B.residual, B.res_orig):
                 mism = mism or "an input was modified"
-            dig = dig or (common.tensor_digest(n_out) + common.tensor_digest(r_out))
+            dig = dig or (ranks.tensor_digest(n_out) + ranks.tensor_digest(r_out))
         return mism, dig
 
     def post_check(self, impl, op, outs, B: Buffers) -> str | None:
@@ -409,6 +387,12 @@ class Bench:
                 if not torch.allclose(n_out.float(), B.ref_fused[j][0].float(), rtol=1 / 64, atol=1 / 64):
                     return "graph replay norm_out off"
         return None
+
+    def record_error(self, entry: dict, sh: Shape, error: str) -> None:
+        """A case whose output was wrong: recorded with its error and no time."""
+        entry["error"] = error
+        self.results.append(entry)
+        self.d.log(f"  {entry['label']:<34} {entry['op']:<22} {sh.label:<16} ERROR {error}")
 
     def run_case(self, impl, op, sh: Shape, vlabel, variant, B: Buffers) -> None:
         import torch
@@ -448,45 +432,41 @@ class Bench:
         ok, val, why = d.attempt(lambda: self.check_once(impl, op, variant, B), "eager check")
         if not ok:
             self.skip(impl.name, why, **where)
-            self._health()
+            self.check_health()
             return
         mism, dig = val
         ok, why = d.agree(mism is None, mism)
         if not ok:
-            entry["error"] = f"mismatch vs NCCL: {why}"
-            self.results.append(entry)
-            d.log(f"  {label:<34} {op:<22} {sh.label:<16} ERROR {entry['error']}")
+            self.record_error(entry, sh, f"mismatch vs NCCL: {why}")
             return
         entry["bitwise_across_ranks"] = len(set(d.all_gather_obj(dig))) == 1
         entry["check"] = "ok"
 
-        calls = common.calls_per_replay(sh.nbytes, self.args.calls)
+        calls = timing.calls_per_replay(sh.nbytes, self.args.calls)
         step = self.make_step(impl, op, variant, B)
 
         def capture():
             with impl.capture_context():
-                return common.capture_graph(step, calls, eager_warmup=1)
+                return timing.capture_graph(step, calls, eager_warmup=1)
 
         ok, val, why = d.attempt(capture, "graph capture")
         if not ok:
             self.skip(impl.name, why, **where)
-            self._health()
+            self.check_health()
             return
         graph, outs = val
         try:
-            t = common.time_graph(d, graph, calls=calls, iters=self.args.iters, warmup=self.args.warmup)
+            t = timing.time_graph(d, graph, calls=calls, iters=self.args.iters, warmup=self.args.warmup)
         except RuntimeError as e:
-            self.skip(impl.name, common.short_exc(e), **where)
-            self._health()
+            self.skip(impl.name, io.short_exc(e), **where)
+            self.check_health()
             return
         if (op == OP_AR and not impl.inplace) or (op == OP_FUSED and impl.native_fused):
             ok, msg, why = d.attempt(lambda outs=outs: self.post_check(impl, op, outs, B), "post-graph check")
             bad = why if not ok else msg
             ok2, why2 = d.agree(bad is None, bad)
             if not ok2:
-                entry["error"] = f"after graph replay: {why2}"
-                self.results.append(entry)
-                d.log(f"  {label:<34} {op:<22} {sh.label:<16} ERROR {entry['error']}")
+                self.record_error(entry, sh, f"after graph replay: {why2}")
                 return
         entry.update(t)
         self.results.append(entry)
@@ -494,12 +474,6 @@ class Bench:
         d.log(f"  {label:<34} {op:<22} {sh.label:<16} {t['median_us']:9.2f} us{v}")
         graph = outs = None
         torch.cuda.synchronize()
-
-    def _health(self) -> None:
-        ok, why = common.cuda_healthy(self.d)
-        if not ok:
-            self.aborted = f"CUDA context unusable after a failure: {why}"
-            raise _Abort(self.aborted)
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> None:
@@ -512,11 +486,11 @@ class Bench:
               f"NCCL {self.hw['nccl']}{' (P2P disabled: NCCL_P2P_DISABLE=1)' if self.no_p2p else ''}, "
               f"{len(shapes)} shapes, iters {a.iters}")
         if not a.no_fused and a.rows:
-            self.norm, self.norm_rejected = common.select_norm_kernel(d, a.hidden, EPS, prefer=a.norm_kernel)
+            self.norm, self.norm_rejected = norms.select_norm_kernel(d, a.hidden, EPS, prefer=a.norm_kernel)
             d.log(f"  add+RMSNorm kernel after plain all-reduces: {self.norm.name}")
         impls = self.setup_impls(max_numel)
         if self.no_p2p:
-            common.collect_nccl_transports(d, self.nccl_mode)  # NCCL's channels so far (init + references)
+            nccl_mode.collect_nccl_transports(d, self.nccl_mode)  # NCCL's channels so far (init + references)
         self.write()
         try:
             for sh in shapes:
@@ -531,13 +505,13 @@ class Bench:
                 torch.cuda.empty_cache()
                 self.write()
             self.complete = True
-        except _Abort as e:
+        except run.Abort as e:
             d.log(f"ABORTED: {e}")
         finally:
             for impl in impls:
                 impl.close()
         if self.no_p2p:
-            common.collect_nccl_transports(d, self.nccl_mode)  # again: channels connected during the run
+            nccl_mode.collect_nccl_transports(d, self.nccl_mode)  # again: channels connected during the run
         self.write()
         if d.is_main:
             self.print_tables()
@@ -551,11 +525,11 @@ class Bench:
             rs = [r for r in doc["results"] if r["op"] == op]
             if not rs:
                 continue
-            labels = common.iter_unique(r["label"] for r in rs)
-            keys = common.iter_unique((r["rows"], r["bytes"]) for r in rs)
-            common.table_print(f"\n== {op}  (us per call, median of slowest rank; (x) = time / {base}'s, "
+            labels = io.iter_unique(r["label"] for r in rs)
+            keys = io.iter_unique((r["rows"], r["bytes"]) for r in rs)
+            io.table_print(f"\n== {op}  (us per call, median of slowest rank; (x) = time / {base}'s, "
                                ">1 means ours is faster)")
-            common.table_print(f"{'shape':<16}{'bytes':>9} " + "".join(f"{lb[:22]:>24}" for lb in labels))
+            io.table_print(f"{'shape':<16}{'bytes':>9} " + "".join(f"{lb[:22]:>24}" for lb in labels))
             for rows, nb in keys:
                 cells = {r["label"]: r for r in rs if r["rows"] == rows and r["bytes"] == nb}
                 ours = cells.get(base, {}).get("median_us")
@@ -567,24 +541,24 @@ class Bench:
                     elif c.get("error"):
                         line += f"{'ERROR':>24}"
                     else:
-                        rt = common.ratio(c["median_us"], ours)
+                        rt = io.ratio(c["median_us"], ours)
                         line += f"{c['median_us']:>15.2f}" + (f" ({rt:5.2f}x)" if rt else " " * 9)
-                common.table_print(line)
-        common.table_print(f"\ncrossover_bytes ({self.ours} <= {self.nccl_name} at every size up to here): "
+                io.table_print(line)
+        io.table_print(f"\ncrossover_bytes ({self.ours} <= {self.nccl_name} at every size up to here): "
                            f"{doc['crossover_bytes']}")
         for t in doc["targets"]:
-            common.table_print(format_target(t))
+            io.table_print(format_target(t))
         if self.no_p2p:
-            common.table_print(common.nccl_setup_line(doc["nccl_setup"]))
+            io.table_print(nccl_mode.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
-            common.table_print("skipped:")
+            io.table_print("skipped:")
             grouped: dict = {}
             for s in doc["skipped"]:
                 grouped.setdefault((s.get("label", s["impl"]), s.get("op"), s["reason"]), []).append(s.get("bytes"))
             for (label, op, reason), sizes in grouped.items():
                 where = f" [{op}; {len(sizes)} shape(s)]" if op else ""
-                common.table_print(f"  {label}{where}: {reason}")
-        common.table_print(f"wrote {self.out_json}")
+                io.table_print(f"  {label}{where}: {reason}")
+        io.table_print(f"wrote {self.out_json}")
 
     def plot(self) -> None:
         doc = self.doc()
@@ -598,7 +572,7 @@ class Bench:
             if not rs:
                 continue
             series = {}
-            for lb in common.iter_unique(r["label"] for r in rs):
+            for lb in io.iter_unique(r["label"] for r in rs):
                 pts = sorted((r["bytes"], r["median_us"]) for r in rs if r["label"] == lb)
                 series[lb] = ([p[0] for p in pts], [p[1] for p in pts])
             panels.append({"title": title, "xlabel": "bytes", "ylabel": "us per call (median, slowest rank)",
@@ -608,13 +582,9 @@ class Bench:
         png = self.out_json.with_suffix(".png")
         hw = self.hw
         nccl = f"NCCL {hw['nccl']}" + (" with P2P disabled" if self.no_p2p else "")
-        err = common.plot_lines(png, panels, title=f"{hw['gpu']} x{self.d.world_size}, torch {hw['torch']}, "
+        err = io.plot_lines(png, panels, title=f"{hw['gpu']} x{self.d.world_size}, torch {hw['torch']}, "
                                                    f"{nccl}, {doc['date'][:10]}")
         print(f"plot: {err or png}")
-
-
-class _Abort(Exception):
-    pass
 
 
 def format_target(t: dict) -> str:
@@ -628,23 +598,8 @@ def format_target(t: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    script = "benchmarks/bench_allreduce.py"
-    common.require_multi_gpu(script)
-    # Before init_distributed: NCCL reads NCCL_P2P_DISABLE when it creates its first communicator.
-    nccl_mode = common.enter_nccl_mode(script, args.no_p2p,
-                                       uses_nccl_label=bool({common.NCCL_PLAIN, common.NCCL_NO_P2P} & set(args.impls)))
-    d = common.init_distributed()
-    bench = None
-    try:
-        common.check_same_args(d, vars(args))
-        bench = Bench(d, args, nccl_mode=nccl_mode)
-        wd = common.Watchdog(args.time_limit, on_timeout=bench.write)
-        bench.run()
-        wd.stop()
-    finally:
-        common.shutdown(d, exit_after_s=60.0 if argv is None else None)
-        common.cleanup_nccl_log(nccl_mode)
-    return 0
+    uses_nccl = bool({nccl_mode.NCCL_PLAIN, nccl_mode.NCCL_NO_P2P} & set(args.impls))
+    return run.main("benchmarks/bench_allreduce.py", args, uses_nccl, Bench, in_process=argv is not None)
 
 
 if __name__ == "__main__":

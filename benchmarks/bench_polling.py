@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+from benchmarks.harness import io, timing
 
 WORLDS = (8, 2)
 HIDDEN = 7168
@@ -36,34 +36,6 @@ SERIAL, BATCHED = 3, 0  # variant numbers: the polling before I10 (bench only), 
 # Fused one-shot CTAs per row: 1 = one CTA per row (the kernel before issue 12), 0 = the kernels' rule
 # (fused_cluster_size in csrc/ar_kernels.cu), 2/4/8 forced.
 CLUSTERS = (1, 0, 2, 4, 8)
-
-
-def _time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)  # us
-    return times
-
-
-def _capture(fn, calls: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for k in range(2):  # warm-up outside the graph
-            fn(k)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for k in range(calls):
-            fn(k)
-    torch.cuda.synchronize()
-    return graph
 
 
 def _refill_then_call(ops, ws, op, variant, cluster, sm_count, t):
@@ -101,15 +73,17 @@ def run(args) -> dict:
         ws = ops.ws_create_loopback(dev.index, world, max(ROWS) * HIDDEN)
         sm_count = int(ops.ws_sm_count(ws))
         try:
-            fill_graph = _capture(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
-            fill_us[world] = statistics.median(_time_graph(fill_graph, args.iters)) / args.calls
+            fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
+            fill_us[world] = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
             for rows in ROWS:
                 x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
                 t = {"x": x, "residual": torch.ones_like(x), "out": torch.empty_like(x), "norm": torch.empty_like(x),
                      "weight": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
                 for op, label, variant, cluster in _cases(world, rows):
-                    graph = _capture(_refill_then_call(ops, ws, op, variant, cluster, sm_count, t), args.calls)
-                    per_call = [v / args.calls - fill_us[world] for v in _time_graph(graph, args.iters)]
+                    step = _refill_then_call(ops, ws, op, variant, cluster, sm_count, t)
+                    graph, _ = timing.capture_graph(step, args.calls)
+                    per_call = [v / args.calls - fill_us[world]
+                                for v in timing.replay_times(graph, args.iters, sync_each=True)]
                     # every peer pack holds bf16 1.0 (the fill) and so does every input: the sum is `world`
                     expected = torch.full_like(x, world + (1 if op != "all_reduce" else 0))
                     correct = bool(torch.equal(t["out"], expected))
@@ -136,7 +110,7 @@ def run(args) -> dict:
         "calls_per_graph": args.calls,
         "iters": args.iters,
         "fill_us_per_call": fill_us,
-        "timestamp": common.utc_now(),
+        "timestamp": io.utc_now(),
         "records": records,
         "comparisons": comparisons(records),
         "note": "loopback: rank 0 of W on one GPU, peer packs pre-filled as ready; pushes land in local memory",
@@ -156,7 +130,7 @@ def comparisons(records: list[dict]) -> dict:
             old = pick(world=8, rows=rows, op=op, variant=SERIAL)
             new = pick(world=8, rows=rows, op=op, variant=BATCHED, cluster_requested=0 if op == "all_reduce" else 1)
             polling.append({"op": op, "rows": rows, "serial_us": old, "batched_us": new,
-                            "batched_over_serial": common.ratio(new, old)})
+                            "batched_over_serial": io.ratio(new, old)})
     cluster = []
     for world in WORLDS:
         for rows in ROWS:
@@ -164,20 +138,20 @@ def comparisons(records: list[dict]) -> dict:
             auto = pick(world=world, rows=rows, op="all_reduce_add_rmsnorm", variant=BATCHED, cluster_requested=0)
             before = pick(world=world, rows=rows, op="all_reduce_add_rmsnorm", variant=SERIAL)
             cluster.append({"world": world, "rows": rows, "one_cta_per_row_us": one, "rule_us": auto,
-                            "rule_over_one_cta": common.ratio(auto, one),
-                            "serial_one_cta_us": before, "rule_over_serial": common.ratio(auto, before)})
+                            "rule_over_one_cta": io.ratio(auto, one),
+                            "serial_one_cta_us": before, "rule_over_serial": io.ratio(auto, before)})
     return {"polling": polling, "cluster": cluster}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(io.RESULTS_DIR))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--calls", type=int, default=50)
     args = p.parse_args(argv)
     doc = run(args)
-    path = Path(args.out) / f"polling_{common.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
-    common.write_json(path, doc)
+    path = Path(args.out) / f"polling_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
+    io.write_json(path, doc)
     print(f"wrote {path}")
     bad = [r for r in doc["records"] if not r["result_correct"]]
     return 1 if bad else 0

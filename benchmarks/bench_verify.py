@@ -4,8 +4,9 @@
     torchrun --nproc-per-node N benchmarks/bench_verify.py [--config kimi_k25] [--backend both|NAME[,NAME...]]
              [--compute none|gemm|none,gemm] [--tokens 1,2,3,4,8,16,32,64] [--via-sglang] [--no-p2p] [--out DIR]
 
-One graph per (backend, compute, T) holds one whole forward of the model in ``benchmarks/configs/<config>.json``
-(the op list comes from ``verify_pattern.build_verify_pattern``; Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
+One graph per (backend, compute, T) holds one whole forward of the model in
+``benchmarks/workloads/configs/<config>.json`` (the op list comes from ``verify_pattern.build_verify_pattern``;
+Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
 
 - ``nccl``: what SGLang runs on SM120 today: every all-reduce is NCCL (in place), and every norm after one is
   one fused add + RMSNorm kernel (sgl_kernel's or FlashInfer's if they work here, else our Triton kernel).
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -45,10 +45,19 @@ for _p in (_ROOT / "python", _ROOT):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from benchmarks import common, sglang_compat  # noqa: E402
-from benchmarks import verify_pattern as vp  # noqa: E402
-from benchmarks.common import parse_int_list, short_exc  # noqa: E402
-from benchmarks.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+from benchmarks.harness import io, nccl_mode, norms, ranks, run, timing  # noqa: E402
+from benchmarks.harness.io import parse_int_list, short_exc  # noqa: E402
+from benchmarks.harness.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+from benchmarks.workloads import sglang_compat  # noqa: E402
+from benchmarks.workloads import verify_pattern as vp  # noqa: E402
+from benchmarks.workloads.verify_model import (  # noqa: E402
+    ComputeOnly,
+    Model,
+    NcclComm,
+    NcclNoP2pComm,
+    SglangComm,
+    Sm120Comm,
+)
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 
@@ -56,7 +65,7 @@ DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 # equal in general: the fused path rounds the residual once (bf16(sum + r), sum in fp32) where NCCL + separate
 # norm rounds twice (bf16(bf16(sum) + r), and at >2 ranks NCCL also rounds partial sums), so each of the 2L+1
 # boundaries may differ by about one bf16 ulp (2^-8 relative), which the GEMMs then carry forward. CPU
-# emulations of the tiny test config (tests/test_bench_verify.py) give <= 0.015 at 2-8 ranks with GEMMs, and
+# emulations of the tiny test config (tests/bench/test_verify.py) give <= 0.015 at 2-8 ranks with GEMMs, and
 # exactly 0 for communication only at 2 ranks (identical partials: the sum is exact and both round once);
 # a fused op that forgets its all-reduce gives >= 0.9 with GEMMs. 0.05 sits well between the two.
 FINAL_REL_TOL = 0.05
@@ -65,7 +74,7 @@ FINAL_REL_TOL = 0.05
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="kimi_k25",
-                   help=f"name in benchmarks/configs ({', '.join(vp.available_configs())}) or a JSON path")
+                   help=f"name in benchmarks/workloads/configs ({', '.join(vp.available_configs())}) or a JSON path")
     p.add_argument("--backend", default="both",
                    help=f"both | comma list of {', '.join(BACKENDS)}; both = nccl,sm120 (--no-p2p: "
                         "nccl_no_p2p,sm120_hostmem)")
@@ -92,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--e2e-accept-len", type=float, default=None, help="tokens per verify step (default: anchored)")
     p.add_argument("--e2e-tok-s-nospec", type=float, default=82.0)
     p.add_argument("--e2e-tok-s-eagle-nccl", type=float, default=60.0)
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(io.RESULTS_DIR))
     p.add_argument("--no-merge", action="store_true", help="overwrite instead of merging with an existing JSON")
     p.add_argument("--time-limit", type=float, default=float(os.environ.get("BENCH_TIME_LIMIT_S", "480")),
                    help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
@@ -110,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [b for b in a.backends if b not in BACKENDS]
     if unknown or not a.backends:
         p.error(f"--backend takes both or a comma list of {', '.join(BACKENDS)} (got {a.backend!r})")
-    why = common.nccl_label_error(a.backends, a.no_p2p)
+    why = nccl_mode.nccl_label_error(a.backends, a.no_p2p)
     if why:
         p.error(why)
     if a.no_p2p and a.via_sglang:
@@ -122,297 +131,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-BACKENDS = ("nccl", "sm120", "sm120_hostmem", common.NCCL_NO_P2P)
+BACKENDS = ("nccl", "sm120", "sm120_hostmem", nccl_mode.NCCL_NO_P2P)
 OURS_BACKENDS = ("sm120", "sm120_hostmem")  # fused: all_reduce_add_rmsnorm where the pattern fuses
 
 
 def backends_of(text: str, no_p2p: bool) -> list[str]:
     if text.strip() == "both":
-        return [common.NCCL_NO_P2P, "sm120_hostmem"] if no_p2p else ["nccl", "sm120"]
-    return common.iter_unique(b.strip() for b in text.split(",") if b.strip())
+        return [nccl_mode.NCCL_NO_P2P, "sm120_hostmem"] if no_p2p else ["nccl", "sm120"]
+    return io.iter_unique(b.strip() for b in text.split(",") if b.strip())
 
 
 def reference_backends(backends: list[str], no_p2p: bool) -> tuple[str, str]:
     """(NCCL reference, ours) of a run: what the comparisons, the speed-up column and the estimate use."""
-    ref = common.NCCL_NO_P2P if no_p2p else "nccl"
+    ref = nccl_mode.NCCL_NO_P2P if no_p2p else "nccl"
     ours = "sm120_hostmem" if (no_p2p or "sm120" not in backends) and "sm120_hostmem" in backends else "sm120"
     return ref, ours
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The model: weights with per-rank shapes, and one forward driven by the op list
+class Bench(run.Run):
+    kind = "verify"
+    validate = staticmethod(validate_verify_doc)
 
-
-class Model:
-    def __init__(self, cfg: vp.ModelConfig, d, gemm: bool, max_tokens: int, seed: int, max_expert_gib: float):
-        import torch
-
-        self.cfg, self.d, self.gemm = cfg, d, gemm
-        H = cfg.hidden_size
-        dev = d.device
-        self.eps = cfg.rms_norm_eps
-        self.rep = torch.Generator(device=dev)
-        self.rep.manual_seed(seed)  # replicated tensors: identical on every rank
-        self.own = torch.Generator(device=dev)
-        self.own.manual_seed(seed + 1 + d.rank)  # this rank's shard
-        self.norm_w = (1 + 0.1 * torch.randn(H, generator=self.rep, device=dev)).to(torch.bfloat16)
-        self.emb: dict[int, torch.Tensor] = {}
-        self.moe_idx: dict[int, torch.Tensor] = {}
-        self.notes: dict = {}
-        if not gemm:
-            return
-        tp = d.world_size
-        sh = vp.gemm_shapes(cfg, max_tokens, tp)
-        self.shapes_max = sh
-        att = sh["attn"]
-        if att["type"] == "mla":
-            a = cfg.attention
-            self.heads = int(a["num_heads"]) // tp
-            self.nope, self.rope = int(a["qk_nope_head_dim"]), int(a["qk_rope_head_dim"])
-            self.q_lora, self.kv = int(a["q_lora_rank"]), int(a["kv_lora_rank"])
-            self.vdim = int(a["v_head_dim"])
-            self.W_qkv_a = self._w((H, att["qkv_a"][2]), H, self.rep)
-            self.W_q_b = self._w((self.q_lora, att["q_b"][2]), self.q_lora, self.own)
-            self.W_kc = self._w((self.heads, self.nope, self.kv), self.nope, self.own)
-            self.W_vc = self._w((self.heads, self.kv, self.vdim), self.kv, self.own)
-            self.W_o = self._w((self.heads * self.vdim, H), self.heads * self.vdim, self.own)
-        else:
-            a = cfg.attention
-            self.heads = int(a["num_heads"]) // tp
-            self.hd = int(a["head_dim"])
-            self.W_qkv = self._w((H, att["qkv"][2]), H, self.own)
-            self.W_o = self._w((self.heads * self.hd, H), self.heads * self.hd, self.own)
-        dense = sh["dense"]
-        if cfg.first_k_dense > 0:
-            self.inter = dense["down"][1]
-            self.W_gu = self._w((H, 2 * self.inter), H, self.own)
-            self.W_d = self._w((self.inter, H), self.inter, self.own)
-        if cfg.moe and cfg.first_k_dense < cfg.num_layers:
-            m = sh["moe"]
-            self.mi = m["expert_down"][2]
-            self.E, self.top_k = int(cfg.moe["num_experts"]), int(cfg.moe["top_k"])
-            e_max = m["active_experts"]
-            per_expert = H * 3 * self.mi * 2
-            cap = max(1, int(max_expert_gib * (1 << 30) // per_expert))
-            if e_max > cap:
-                self.notes["experts_capped"] = f"{e_max} active experts needed at T={max_tokens}, {cap} allocated"
-                e_max = cap
-            self.e_alloc = e_max
-            self.W_router = self._w((H, self.E), H, self.rep)
-            self.W_egu = self._w((e_max, H, 2 * self.mi), H, self.own)
-            self.W_ed = self._w((e_max, self.mi, H), self.mi, self.own)
-            shared = m["shared_down"][1] if m["shared_down"] else 0
-            self.shared = shared
-            if shared:
-                self.W_sgu = self._w((H, 2 * shared), H, self.own)
-                self.W_sd = self._w((shared, H), shared, self.own)
-        if self.d.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def _w(self, shape, fan_in, gen):
-        import torch
-
-        t = torch.randn(shape, generator=gen, device=self.d.device, dtype=torch.bfloat16)
-        return t.mul_(fan_in**-0.5)
-
-    def prepare_tokens(self, T: int) -> None:
-        import torch
-
-        if T not in self.emb:
-            g = torch.Generator(device=self.d.device)
-            g.manual_seed(1000 + 31 * T + self.d.rank)  # each rank's partial of the vocab-parallel embedding
-            self.emb[T] = (torch.randn(T, self.cfg.hidden_size, generator=g, device=self.d.device)
-                           / math.sqrt(self.d.world_size)).to(torch.bfloat16)
-        if self.gemm and self.cfg.moe and T not in self.moe_idx:
-            e_a, rows = self._moe_dims(T)
-            self.moe_idx[T] = (torch.arange(e_a * rows, device=self.d.device) % T).contiguous()
-
-    def _moe_dims(self, T: int) -> tuple[int, int]:
-        e_a = min(self.e_alloc, vp.expected_active_experts(T, self.E, self.top_k))
-        rows = math.ceil(T * self.top_k / e_a)
-        return e_a, rows
-
-    # -- compute (per-rank partials) --
-    def attention(self, x):
-        import torch
-
-        T = x.shape[0]
-        if self.cfg.attention.get("type", "mla") == "mla":
-            qkv = x @ self.W_qkv_a
-            q = qkv[:, : self.q_lora] @ self.W_q_b
-            q_nope = q.view(T, self.heads, self.nope + self.rope)[:, :, : self.nope].transpose(0, 1)
-            lat = torch.bmm(q_nope, self.W_kc)  # [heads, T, kv]: absorbed query (attention core not modelled)
-            o = torch.bmm(lat, self.W_vc)  # [heads, T, v]
-            return o.transpose(0, 1).reshape(T, self.heads * self.vdim) @ self.W_o
-        qkv = x @ self.W_qkv
-        return qkv[:, : self.heads * self.hd] @ self.W_o
-
-    def mlp(self, x, moe: bool):
-        import torch
-        import torch.nn.functional as F
-
-        if not moe:
-            gu = x @ self.W_gu
-            return (F.silu(gu[:, : self.inter]) * gu[:, self.inter :]) @ self.W_d
-        T, H = x.shape
-        _ = x @ self.W_router
-        e_a, rows = self._moe_dims(T)
-        xs = x.index_select(0, self.moe_idx[T]).view(e_a, rows, H)
-        gu = torch.bmm(xs, self.W_egu[:e_a])
-        y = torch.bmm(F.silu(gu[..., : self.mi]) * gu[..., self.mi :], self.W_ed[:e_a])
-        routed = y.view(-1, H)[: T * self.top_k].view(self.top_k, T, H).sum(0)
-        if self.shared:
-            sgu = x @ self.W_sgu
-            routed = routed + (F.silu(sgu[:, : self.shared]) * sgu[:, self.shared :]) @ self.W_sd
-        return routed
-
-    # -- one forward --
-    def forward(self, ops, comm, norm, T: int, h_buf):
-        h = h_buf
-        h.copy_(self.emb[T])  # stands in for the embedding lookup
-        w, eps = self.norm_w, self.eps
-        residual = x = part = None
-        aux = []
-        for op in ops:
-            k = op.kind
-            if k == vp.ATTENTION:
-                part = self.attention(x) if self.gemm else x
-            elif k == vp.MLP:
-                part = self.mlp(x, op.site == "moe") if self.gemm else x
-            elif k == vp.ALLREDUCE:
-                h = comm.all_reduce(h if op.site == "embedding" else part)
-            elif k == vp.ALLREDUCE_ADD_RMSNORM:
-                x, residual = comm.all_reduce_add_rmsnorm(part, residual, w, eps)
-            elif k == vp.ADD_RMSNORM:
-                residual, x = comm.add_rmsnorm(h, residual, w, eps)
-            elif k == vp.RMSNORM:
-                residual, x = h, norm.rmsnorm(h, w, eps)
-            elif k == vp.AUX_CAPTURE:
-                aux.append(h if residual is None else h + residual)
-            else:
-                raise ValueError(f"unknown op {op}")
-        return x, aux
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Backends: the communication primitives the forward calls
-
-
-class NcclComm:
-    name = "nccl"
-    fuse = False
-
-    def __init__(self, d, norm):
-        self.d, self.norm = d, norm
-
-    def all_reduce(self, t):
-        import torch.distributed as dist
-
-        dist.all_reduce(t, group=self.d.nccl)
-        return t
-
-    def add_rmsnorm(self, h, residual, w, eps):
-        self.norm.add_rmsnorm_(h, residual, w, eps)  # in place: residual <- h + residual, h <- norm
-        return residual, h
-
-    def all_reduce_add_rmsnorm(self, part, residual, w, eps):  # not used: fuse=False pattern
-        h = self.all_reduce(part)
-        r, x = self.add_rmsnorm(h, residual, w, eps)
-        return x, r
-
-
-class NcclNoP2pComm(NcclComm):
-    """The same NCCL calls in a --no-p2p run (NCCL_P2P_DISABLE=1 set before NCCL started)."""
-
-    name = common.NCCL_NO_P2P
-
-
-class ComputeOnly(NcclComm):
-    """All-reduces removed: the compute-only reference of --compute gemm."""
-
-    name = "none"
-
-    def all_reduce(self, t):
-        return t
-
-
-class Sm120Comm(NcclComm):
-    name = "sm120"
-    fuse = True
-
-    def __init__(self, d, norm, impl, name: str = "sm120"):
-        super().__init__(d, norm)
-        self.impl = impl
-        self.name = name
-
-    def all_reduce(self, t):
-        return self.impl.all_reduce(t, None)
-
-    def all_reduce_add_rmsnorm(self, part, residual, w, eps):
-        return self.impl.all_reduce_add_rmsnorm(part, residual, w, eps, None, None)
-
-
-class SglangComm(NcclComm):
-    """SGLang's own path: GroupCoordinator.all_reduce; at fusable boundaries the communicator's logic
-    (layers/communicator.py): fusion gate yes -> RMSNorm.forward_with_allreduce_fusion, else all-reduce + norm."""
-
-    fuse = True
-
-    def __init__(self, d, norm, name, tp, norm_module, gate, module_norm_ok: bool):
-        super().__init__(d, norm)
-        self.name, self.tp, self.norm_module, self.gate = name, tp, norm_module, gate
-        self.module_norm_ok = module_norm_ok
-        self.gate_answers: dict[int, bool] = {}
-
-    def gate_says(self, T: int) -> bool:
-        if T not in self.gate_answers:
-            try:
-                self.gate_answers[T] = bool(self.gate(T))
-            except Exception:  # noqa: BLE001 - e.g. no global server args in a bare process: gate closed
-                self.gate_answers[T] = False
-        return self.gate_answers[T]
-
-    def all_reduce(self, t):
-        return self.tp.all_reduce(t)
-
-    def add_rmsnorm(self, h, residual, w, eps):
-        if self.module_norm_ok:
-            x, r = self.norm_module.forward(h, residual)
-            return r, x
-        return super().add_rmsnorm(h, residual, w, eps)
-
-    def all_reduce_add_rmsnorm(self, part, residual, w, eps):
-        if self.gate_says(part.shape[0]):
-            return self.norm_module.forward_with_allreduce_fusion(part, residual)
-        h = self.all_reduce(part)
-        r, x = self.add_rmsnorm(h, residual, w, eps)
-        return x, r
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
-class Bench:
-    def __init__(self, d, args, nccl_mode: dict | None = None):
-        self.d, self.args = d, args
-        self.no_p2p = bool(getattr(args, "no_p2p", False))
-        self.nccl_mode = nccl_mode if nccl_mode is not None else {"mode": "no_p2p" if self.no_p2p else "default",
-                                                                   "no_p2p": self.no_p2p}
+    def __init__(self, d, args, mode: dict | None = None):
+        super().__init__(d, args, mode)
         self.ref, self.ours = reference_backends(args.backends, self.no_p2p)
         self.cfg = vp.load_config(args.config)
         self.capture = not args.no_eagle3_capture
         self.results: list[dict] = []
         self.checks: list[dict] = []
-        self.skipped: list[dict] = []
         self.sglang_info: list[dict] = []
         self.notes: dict = {}
-        self.hw = common.hardware_info(d)
-        self.t0 = time.monotonic()
-        self.complete = False
-        self.out_json = common.result_path(Path(args.out), "verify", self.hw["gpu"], d.world_size,
-                                           tag=common.output_tag(self.no_p2p))
         self.finals: dict = {}  # (compute, T) -> NCCL's final hidden states (for the --via-sglang comparison)
-        self.run_info = {"date": common.utc_now(), "compute": args.compute, "backends": args.backends,
+        self.run_info = {"date": io.utc_now(), "compute": args.compute, "backends": args.backends,
                          "tokens": args.tokens, "via_sglang": args.via_sglang, "no_p2p": self.no_p2p}
         self.prior = self.load_prior() if d.is_main else None
 
@@ -482,16 +232,16 @@ class Bench:
             runs = old.get("runs", []) + runs
         results.sort(key=lambda r: (r["compute"], r["tokens"], r["backend"]))
         return {
-            "schema_version": common.SCHEMA_VERSION,
+            "schema_version": io.SCHEMA_VERSION,
             "benchmark": "bench_verify",
             "hardware": self.hw,
-            "date": common.utc_now(),
+            "date": io.utc_now(),
             "complete": self.complete,
             "elapsed_s": round(time.monotonic() - self.t0, 1),
             "config": self.cfg.to_dict(),
             "world_size": self.d.world_size,
             "no_p2p": self.no_p2p,
-            "nccl_setup": {**common.public_nccl_mode(self.nccl_mode), "nccl_version": self.hw.get("nccl")},
+            "nccl_setup": {**nccl_mode.public_nccl_mode(self.nccl_mode), "nccl_version": self.hw.get("nccl")},
             "reference_backend": self.ref,
             "ours_backend": self.ours,
             "pattern": self.pattern_info(),
@@ -508,20 +258,6 @@ class Bench:
             "runs": runs,
         }
 
-    def write(self) -> None:
-        if not self.d.is_main:
-            return
-        doc = self.doc()
-        try:
-            validate_verify_doc(doc)
-        except Exception as e:  # noqa: BLE001
-            doc["schema_error"] = short_exc(e)
-        common.write_json(self.out_json, doc)
-
-    def skip(self, backend: str, reason: str, **extra) -> None:
-        self.skipped.append({"impl": backend, "reason": reason or "unknown", **extra})
-        self.d.log(f"  skip {backend} {extra if extra else ''}: {reason}")
-
     # ------------------------------------------------------------------ one graph
     def time_forward(self, model: Model, comm, compute: str, T: int, *, stream=None, label=None) -> dict | None:
         import torch
@@ -535,32 +271,27 @@ class Bench:
             return model.forward(ops, comm, self.norm, T, h_buf)
 
         def capture():
-            return common.capture_graph(fwd, 1, eager_warmup=1, stream=stream)
+            return timing.capture_graph(fwd, 1, eager_warmup=1, stream=stream)
 
         ok, val, why = d.attempt(capture, f"{label}: capture")
         if not ok:
             self.skip(label, why, compute=compute, tokens=T)
-            self._health()
+            self.check_health()
             return None
         graph, outs = val
         try:
-            t = common.time_graph(d, graph, calls=1, iters=self.args.iters, warmup=self.args.warmup)
+            t = timing.time_graph(d, graph, calls=1, iters=self.args.iters, warmup=self.args.warmup)
         except RuntimeError as e:
             self.skip(label, short_exc(e), compute=compute, tokens=T)
-            self._health()
+            self.check_health()
             return None
         final = outs[0][0].clone()
         torch.cuda.synchronize()
         t["final"] = final
-        same = common.bitwise_equal_across_ranks(d, final)
+        same = ranks.bitwise_equal_across_ranks(d, final)
         # Without all-reduces (compute-only graph) the ranks' outputs differ by construction.
         t["bitwise_across_ranks"] = same if comm.name != "none" else None
         return t
-
-    def _health(self) -> None:
-        ok, why = common.cuda_healthy(self.d)
-        if not ok:
-            raise _Abort(f"CUDA context unusable after a failure: {why}")
 
     def record(self, backend, compute, T, t, comm_us, **extra) -> None:
         pat = self.pattern_info()
@@ -617,15 +348,15 @@ class Bench:
         d.log(f"bench_verify: {self.cfg.name} on {self.hw['gpu']} x{d.world_size}; per forward {pat['n_allreduce']} "
               f"all-reduces, {pat['n_fused']} fused on the sm120 path ({pat['n_plain']} plain at "
               f"{', '.join(pat['plain_allreduce_sites'])}); T = {a.tokens}; compute {a.compute}")
-        self.norm, rejected = common.select_norm_kernel(d, self.cfg.hidden_size, self.cfg.rms_norm_eps,
+        self.norm, rejected = norms.select_norm_kernel(d, self.cfg.hidden_size, self.cfg.rms_norm_eps,
                                                          prefer=a.norm_kernel)
         self.notes["norm_kernels_rejected"] = [{"kernel": k, "reason": r} for k, r in rejected]
         d.log(f"  add+RMSNorm kernel (NCCL path and plain all-reduces): {self.norm.name}")
         comms = {}
         if "nccl" in a.backends:
             comms["nccl"] = NcclComm(d, self.norm)
-        if common.NCCL_NO_P2P in a.backends:
-            comms[common.NCCL_NO_P2P] = NcclNoP2pComm(d, self.norm)
+        if nccl_mode.NCCL_NO_P2P in a.backends:
+            comms[nccl_mode.NCCL_NO_P2P] = NcclNoP2pComm(d, self.norm)
         impls = []
         for name in OURS_BACKENDS:
             if name in a.backends:
@@ -634,7 +365,7 @@ class Bench:
                     impls.append(impl)
                     comms[name] = Sm120Comm(d, self.norm, impl, name=name)
         if self.no_p2p:
-            common.collect_nccl_transports(d, self.nccl_mode)
+            nccl_mode.collect_nccl_transports(d, self.nccl_mode)
         self.write()
         try:
             for compute in a.compute:
@@ -642,7 +373,7 @@ class Bench:
             if a.via_sglang:
                 self._run_via_sglang()
             self.complete = True
-        except _Abort as e:
+        except run.Abort as e:
             self.notes["aborted"] = str(e)
             d.log(f"ABORTED: {e}")
         finally:
@@ -650,7 +381,7 @@ class Bench:
                 torch.cuda.synchronize()
                 impl.close()
         if self.no_p2p:
-            common.collect_nccl_transports(d, self.nccl_mode)
+            nccl_mode.collect_nccl_transports(d, self.nccl_mode)
         self.write()
         if d.is_main:
             self.print_tables()
@@ -728,7 +459,7 @@ class Bench:
     # ------------------------------------------------------------------ --via-sglang
     def _run_via_sglang(self) -> None:
         d = self.d
-        standin = common.install_sglang_standins()
+        standin = sglang_compat.install_sglang_standins()
         if standin:
             self.notes["sglang_standins"] = standin
         ok, ps, why = d.attempt(lambda: __import__("sglang.srt.distributed.parallel_state", fromlist=["x"]),
@@ -751,7 +482,7 @@ class Bench:
             name = "sglang_on" if overlay_on else "sglang_off"
             try:
                 self._sglang_phase(ps, name, overlay_on)
-            except _Abort:
+            except run.Abort:
                 raise
             except Exception as e:  # noqa: BLE001 - a phase that fails on every rank alike
                 self.skip(name, short_exc(e))
@@ -833,7 +564,7 @@ class Bench:
         try:
             x = torch.randn(2, self.cfg.hidden_size, device=self.d.device, dtype=torch.bfloat16)
             r = torch.randn_like(x)
-            ref_n, ref_r = common.reference_add_rmsnorm(x, r, norm_module.weight.data, self.cfg.rms_norm_eps)
+            ref_n, ref_r = norms.reference_add_rmsnorm(x, r, norm_module.weight.data, self.cfg.rms_norm_eps)
             n, rr = norm_module.forward(x.clone(), r.clone())
             torch.cuda.synchronize()
             if not torch.allclose(n.float(), ref_n.float(), rtol=1 / 32, atol=1 / 32):
@@ -854,19 +585,19 @@ class Bench:
             rs = [r for r in doc["results"] if r["compute"] == compute]
             if not rs:
                 continue
-            backends = common.iter_unique(r["backend"] for r in rs)
+            backends = io.iter_unique(r["backend"] for r in rs)
             p2p = " (NCCL with P2P disabled)" if self.no_p2p else ""
-            common.table_print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}{p2p}: one verify "
+            io.table_print(f"\n== {self.cfg.name}, TP={self.d.world_size}, compute={compute}{p2p}: one verify "
                   f"forward ({pat['n_allreduce']} all-reduces; ours fuses {pat['n_fused']}); us, median of slowest "
                   f"rank; speed-up = {self.ref} / {self.ours}")
             w = max([16] + [len(b) + 7 for b in backends])  # column width: the longest "<backend> step" + 2
             hdr = f"{'T':>4} {'bytes/AR':>9} " + "".join(f"{b + ' step':>{w}}" for b in backends)
             hdr += "".join(f"{b + ' comm':>{w}}" for b in backends if b != "none")
             hdr += f"{'speed-up':>10}{'comm x':>8}"
-            common.table_print(hdr)
+            io.table_print(hdr)
             for T in sorted({r["tokens"] for r in rs}):
                 cells = {r["backend"]: r for r in rs if r["tokens"] == T}
-                line = f"{T:>4} {common.format_bytes(T * self.cfg.bytes_per_token):>9} "
+                line = f"{T:>4} {io.format_bytes(T * self.cfg.bytes_per_token):>9} "
                 line += "".join(f"{cells[b]['step_us']:>{w}.1f}" if b in cells else f"{'-':>{w}}" for b in backends)
                 for b in backends:
                     if b == "none":
@@ -874,32 +605,32 @@ class Bench:
                     c = cells.get(b, {}).get("comm_us")
                     line += f"{c:>{w}.1f}" if c is not None else f"{'-':>{w}}"
                 n, s = cells.get(self.ref), cells.get(self.ours)
-                sp = common.ratio(n["step_us"], s["step_us"]) if n and s else None
-                cr = common.ratio(n["comm_us"], s["comm_us"]) if n and s and n["comm_us"] and s["comm_us"] else None
+                sp = io.ratio(n["step_us"], s["step_us"]) if n and s else None
+                cr = io.ratio(n["comm_us"], s["comm_us"]) if n and s and n["comm_us"] and s["comm_us"] else None
                 line += f"{sp:>9.2f}x" if sp else f"{'-':>10}"
                 line += f"{cr:>7.2f}x" if cr else f"{'-':>8}"
-                common.table_print(line)
+                io.table_print(line)
         bad = [c for c in doc["checks"] if not c["ok"]]
         worst = [(c["backend"], c["compute"], c["tokens"]) for c in bad]
-        common.table_print(f"\nfinal hidden states vs {self.ref}: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} "
+        io.table_print(f"\nfinal hidden states vs {self.ref}: {len(doc['checks']) - len(bad)}/{len(doc['checks'])} "
                            "within "
               f"rms(diff) <= {FINAL_REL_TOL:g} x rms" + (f"; OUT OF TOLERANCE: {worst}" if bad else ""))
         nonbit = [(r["backend"], r["compute"], r["tokens"]) for r in doc["results"]
                   if r["bitwise_across_ranks"] is False]
-        common.table_print("bitwise identical across ranks: " + ("all" if not nonbit else f"NOT for {nonbit}"))
+        io.table_print("bitwise identical across ranks: " + ("all" if not nonbit else f"NOT for {nonbit}"))
         for e in doc["e2e_estimate"]:
-            common.table_print(f"ESTIMATE (not measured): T={e['tokens']}, compute {e['compute_ms']:g} ms + "
+            io.table_print(f"ESTIMATE (not measured): T={e['tokens']}, compute {e['compute_ms']:g} ms + "
                                "measured comm: "
                   f"step {e['step_ms_nccl']:.2f} -> {e['step_ms_ours']:.2f} ms ({e['step_speedup']:.2f}x); "
                   f"accept_len {e['accept_len']:.2f} ({e['accept_len_source']}): {e['tok_s_nccl']:.1f} -> "
                   f"{e['tok_s_ours']:.1f} tok/s (no speculation: {e['tok_s_nospec']:g} tok/s)")
         if self.no_p2p:
-            common.table_print(common.nccl_setup_line(doc["nccl_setup"]))
+            io.table_print(nccl_mode.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
-            common.table_print("skipped:")
+            io.table_print("skipped:")
             for s in doc["skipped"]:
-                common.table_print(f"  {s['impl']}: {s['reason']}")
-        common.table_print(f"wrote {self.out_json}")
+                io.table_print(f"  {s['impl']}: {s['reason']}")
+        io.table_print(f"wrote {self.out_json}")
 
     def plot(self) -> None:
         doc = self.doc()
@@ -909,7 +640,7 @@ class Bench:
             if not rs:
                 continue
             series = {}
-            for b in common.iter_unique(r["backend"] for r in rs):
+            for b in io.iter_unique(r["backend"] for r in rs):
                 pts = sorted((r["tokens"], r["step_us"]) for r in rs if r["backend"] == b)
                 series["compute only" if b == "none" else b] = ([p[0] for p in pts], [p[1] / 1000 for p in pts])
             panels.append({"title": f"compute={compute}", "xlabel": "T (tokens per verify forward)",
@@ -917,13 +648,9 @@ class Bench:
                            "series": series})
         if panels:
             p2p = ", NCCL with P2P disabled" if self.no_p2p else ""
-            err = common.plot_lines(self.out_json.with_suffix(".png"), panels,
+            err = io.plot_lines(self.out_json.with_suffix(".png"), panels,
                                     title=f"{self.cfg.name} verify forward, {self.hw['gpu']} x{self.d.world_size}{p2p}")
             print(f"plot: {err or self.out_json.with_suffix('.png')}")
-
-
-class _Abort(Exception):
-    pass
 
 
 def _activate_overlay():
@@ -939,7 +666,7 @@ def _prepare_overlay_backend(hidden: int) -> dict:
 
     import torch
 
-    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    hd = importlib.import_module("sglang_sm120.hooks.distributed")
     comm = hd.prepare_tp_backend(hd.runtime_server_args(), hidden, torch.bfloat16)
     return comm.describe() if comm is not None else {"active": False, "reason": "no sm120 communicator on the TP group"}
 
@@ -947,29 +674,15 @@ def _prepare_overlay_backend(hidden: int) -> dict:
 def _describe_overlay() -> dict:
     import importlib
 
-    hd = importlib.import_module("sglang_sm120.hooks_distributed")
+    hd = importlib.import_module("sglang_sm120.hooks.distributed")
     comm = hd.tp_communicator()
     return comm.describe() if comm is not None else {"active": False}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    script = "benchmarks/bench_verify.py"
-    common.require_multi_gpu(script)
-    # Before init_distributed: NCCL reads NCCL_P2P_DISABLE when it creates its first communicator.
-    uses_nccl = args.via_sglang or bool({"nccl", common.NCCL_NO_P2P} & set(args.backends))
-    nccl_mode = common.enter_nccl_mode(script, args.no_p2p, uses_nccl_label=uses_nccl)
-    d = common.init_distributed()
-    try:
-        common.check_same_args(d, vars(args))
-        bench = Bench(d, args, nccl_mode=nccl_mode)
-        wd = common.Watchdog(args.time_limit, on_timeout=bench.write)
-        bench.run()
-        wd.stop()
-    finally:
-        common.shutdown(d, exit_after_s=60.0 if argv is None else None)
-        common.cleanup_nccl_log(nccl_mode)
-    return 0
+    uses_nccl = args.via_sglang or bool({"nccl", nccl_mode.NCCL_NO_P2P} & set(args.backends))
+    return run.main("benchmarks/bench_verify.py", args, uses_nccl, Bench, in_process=argv is not None)
 
 
 if __name__ == "__main__":

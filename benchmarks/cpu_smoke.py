@@ -43,7 +43,7 @@ def _fake_kernel_module():
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import reference_add_rmsnorm
+    from benchmarks.harness.norms import reference_add_rmsnorm
 
     mod = types.ModuleType("sgl_kernel_sm120")
 
@@ -139,7 +139,7 @@ def install_fakes() -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks import common
+    from benchmarks.harness import hardware, io, ranks, timing
 
     sys.modules["sgl_kernel_sm120"] = _fake_kernel_module()
     torch.cuda.Event = _FakeEvent
@@ -158,7 +158,7 @@ def install_fakes() -> None:
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
         gloo = dist.new_group(backend="gloo")
-        return common.Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+        return ranks.Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
                            torch.device("cpu"), gloo, dist.group.WORLD)
 
     def fake_hardware_info(d=None):
@@ -166,11 +166,11 @@ def install_fakes() -> None:
                 "cuda": None, "torch": torch.__version__, "nccl": None, "world_size": d.world_size if d else 1,
                 "versions": {}, "env": {}, "note": "benchmarks/cpu_smoke.py: control-flow test, numbers meaningless"}
 
-    common.TABLE_TAG = "[CPU smoke, fake numbers] "
-    common.require_multi_gpu = lambda *a, **k: None
-    common.init_distributed = fake_init_distributed
-    common.capture_graph = fake_capture_graph
-    common.hardware_info = fake_hardware_info
+    io.TABLE_TAG = "[CPU smoke, fake numbers] "
+    ranks.require_multi_gpu = lambda *a, **k: None
+    ranks.init_distributed = fake_init_distributed
+    timing.capture_graph = fake_capture_graph
+    hardware.hardware_info = fake_hardware_info
 
 
 def worker(which: str, argv: list[str]) -> int:

@@ -14,9 +14,10 @@ from . import _abi
 from .errors import KernelsNotBuiltError
 
 BUILD_HINT = (
-    "Build them in this environment, from the sglang-sm120 checkout, on a machine with nvcc "
-    "(export CUDA_HOME=/usr/local/cuda): `pip install --no-build-isolation -e .` with this environment's torch "
-    "(or `make build`); TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 12.0a plus the visible GPUs)."
+    "Build them in this environment, from the sglang-sm120 checkout, on a machine with nvcc whose major version "
+    "is torch's CUDA major (export CUDA_HOME=/usr/local/cuda): `pip install --no-build-isolation -e .` with this "
+    "environment's torch; TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 12.0a plus the visible GPUs). "
+    "(`make build` builds only for the checkout's test environments under .venvs/, which this one does not load.)"
 )
 
 # Load this library instead of the packaged one: used by the protocol negative-control tests, which build

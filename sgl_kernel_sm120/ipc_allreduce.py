@@ -4,7 +4,7 @@ Construction is collective over a CPU (gloo) process group: every step records i
 the outcomes are gathered, and every rank raises together if any rank failed, so no rank is left waiting in
 a later collective for a peer that gave up. Arguments are checked to be identical on every rank.
 
-Use:
+Use (docs/design.md, "Kernel contract", has the full contract):
     ar = IpcAllReduce(gloo_group, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                      # x is not written
     norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6) # fresh outputs unless given
@@ -155,6 +155,14 @@ class _ErrorRecord(ctypes.Structure):
     ]
 
 
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "no CUDA driver/GPU: torch.cuda.is_available() is False in this process (no NVIDIA driver, one too old "
+            f"for torch's CUDA {torch.version.cuda}, or no visible GPU; check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def _joint_check(group, local_error: str | None, step: str) -> None:
     """Gather every rank's outcome of `step`; raise the same error on every rank if any failed."""
     outcomes: list = [None] * dist.get_world_size(group)
@@ -248,6 +256,7 @@ class IpcAllReduce:
             if self.device.type != "cuda":
                 raise ValueError(f"device must be a CUDA device, got {self.device}")
             if self.device.index is None:
+                _require_cuda()
                 self.device = torch.device("cuda", torch.cuda.current_device())
             if dtype not in SUPPORTED_DTYPES:
                 raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
@@ -275,8 +284,7 @@ class IpcAllReduce:
                 raise ValueError("islands need memory='device': through host memory every pair is one hop")
             probe_drop_target(self.rank)  # a malformed debug switch fails here, on every rank
             _ext.ops()  # kernels built?
-            if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA driver/GPU: torch.cuda.is_available() is False in this process")
+            _require_cuda()  # and something to run them on (kernels_available() only says the library loads)
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
         _joint_check(group, error, "argument check")

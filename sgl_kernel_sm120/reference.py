@@ -1,4 +1,4 @@
-"""Pure-torch references of the two ops, with the numerics the kernels promise (DESIGN.md section 3).
+"""Pure-torch references of the two ops, with the numerics the kernels promise (docs/design.md, "Numerics").
 
 Sums are accumulated in fp32 in rank order and rounded once; the fused op rounds residual_out once and
 computes the RMSNorm in fp32 from the rounded residual, as SGLang's unfused add + RMSNorm does.

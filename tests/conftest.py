@@ -69,7 +69,7 @@ def clean_env(monkeypatch):
     """The overlay's variables (and SGLang's PCIe-IPC switch) unset for the test. setenv-then-delenv records
     "unset" as the value to restore, so values the code under test writes into os.environ (from_cli_args
     exports the flags) are removed after the test."""
-    from sglang_sm120 import config
+    from sglang_sm120.core import config
 
     for name in (config.MODE_ENV, config.MAX_BYTES_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
         monkeypatch.setenv(name, "")

@@ -1,17 +1,18 @@
 """`python -m sglang_sm120.doctor`: can the sm120 all-reduce backend run on this machine, and if not, why?
 
-Prints the GPUs (capability, driver, CUDA, NCCL), the probed CUDA P2P matrix, the PCIe/NUMA topology and the
-islands the kernel would use, IOMMU/ACS hints, NCCL settings worth setting for the large reductions that stay
-on NCCL, which backend each message size takes, which path the TP group gets on this box (CUDA IPC over P2P,
-pinned host memory without P2P, or NCCL) and why, and (with GPUs and built kernels) a short multi-process
-self-test over that path. Exits 0 when the backend can run, 1 otherwise, naming the reason. Works on a CPU-only
-machine.
+Prints the GPUs (capability, driver, CUDA, NCCL), the architectures the kernels were built for, the probed
+CUDA P2P matrix, the PCIe/NUMA topology and the islands the kernel would use, IOMMU/ACS hints, NCCL settings
+worth setting for the large reductions that stay on NCCL, which backend each message size takes, which path the
+TP group gets on this box (CUDA IPC over P2P, pinned host memory without P2P, or NCCL) and why, and (with GPUs
+and built kernels) a short multi-process self-test over that path. Exits 0 when the backend can run, 1
+otherwise, naming the reason. Works on a CPU-only machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import platform
 import shutil
@@ -20,10 +21,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from . import config
-from .facts import gpu_uuid, kernel_error
-from .gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
-from .topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
+from .core import config
+from .core.facts import gpu_uuid, kernel_error
+from .core.gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
+from .core.topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
 
 NCCL_SETTINGS = [
     ("NCCL_P2P_LEVEL", "SYS", "let NCCL use P2P across the CPU interconnect too (large reductions stay on NCCL)"),
@@ -72,6 +73,8 @@ def report_versions() -> None:
         print("sglang: not installed")
     error = kernel_error()
     print("sgl_kernel_sm120 kernels: " + ("available" if error is None else f"NOT available: {error}"))
+    if error is None:
+        print(build_record_line())
     try:
         import pynvml
 
@@ -83,6 +86,40 @@ def report_versions() -> None:
         print(f"driver {driver}, CUDA driver API {cuda_driver // 1000}.{cuda_driver % 1000 // 10}")
     except Exception as exc:
         print(f"driver: unknown (NVML: {type(exc).__name__}: {exc})")
+
+
+# setup.py writes <module>.build.json beside every library it builds (pip hides the build's own output).
+BUILD_RECORD_SUFFIX = ".build.json"
+
+
+def kernel_build_record() -> tuple[str, dict | None]:
+    """Where the build record of the library this process loads is, and the record (None when there is none)."""
+    from sgl_kernel_sm120 import _ext
+
+    override = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)
+    if override:
+        directory, module = os.path.dirname(override), os.path.basename(override).split(".", 1)[0]
+    else:
+        directory, module = _ext.PACKAGE_DIR, _ext.expected_module()
+    path = os.path.join(directory, module + BUILD_RECORD_SUFFIX)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return path, json.load(handle)
+    except (OSError, ValueError):
+        return path, None
+
+
+def build_record_line() -> str:
+    """Which GPU architectures the loaded library holds, and what built it."""
+    try:
+        path, record = kernel_build_record()
+    except Exception as exc:
+        return f"sgl_kernel_sm120 build: unknown ({type(exc).__name__}: {exc})"
+    if record is None:
+        return f"sgl_kernel_sm120 build: no record at {path} (built before the records, or not by setup.py)"
+    archs = ";".join(record.get("archs") or []) or "?"
+    return (f"sgl_kernel_sm120 built for {archs} with nvcc {record.get('nvcc_release') or '?'} against torch "
+            f"{record.get('torch', '?')} ({path})")
 
 
 def gpus() -> list[dict]:
@@ -302,12 +339,13 @@ def _int_tensor(shape, seed: int):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.doctor", description=__doc__)
-    parser.add_argument("--mode", type=config._cli_type(config.parse_mode, "--mode"), choices=config.MODES,
-                        default=None, help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
+    parser.add_argument("--mode", action=config.SettingAction, parse=config.parse_mode,
+                        metavar="{" + ",".join(config.MODES) + "}", default=None,
+                        help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
     parser.add_argument("--hidden", type=int, default=7168, help="hidden size for the dispatch table (Kimi-K2.5: 7168)")
     parser.add_argument("--max-bs", type=int, default=32, help="largest CUDA-graph batch assumed for the bound")
     parser.add_argument("--draft-tokens", type=int, default=4, help="EAGLE draft tokens assumed for the bound")
-    parser.add_argument("--max-bytes", type=config._cli_type(config.parse_max_bytes, "--max-bytes"), default=None,
+    parser.add_argument("--max-bytes", action=config.SettingAction, parse=config.parse_max_bytes, default=None,
                         help="explicit bound (overrides the derived one)")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
     parser.add_argument("--self-test-timeout", type=float, default=120.0)

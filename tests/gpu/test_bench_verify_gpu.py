@@ -1,7 +1,7 @@
 """bench_verify on 2 GPUs with the tiny config (4 layers, hidden 1024): both backends must give the same final
 hidden states (within the stated tolerance) and bit-identical results on every rank.
 
-Tolerances (rms(nccl - sm120) / rms(nccl) of the final hidden states; derivation in tests/test_bench_verify.py,
+Tolerances (rms(nccl - sm120) / rms(nccl) of the final hidden states; derivation in tests/bench/test_verify.py,
 which emulates both paths on CPU):
 - communication only, 2 ranks: every rank's partial is the same tensor, so the sum is exact on both paths and
   the fused path's single rounding equals NCCL + norm's double rounding; the emulation is bitwise equal. On a
@@ -59,7 +59,8 @@ def test_verify_tiny_config_two_gpus(tmp_path):
     assert len(files) == 1, log
     doc = json.loads(files[0].read_text())
 
-    from benchmarks import bench_verify, schema
+    from benchmarks import bench_verify
+    from benchmarks.harness import schema
 
     schema.validate_verify_doc(doc)
     assert doc["complete"] is True, doc.get("notes")

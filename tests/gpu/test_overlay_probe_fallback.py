@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, port: int, hostmem: str) -> None:
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
-    from sglang_sm120 import hooks_distributed
+    from sglang_sm120.hooks import distributed as hooks_distributed
 
     ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="nccl")

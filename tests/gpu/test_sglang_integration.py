@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 
     # The pre-capture seam's replacement, with what it reads of a ModelRunner. (model_runner itself cannot be
     # imported without sgl_kernel's torch ops, so the seam's target module is not loaded here.)
-    from sglang_sm120 import hooks_distributed
+    from sglang_sm120.hooks import distributed as hooks_distributed
 
     runner = type("Runner", (), {})()
     runner.server_args = server_args

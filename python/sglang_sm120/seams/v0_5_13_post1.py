@@ -1,4 +1,4 @@
-"""Seam table for sglang 0.5.13.post1 (the pinned release; see notes/sglang_seams.md section 5.2).
+"""Seam table for sglang 0.5.13.post1 (docs/overlay.md says why each entry is here).
 
 Not patched, on purpose:
 - `GroupCoordinator.graph_capture`: the kernel pushes its input into IPC scratch it owns and keeps its
@@ -13,10 +13,10 @@ Not patched, on purpose:
 
 from __future__ import annotations
 
-from .. import hooks_distributed as dist_hooks
-from .. import hooks_fusion as fusion_hooks
-from .. import hooks_server_args as args_hooks
-from .. import hooks_server_info as info_hooks
+from ..hooks import distributed as dist_hooks
+from ..hooks import fusion as fusion_hooks
+from ..hooks import server_args as args_hooks
+from ..hooks import server_info as info_hooks
 from .base import Seam
 
 SGLANG_VERSION = "0.5.13.post1"

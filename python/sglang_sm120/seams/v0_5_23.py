@@ -1,5 +1,5 @@
-"""Seam table for sglang 0.5.23 (the `layer_boundary/` layout; notes/sglang_0523_seams.md maps each 0.5.13.post1
-seam onto it, docs/overlay.md says why each entry is here).
+"""Seam table for sglang 0.5.23 (the `layer_boundary/` layout; docs/overlay.md maps each 0.5.13.post1 seam onto it
+and says why each entry is here).
 
 Not patched, on purpose:
 - `ServerArgs.__post_init__`: msgspec binds it when the struct class is built; a replacement never runs.
@@ -13,16 +13,15 @@ Not patched, on purpose:
   carries an unfused completion).
 - `GroupCoordinator.graph_capture`: as for 0.5.13.post1 (see v0_5_13_post1.py).
 - `BaseRunner._pre_initialize_pcie_ipc_workspace`: with SGLang's PCIe-IPC communicator set aside at group init
-  (upstream_pcie.py) it finds nothing to build; patching it would miss the dispatcher's build-on-first-use.
+  (hooks/upstream_pcie.py) it finds nothing to build; patching it would miss the dispatcher's build-on-first-use.
 """
 
 from __future__ import annotations
 
-from .. import hooks_distributed as dist_hooks
-from .. import hooks_fusion as fusion_hooks
-from .. import hooks_server_args as args_hooks
-from .. import hooks_server_info as info_hooks
-from .. import hooks_v0_5_23 as v23_hooks
+from ..hooks import distributed as dist_hooks
+from ..hooks import fusion as fusion_hooks
+from ..hooks import server_args as args_hooks
+from ..hooks import server_info as info_hooks
 from .base import Seam
 
 SGLANG_VERSION = "0.5.23"
@@ -42,17 +41,17 @@ SEAMS = [
     ),
     Seam(
         "sglang.srt.server_args:ServerArgs.resolve_once",
-        v23_hooks.wrap_resolve_once,
+        args_hooks.wrap_resolve_once,
         "Engine API: settings from the environment, set before resolution seals the record",
     ),
     Seam(
         "sglang.srt.arg_groups.model_hook:handle_model_specific_adjustments",
-        v23_hooks.wrap_handle_model_specific_adjustments,
+        args_hooks.wrap_handle_model_specific_adjustments,
         "declares FlashInfer all-reduce fusion off on SM12x, after SGLang's own auto-enable/enforce-disable",
     ),
     Seam(
         "sglang.srt.distributed.parallel_state:GroupCoordinator.__init__",
-        v23_hooks.wrap_group_init,
+        dist_hooks.wrap_group_init_with_upstream_pcie,
         "resolves the gate for the 'tp' group; sets SGLang's PCIe-IPC communicator aside when ours is enabled",
     ),
     Seam(
@@ -67,7 +66,7 @@ SEAMS = [
     ),
     Seam(
         "sglang.srt.model_executor.runner.base_runner:BaseRunner._pre_initialize_flashinfer_allreduce_workspace",
-        v23_hooks.wrap_runner_pre_capture,
+        dist_hooks.wrap_runner_pre_capture,
         "builds the IPC workspace before capture, sized by SGLang's widest decode/verify row count",
     ),
     Seam(

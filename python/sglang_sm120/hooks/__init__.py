@@ -1,0 +1,1 @@
+"""Everything that names SGLang: the replacements the seam tables install, one module per SGLang concern."""

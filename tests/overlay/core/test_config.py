@@ -1,0 +1,231 @@
+"""Settings: parsing, environment equivalents, the derived dispatch bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_sm120.core import config
+
+
+def test_parse_mode():
+    assert config.parse_mode("ON", "x") == "on"
+    with pytest.raises(ValueError, match="auto, on, off"):
+        config.parse_mode("yes", "SGLANG_SM120_ALLREDUCE")
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [(None, None), ("", None), ("auto", None), ("65536", 65536), ("0x1000", 4096), (16, 16), (64 << 20, 64 << 20)],
+)
+def test_parse_max_bytes(raw, expected):
+    assert config.parse_max_bytes(raw, "x") == expected
+
+
+@pytest.mark.parametrize(
+    "raw,why",
+    [("-5", "out of range"), ("0", "out of range"), ("abc", "not an integer"), ("99999999999", "out of range"),
+     ("15", "out of range"), (0, "out of range"), (True, "not an integer"), ("1.5", "not an integer")],
+)
+def test_parse_max_bytes_rejects_with_one_line_naming_the_source(raw, why):
+    with pytest.raises(config.SettingError) as caught:
+        config.parse_max_bytes(raw, "SOME_SOURCE")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"SOME_SOURCE={raw!r} ") and why in message, message
+    assert f"from {config.MIN_MAX_BYTES} to {config.MAX_EXPLICIT_BYTES}" in message and "'auto'" in message, message
+
+
+def _parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="launch_server")
+    config.add_cli_args(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--sm120-allreduce-max-bytes", "-5"], "--sm120-allreduce-max-bytes='-5' is out of range"),
+        (["--sm120-allreduce-max-bytes", "abc"], "--sm120-allreduce-max-bytes='abc' is not an integer"),
+        (["--sm120-allreduce-max-bytes", "0"], "--sm120-allreduce-max-bytes='0' is out of range"),
+        (["--sm120-allreduce-max-bytes", "99999999999"], "--sm120-allreduce-max-bytes='99999999999' is out of range"),
+        (["--sm120-allreduce", "maybe"], "--sm120-allreduce='maybe' is not a valid mode; allowed: auto, on, off"),
+    ],
+)
+def test_bad_flag_values_get_our_message_not_argparse_lambda(argv, needle, capsys):
+    with pytest.raises(SystemExit) as caught:
+        _parser().parse_args(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "<lambda>" not in err and "invalid" not in err.split(needle)[0].splitlines()[-1], err
+
+
+def test_a_bad_flag_value_is_one_line_without_the_usage(capsys):
+    with pytest.raises(SystemExit) as caught:
+        _parser().parse_args(["--sm120-allreduce=maybe"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert err == "error: argument --sm120-allreduce: --sm120-allreduce='maybe' is not a valid mode; allowed: " \
+                  "auto, on, off\n", err
+
+
+def test_a_parser_that_does_not_exit_gets_argparses_error():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="launch_server", exit_on_error=False)
+    config.add_cli_args(parser)
+    with pytest.raises(argparse.ArgumentError, match="is out of range"):
+        parser.parse_args(["--sm120-allreduce-max-bytes", "-5"])
+
+
+def test_good_flag_values_parse():
+    args = _parser().parse_args(["--sm120-allreduce", "ON", "--sm120-allreduce-max-bytes", "0x10000"])
+    assert args.sm120_allreduce == "on" and args.sm120_allreduce_max_bytes == 65536
+    assert _parser().parse_args(["--sm120-allreduce-max-bytes", "auto"]).sm120_allreduce_max_bytes is None
+
+
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        (config.MODE_ENV, "sometimes", "SGLANG_SM120_ALLREDUCE='sometimes' is not a valid mode; allowed: auto, on"),
+        (config.MAX_BYTES_ENV, "-5", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='-5' is out of range"),
+        (config.MAX_BYTES_ENV, "abc", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc' is not an integer"),
+        (config.MAX_BYTES_ENV, "99999999999", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='99999999999' is out of range"),
+        (config.AGREEMENT_TIMEOUT_ENV, "soon", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='soon' is not a number"),
+        (config.AGREEMENT_TIMEOUT_ENV, "0", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='0' is out of range"),
+        (config.AGREEMENT_TIMEOUT_ENV, "nan", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='nan' is out of range"),
+        (config.HOSTMEM_ENV, "on", "SGLANG_SM120_HOSTMEM='on' is not a valid host-memory setting; allowed: auto"),
+        (config.HOSTMEM_ENV, "yes", "SGLANG_SM120_HOSTMEM='yes' is not a valid host-memory setting; allowed: auto"),
+    ],
+)
+def test_bad_environment_values_are_one_line_errors(name, value, needle):
+    with pytest.raises(config.SettingError) as caught:
+        config.check_environment({name: value})
+    assert str(caught.value).startswith(needle) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_good_environment_passes_the_check():
+    config.check_environment({config.MODE_ENV: "off", config.MAX_BYTES_ENV: "auto",
+                              config.AGREEMENT_TIMEOUT_ENV: "30"})
+    config.check_environment({})
+
+
+def test_hostmem_from_env():
+    assert config.hostmem_from_env({}) == "auto"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: ""}) == "auto"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: " OFF "}) == "off"
+    assert config.hostmem_from_env({config.HOSTMEM_ENV: "auto"}) == "auto"
+    config.check_environment({config.HOSTMEM_ENV: "off"})
+    with pytest.raises(config.SettingError, match=r"allowed: auto, off \(auto: use pinned host memory"):
+        config.hostmem_from_env({config.HOSTMEM_ENV: "sometimes"})
+
+
+def test_env_equivalents():
+    assert config.mode_from_env({}) == "auto"
+    assert config.mode_from_env({config.MODE_ENV: "off"}) == "off"
+    assert config.max_bytes_from_env({config.MAX_BYTES_ENV: "1024"}) == 1024
+    assert config.max_bytes_from_env({}) is None
+    with pytest.raises(config.SettingError, match=config.MODE_ENV):
+        config.mode_from_env({config.MODE_ENV: "sometimes"})
+
+
+def test_settings_prefer_server_args_then_env():
+    class Args:
+        sm120_allreduce = "on"
+        sm120_allreduce_max_bytes = 2048
+
+    env = {config.MODE_ENV: "off", config.MAX_BYTES_ENV: "4096"}
+    assert config.settings_from_server_args(Args(), env) == config.OverlaySettings("on", 2048)
+    assert config.settings_from_server_args(object(), env) == config.OverlaySettings("off", 4096)
+    assert config.settings_from_server_args(None, {}) == config.OverlaySettings("auto", None)
+
+
+def test_derived_bound_eagle_verify():
+    bound = config.derive_max_bytes(
+        hidden_size=7168, element_size=2, cuda_graph_max_bs=8, speculative_num_draft_tokens=4,
+        speculative_algorithm="EAGLE3",
+    )
+    assert bound.max_bytes == 8 * 4 * 7168 * 2
+    assert "8" in bound.explanation and "7168" in bound.explanation
+
+
+def test_derived_bound_without_speculation_ignores_draft_tokens():
+    bound = config.derive_max_bytes(hidden_size=7168, element_size=2, cuda_graph_max_bs=16,
+                                    speculative_num_draft_tokens=4, speculative_algorithm=None)
+    assert bound.max_bytes == 16 * 7168 * 2
+
+
+def test_derived_bound_uses_largest_capture_size():
+    bound = config.derive_max_bytes(
+        hidden_size=1024, element_size=2, cuda_graph_max_bs=None, cuda_graph_bs=[1, 2, 24, 8]
+    )
+    assert bound.max_bytes == 24 * 1024 * 2
+
+
+def test_derived_bound_without_batch_sizes():
+    bound = config.derive_max_bytes(hidden_size=1024, element_size=2)
+    assert bound.max_bytes == config.FALLBACK_MAX_TOKENS * 1024 * 2
+
+
+def test_derived_bound_is_capped_to_whole_rows():
+    bound = config.derive_max_bytes(hidden_size=7168, element_size=2, cuda_graph_max_bs=512,
+                                    speculative_num_draft_tokens=4, speculative_algorithm="EAGLE3")
+    assert bound.max_bytes <= config.DERIVED_MAX_BYTES_CAP
+    assert bound.max_bytes % (7168 * 2) == 0
+    assert "capped" in bound.explanation
+
+
+def test_explicit_bound_wins_over_the_derived_cap():
+    class Args:
+        cuda_graph_max_bs = 8
+
+    bound = config.resolve_max_bytes(64 << 20, Args(), 7168, 2)
+    assert bound.max_bytes == 64 << 20
+    derived = config.resolve_max_bytes(None, Args(), 7168, 2)
+    assert derived.max_bytes == 8 * 7168 * 2
+
+
+def test_bad_environment_stops_the_cli_launch_before_sglang_builds_server_args(monkeypatch, capsys):
+    from sglang_sm120.hooks import server_args as hooks_server_args
+
+    calls = []
+
+    def original_from_cli_args(cls, args):
+        calls.append(args)
+        return object()
+
+    from_cli_args = hooks_server_args.wrap_from_cli_args(classmethod(original_from_cli_args)).__func__
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "-5")
+    with pytest.raises(SystemExit) as caught:
+        from_cli_args(object, object())
+    assert caught.value.code == 2 and calls == []
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: sglang_sm120: SGLANG_SM120_ALLREDUCE_MAX_BYTES='-5' is out of range"), err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_bad_environment_raises_before_sglang_post_init_runs(monkeypatch):
+    from sglang_sm120.hooks import server_args as hooks_server_args
+
+    calls = []
+    post_init = hooks_server_args.wrap_post_init(lambda self: calls.append(self))
+    monkeypatch.setenv(config.MODE_ENV, "sometimes")
+    with pytest.raises(config.SettingError, match="SGLANG_SM120_ALLREDUCE='sometimes'"):
+        post_init(object())
+    assert calls == []
+
+
+def test_kernel_timeout_follows_dist_timeout_unless_the_kernel_variable_is_set():
+    class Args:
+        dist_timeout = 1800
+
+    assert config.kernel_timeout_s(Args(), {}) == (1800.0, "--dist-timeout")
+    assert config.kernel_timeout_s(Args(), {config.KERNEL_TIMEOUT_ENV: "30"}) == (None, config.KERNEL_TIMEOUT_ENV)
+    assert config.kernel_timeout_s(None, {}) == (None, "sgl_kernel_sm120 default")
+
+    class NoTimeout:
+        dist_timeout = None
+
+    assert config.kernel_timeout_s(NoTimeout(), {})[0] is None

@@ -1,0 +1,533 @@
+"""The backend's collective steps (gate agreement, workspace build) and its dispatch rule, on CPU: ranks are
+threads sharing an in-memory c10d store; the kernel workspace is a fake."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_sm120.core import exchange
+from sglang_sm120.core.config import ByteBound
+from sglang_sm120.core.facts import group_facts
+from sglang_sm120.core.gate import GateDecision
+from sglang_sm120.runtime import communicator as comm_mod
+from sglang_sm120.testing.fakes import FakeIpcAllReduce
+
+
+@pytest.fixture(autouse=True)
+def short_timeouts(monkeypatch):
+    monkeypatch.setattr(exchange, "VERDICT_GRACE_S", 0.5)
+
+
+_names = itertools.count()
+
+
+def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None, hostmem="auto"):
+    # Exchange keys are counted per (group name, rank): a fresh name per test keeps the ranks in step.
+    return comm_mod.Sm120Communicator(
+        name=name or f"tp:{next(_names)}", ranks=list(range(world)), rank_in_group=rank, world_size=world,
+        cpu_group=None, device=torch.device("cpu"), mode=mode, deterministic=False, timeout_s=timeout_s, store=store,
+        hostmem=hostmem,
+    )
+
+
+def run_ranks(world, target):
+    results, errors = {}, {}
+
+    def body(rank):
+        try:
+            results[rank] = target(rank)
+        except Exception as exc:  # surfaced by the assertion below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    return results
+
+
+def synthetic_facts(capability, node="n0", p2p_ok=True, world=2):
+    def local_facts(device, mode):
+        uuids = [f"GPU-{i}" for i in range(world)]
+        return {"mode": mode, "node": node, "capability": list(capability), "uuid": None,
+                "p2p": {u: p2p_ok for u in uuids}, "kernel_error": None}
+
+    return local_facts
+
+
+def test_exchange_and_agreement_all_present():
+    store = dist.HashStore()
+    out = run_ranks(3, lambda r: exchange.agree(store, "t", r, 3, {"r": r}, 2.0))
+    assert all(v == [{"r": 0}, {"r": 1}, {"r": 2}] for v in out.values())
+
+
+def test_agreement_fails_on_every_present_rank_when_one_never_shows_up():
+    store = dist.HashStore()
+
+    def attempt(rank):
+        with pytest.raises(exchange.AgreementFailed, match=r"\[2\]"):
+            exchange.agree(store, "t", rank, 3, {"r": rank}, 0.3)
+        return True
+
+    assert run_ranks(2, attempt) == {0: True, 1: True}
+
+
+def test_group_facts_p2p_matrix_by_uuid():
+    facts = [
+        {"mode": "auto", "node": "a", "capability": [12, 0], "uuid": "GPU-a", "p2p": {"GPU-a": True, "GPU-b": True}},
+        {"mode": "auto", "node": "a", "capability": [12, 0], "uuid": "GPU-b", "p2p": {"GPU-a": False, "GPU-b": True}},
+    ]
+    gathered = group_facts(facts)
+    assert gathered.p2p == [[True, True], [False, True]]
+    assert gathered.nnodes == 1 and gathered.capabilities == [(12, 0), (12, 0)]
+    facts[1]["node"] = "b"
+    assert group_facts(facts).nnodes == 2
+
+
+def test_gate_resolves_identically_on_every_rank(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 1)))
+    decisions = run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:same").resolve_gate())
+    assert decisions[0] == decisions[1]
+    assert not decisions[0].enabled and "12.1" in decisions[0].reason
+
+
+def test_gate_enabled_with_full_facts(monkeypatch):
+    store = dist.HashStore()
+
+    def local_facts(device, mode):
+        rank = int(threading.current_thread().name)
+        return {"mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{rank}",
+                "p2p": {"GPU-0": True, "GPU-1": True}, "kernel_error": None}
+
+    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    results = {}
+
+    def body(rank):
+        results[rank] = make_backend(rank, 2, store, name="tp:full").resolve_gate()
+
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert results[0] == results[1] and results[0].enabled, results
+
+
+def test_gate_times_out_to_nccl_when_a_peer_is_unpatched(monkeypatch):
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    backend = make_backend(0, 2, dist.HashStore(), timeout_s=0.2)
+    decision = backend.resolve_gate()
+    assert not decision.enabled
+    assert "agreement failed" in decision.reason and "NCCL" in decision.reason
+
+
+def test_gate_without_store_falls_back(monkeypatch):
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    backend = make_backend(0, 2, None)
+    assert not backend.resolve_gate().enabled
+
+
+@pytest.fixture
+def fake_kernel_module(monkeypatch):
+    module = types.ModuleType("sgl_kernel_sm120")
+    FakeIpcAllReduce.instances.clear()
+    module.IpcAllReduce = FakeIpcAllReduce
+    monkeypatch.setitem(sys.modules, "sgl_kernel_sm120", module)
+    monkeypatch.setattr(comm_mod, "probe", lambda uuids: _FlatTopology())
+    return module
+
+
+class _FlatTopology:
+    link = "pcie"
+    levels = None
+    numa_nodes = []
+    error = None
+
+    def islands(self):
+        return None
+
+
+def enabled_backend(rank, world, store, name, memory="device", hostmem="auto"):
+    backend = make_backend(rank, world, store, timeout_s=2.0, name=name, hostmem=hostmem)
+    backend.decision = GateDecision(True, "test", memory=memory)
+    backend.uuids = [f"GPU-{i}" for i in range(world)]
+    return backend
+
+
+def test_build_sizes_workspace_and_dispatch_bound(fake_kernel_module):
+    store = dist.HashStore()
+    bound = ByteBound(8 * 4 * 7168 * 2, "test")
+    def build(rank):
+        backend = enabled_backend(rank, 2, store, "tp:build")
+        backend.build(7168, torch.bfloat16, bound)
+        return backend
+
+    backends = run_ranks(2, build)
+    for backend in backends.values():
+        assert backend.active
+        assert backend.comm.max_numel == 8 * 4 * 7168
+        assert backend.max_bytes == bound.max_bytes
+        assert backend.max_fused_tokens == 32
+        assert backend.link == "pcie"
+        small = torch.zeros(3, 7168, dtype=torch.bfloat16)
+        edge = torch.zeros(32, 7168, dtype=torch.bfloat16)
+        large = torch.zeros(33, 7168, dtype=torch.bfloat16)
+        assert backend.takes(small) and backend.takes(edge) and not backend.takes(large)
+        assert not backend.takes(torch.zeros(3, 7168, dtype=torch.float32))  # kernel declines fp32
+        assert not backend.takes(torch.zeros(7168, 3, dtype=torch.bfloat16).t())  # non-contiguous
+        weight = torch.ones(7168, dtype=torch.bfloat16)
+        assert backend.takes_fused(small, small.clone(), weight)
+        assert not backend.takes_fused(large, large.clone(), weight)
+        assert not backend.takes_fused(small, small.float(), weight)
+        assert not backend.takes_fused(small, small.clone(), weight.float())
+        # built once: a second build (the draft runner's) keeps the first workspace
+        first = backend.comm
+        assert backend.build(4096, torch.bfloat16, ByteBound(1 << 20, "again"))
+        assert backend.comm is first
+        backend.close()
+        assert not backend.active and first.closed
+
+
+def test_build_failure_on_one_rank_disables_every_rank(fake_kernel_module):
+    store = dist.HashStore()
+
+    class FailsOnRank1(FakeIpcAllReduce):
+        def __init__(self, *args, **kwargs):
+            if threading.current_thread().name == "1":
+                raise RuntimeError("cudaIpcOpenMemHandle failed")
+            super().__init__(*args, **kwargs)
+
+    fake_kernel_module.IpcAllReduce = FailsOnRank1
+    results = {}
+
+    def body(rank):
+        backend = enabled_backend(rank, 2, store, "tp:fail")
+        backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+        results[rank] = backend
+
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    for backend in results.values():
+        assert not backend.active
+        assert "rank 1" in backend.build_error and "cudaIpcOpenMemHandle" in backend.build_error
+    assert all(inst.closed for inst in FakeIpcAllReduce.instances)
+
+
+def test_build_refuses_unsupported_dtype(fake_kernel_module):
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:dtype")
+    assert not backend.build(7168, torch.float32, ByteBound(1 << 16, "t"))
+    assert "float32" in backend.build_error
+
+
+def test_build_skipped_when_gate_disabled(fake_kernel_module):
+    backend = make_backend(0, 2, dist.HashStore())
+    backend.decision = GateDecision(False, "no")
+    assert not backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert not FakeIpcAllReduce.instances
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "sglang_sm120"]
+
+
+def test_activation_is_one_warning_line_with_bound_schedule_and_islands(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    bound = ByteBound(8 * 4 * 7168 * 2, "max CUDA-graph batch 8 x 4 token(s) per request")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
+        enabled_backend(r, 2, store, "tp:line")))
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines  # rank 0 only, once
+    line = lines[0]
+    assert "sm120 IPC all-reduce ENABLED for TP group tp:line (2 ranks, mode auto)" in line, line
+    assert f"up to {bound.max_bytes} B" in line and f"ONESHOT up to {bound.max_bytes} B" in line, line
+    assert "32 tokens x 7168" in line and "islands none (flat)" in line and "link pcie" in line, line
+    assert "max CUDA-graph batch 8" in line, line
+    # the counter the server info reports: calls as the workspace counted them
+    backend = backends[0]
+    backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+    assert backend.describe()["device_calls"] == 1
+    backend.close()
+    assert backend.describe()["device_calls"] is None
+
+
+def test_disabled_gate_is_one_warning_line_with_the_reason(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((9, 0)))
+    run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:off").resolve_gate())
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines
+    assert "sm120 IPC all-reduce DISABLED for TP group tp:off (2 ranks, mode auto)" in lines[0], lines
+    assert "compute capability 12.0" in lines[0] and "SGLang's own all-reduce paths are used" in lines[0], lines
+
+
+def test_failed_build_is_one_disabled_warning_line(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:dtype-line")
+    assert not backend.build(7168, torch.float32, ByteBound(1 << 16, "t"))
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and "float32" in lines[0], lines
+
+
+def test_mode_off_is_one_disabled_warning_line(monkeypatch, caplog):
+    from sglang_sm120.core import config
+    from sglang_sm120.hooks import distributed as hooks_distributed
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
+    group = types.SimpleNamespace(unique_name="tp:0", world_size=2, rank_in_group=0, device=torch.device("cuda", 0))
+    assert hooks_distributed.attach(group) is None
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED for TP group tp:0 (2 ranks, mode off)" in lines[0], lines
+
+
+def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkeypatch):
+    from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import server_info as hooks_server_info
+
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:info")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    for _ in range(3):
+        backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+    output = types.SimpleNamespace(internal_state={"last_gen_throughput": 1.0})
+    report = hooks_server_info.wrap_get_internal_state(lambda self, req: output)
+
+    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backend)
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backend)
+    state = report(object(), object()).internal_state
+    assert state["last_gen_throughput"] == 1.0
+    ours = state[hooks_server_info.STATE_KEY]
+    assert ours["active"] and ours["device_calls"] == 3 and ours["stats"]["sm120"] == 3, ours
+    import json
+
+    json.dumps(state)  # the server sends it as JSON
+
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: None)
+    state = report(object(), object()).internal_state
+    assert state[hooks_server_info.STATE_KEY]["active"] is False
+
+
+def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(fake_kernel_module, monkeypatch,
+                                                                                  caplog):
+    from sglang_sm120.hooks import upstream_pcie
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: True)
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:coexist")
+    backend.upstream_note = upstream_pcie.activation_note  # what hooks/distributed.attach gives every backend
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    line = _warnings(caplog)[-1]
+    assert "ENABLED" in line and "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set too" in line, line
+    assert "PCIe-IPC workspace is not built" in line, line
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+        "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set: SGLang's own PCIe-IPC all-reduce is used")
+    monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
+    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+        "SGLang's own all-reduce paths are used")
+
+
+# --- the host-memory workspace (no CUDA P2P) ------------------------------------------------------------------
+
+
+def _threads(world, body):
+    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+
+
+@pytest.mark.parametrize("hostmem,enabled", [("auto", True), ("off", False)])
+def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostmem, enabled):
+    store = dist.HashStore()
+    results = {}
+
+    def body(rank):
+        backend = make_backend(rank, 2, store, name=f"tp:nop2p-{hostmem}", hostmem=hostmem)
+        results[rank] = (backend.resolve_gate(), backend)
+
+    def local_facts(device, mode):  # two GeForce cards that cannot reach each other
+        rank = int(threading.current_thread().name)
+        return {"mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{rank}",
+                "name": "NVIDIA GeForce RTX 5090", "p2p": {f"GPU-{rank}": True, f"GPU-{1 - rank}": False},
+                "kernel_error": None}
+
+    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    _threads(2, body)
+    (d0, b0), (d1, _) = results[0], results[1]
+    assert d0 == d1 and d0.enabled is enabled, d0
+    assert "GeForce" in d0.reason and "0->1" in d0.reason, d0.reason
+    if enabled:
+        assert d0.memory == "host" and b0.memory == "host" and b0.describe()["memory"] == "host"
+    else:
+        assert "SGLANG_SM120_HOSTMEM=off" in d0.reason and b0.memory is None
+
+
+def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kernel_module, caplog, monkeypatch):
+    from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import server_info as hooks_server_info
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    probed = []
+    monkeypatch.setattr(comm_mod, "probe", lambda uuids: probed.append(uuids) or _FlatTopology())
+    bound = ByteBound(4 * 7168 * 2, "t")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
+        enabled_backend(r, 2, store, "tp:host", memory="host")))
+    for backend in backends.values():
+        assert backend.active and backend.memory == "host", backend.build_error
+        assert backend.comm.memory == "host" and backend.comm.islands is None
+        assert backend.link == "host" and backend.islands is None
+    assert not probed  # no topology probe for a host workspace
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "ENABLED" in lines[0], lines
+    assert "transport: pinned host memory (no P2P)" in lines[0] and "link host" in lines[0], lines[0]
+    assert "islands none (flat)" in lines[0], lines[0]
+    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backends[0])
+    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backends[0])
+    assert hooks_server_info.sm120_state()["memory"] == "host"
+
+
+def test_device_memory_decision_passes_memory_device_and_says_cuda_ipc(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:device")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert backend.comm.memory == "device" and backend.memory == "device"
+    assert backend.describe()["memory"] == "device"
+    assert "transport: CUDA IPC (P2P)" in _warnings(caplog)[-1]
+
+
+def _build_all(world, store, name, **kwargs):
+    results = {}
+
+    def body(rank):
+        backend = enabled_backend(rank, world, store, name, **kwargs)
+        backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+        results[rank] = backend
+
+    _threads(world, body)
+    return results
+
+
+def test_probe_failure_retries_once_in_host_memory(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing(probe_pairs=[(1, 0, "dropped")])
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry")
+    assert sorted(fake.attempts) == ["device", "device", "host", "host"], fake.attempts
+    for backend in backends.values():
+        assert backend.active and backend.memory == "host" and backend.comm.memory == "host", backend.build_error
+        assert backend.comm.islands is None and backend.link == "host"
+        assert backend.describe()["memory"] == "host"
+        assert "rank 1 -> rank 0" in backend.describe()["memory_note"]
+    lines = _warnings(caplog)
+    assert len(lines) == 2, lines  # rank 0 only: the retry, then the ENABLED line
+    assert "P2P data-path probe failed for rank 1 -> rank 0 (dropped)" in lines[0], lines[0]
+    assert "host-memory workspace (no P2P needed) is used instead" in lines[0], lines[0]
+    assert "ENABLED" in lines[1] and "transport: pinned host memory (no P2P), because the CUDA P2P data-path probe " \
+        "failed for rank 1 -> rank 0" in lines[1], lines[1]
+
+
+def test_probe_failure_and_failed_host_retry_give_up_with_both_reasons(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing(probe_pairs=[(0, 1, "wrong data")], host_error="shm_open failed")
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry-fails")
+    assert sorted(fake.attempts) == ["device", "device", "host", "host"], fake.attempts
+    for backend in backends.values():
+        assert not backend.active and backend.memory is None
+        assert "IpcAllReduceProbeError" in backend.build_error and "shm_open failed" in backend.build_error
+        assert backend.describe()["memory"] is None
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0], lines
+    assert "rank 0 -> rank 1" in lines[0] and "retry in pinned host memory failed too" in lines[0], lines[0]
+
+
+def test_probe_failure_with_hostmem_off_stays_on_nccl(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    fake = FakeIpcAllReduce.failing()
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:retry-off", hostmem="off")
+    assert fake.attempts == ["device", "device"]
+    for backend in backends.values():
+        assert not backend.active
+        assert "IpcAllReduceProbeError" in backend.build_error and "SGLANG_SM120_HOSTMEM=off" in backend.build_error
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and "rank 1 -> rank 0" in lines[0], lines
+
+
+def test_other_build_failures_are_not_retried_in_host_memory(fake_kernel_module):
+    class Fails(FakeIpcAllReduce.failing(probe_pairs=None)):
+        def __init__(self, *args, **kwargs):
+            type(self).attempts.append(kwargs.get("memory"))
+            raise RuntimeError("cudaIpcOpenMemHandle failed")
+
+    Fails.attempts = []
+    fake_kernel_module.IpcAllReduce = Fails
+    backends = _build_all(2, dist.HashStore(), "tp:no-retry")
+    assert Fails.attempts == ["device", "device"]
+    assert all(not b.active and "cudaIpcOpenMemHandle" in b.build_error for b in backends.values())
+
+
+def test_host_workspace_failure_is_not_retried(fake_kernel_module):
+    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error="no shared memory")
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:host-fails", memory="host")
+    assert fake.attempts == ["host", "host"]
+    assert all(not b.active and "no shared memory" in b.build_error for b in backends.values())
+
+
+def test_host_workspace_that_does_not_fit_its_tmpfs_names_the_folder_and_sizes(fake_kernel_module, caplog):
+    """Issue 22 item 3: a small /dev/shm (64 MiB in Docker and Kubernetes) leaves the group on NCCL with one line
+    that names the folder, its free space and the size needed, not a SIGBUS."""
+    from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    sentence = ("host memory: /dev/shm has 60.0 MiB free, the workspace needs 112.0 MiB (8 slabs of 14.0 MiB); "
+                "enlarge it (docker run --shm-size=1g) or point SGL_SM120_SHM_DIR at a larger tmpfs")
+    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error=f"IpcAllReduce host-memory workspace size check "
+                                    f"failed (rank 0: {sentence})", host_error_type=IpcAllReduceHostMemoryError)
+    fake_kernel_module.IpcAllReduce = fake
+    backends = _build_all(2, dist.HashStore(), "tp:shm-small", memory="host")
+    assert fake.attempts == ["host", "host"]
+    for backend in backends.values():
+        assert not backend.active
+        assert backend.build_error == f"the pinned host-memory workspace does not fit: {sentence}", backend.build_error
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "DISABLED" in lines[0] and sentence in lines[0], lines
+    assert "all-reduce paths are used" in lines[0], lines[0]
+
+
+def test_activation_line_says_how_the_fused_op_spreads_a_few_rows(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backend = enabled_backend(0, 1, dist.HashStore(), "tp:clusters")
+    assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
+    assert "a few rows over 8/4/2-CTA clusters" in _warnings(caplog)[-1], _warnings(caplog)[-1]
+    assert backend.describe()["fused_clusters"]["clusters"] == [8, 4, 2]
+
+
+def test_attach_reads_the_hostmem_setting(monkeypatch):
+    from sglang_sm120.core import config
+    from sglang_sm120.hooks import distributed as hooks_distributed
+    from sglang_sm120.hooks import upstream_pcie
+
+    monkeypatch.setenv(config.HOSTMEM_ENV, "off")
+    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
+    monkeypatch.setattr(hooks_distributed, "default_store", lambda: None)
+    class Group:  # the communicator keeps a weak reference to its GroupCoordinator
+        unique_name, world_size, rank_in_group, ranks, cpu_group = "tp:0", 2, 1, [0, 1], None
+        device = torch.device("cuda", 0)
+
+    comm = hooks_distributed.attach(Group())
+    assert comm is not None and comm.hostmem == "off"
+    assert comm.upstream_note is upstream_pcie.activation_note

@@ -1,0 +1,149 @@
+"""The doctor on a machine without GPUs: reports, says "no CUDA GPUs", exits non-zero."""
+
+from __future__ import annotations
+
+from sglang_sm120 import doctor
+
+
+def test_doctor_without_gpus(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "gpus", lambda: [])
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=20.0: None)  # no lspci on CI runners either
+    code = doctor.main(["--no-self-test"])
+    out = capsys.readouterr().out
+    assert code != 0
+    assert "no CUDA GPUs" in out
+    assert "NCCL_P2P_LEVEL" in out
+    assert "dispatch by message size" in out and "sm120 / sm120 fused" in out
+    assert "cannot run: no CUDA GPUs" in out
+
+
+def test_dispatch_table_matches_the_bound(capsys):
+    from sglang_sm120.core.config import ByteBound
+
+    doctor.dispatch_table(7168, ByteBound(3 * 7168 * 2, "three tokens"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    by_tokens = {int(line.split()[0]): line for line in lines}
+    assert "sm120" in by_tokens[3] and "NCCL" in by_tokens[4]
+
+
+def _quiet_machine(monkeypatch):
+    monkeypatch.setattr(doctor, "gpus", lambda: [])
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=20.0: None)
+
+
+def test_doctor_reports_a_bad_variable_in_one_line_without_traceback(monkeypatch, capsys):
+    from sglang_sm120.core import config
+
+    _quiet_machine(monkeypatch)
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "abc")
+    code = doctor.main(["--no-self-test"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "cannot run: SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc' is not an integer" in out, out
+    assert "Traceback" not in out + err
+
+
+def test_doctor_shows_mode_off_as_off(monkeypatch, capsys):
+    from sglang_sm120.core import config
+
+    _quiet_machine(monkeypatch)
+    monkeypatch.setenv(config.MODE_ENV, "off")
+    doctor.main(["--no-self-test"])
+    out = capsys.readouterr().out
+    assert f"mode: off (from ${config.MODE_ENV})" in out, out
+    assert "mode: auto" not in out
+
+
+class _NoTopology:
+    error = "no NVML here"
+    levels = None
+    numa_nodes = [None, None]
+    nvlink_all_pairs = False
+    link = "pcie"
+
+    def islands(self):
+        return None
+
+
+def _fake_box(monkeypatch, name, p2p_ok):
+    fake = [{"index": i, "name": name, "capability": (12, 0), "uuid": f"GPU-{i}", "memory_gib": 32.0}
+            for i in range(2)]
+    _quiet_machine(monkeypatch)
+    monkeypatch.setattr(doctor, "gpus", lambda: fake)
+    monkeypatch.setattr(doctor, "p2p_matrix", lambda n: [[i == j or p2p_ok for j in range(n)] for i in range(n)])
+    monkeypatch.setattr(doctor, "cpu_affinity", lambda uuid: None)
+    monkeypatch.setattr(doctor, "kernel_error", lambda: None)  # as if the kernels were built
+    monkeypatch.setattr(doctor, "probe", lambda uuids: _NoTopology())
+
+
+def test_doctor_gives_geforce_cards_the_host_memory_path(monkeypatch, capsys):
+    from sglang_sm120.core import config
+
+    monkeypatch.delenv(config.HOSTMEM_ENV, raising=False)
+    _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
+    code = doctor.main(["--no-self-test", "--mode", "auto"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "TP=2 over cuda:0-1: ENABLED, path: sm120 kernels over pinned host memory (no P2P needed)" in out, out
+    assert "GeForce" in out and "disables P2P" in out, out
+    assert "path on this box (TP=2): sm120 kernels over pinned host memory" in out, out
+    assert "host-memory workspace where P2P is missing: auto (from default)" in out, out
+
+
+def test_doctor_with_hostmem_off_sends_geforce_cards_to_nccl(monkeypatch, capsys):
+    from sglang_sm120.core import config
+
+    monkeypatch.setenv(config.HOSTMEM_ENV, "off")
+    _fake_box(monkeypatch, "NVIDIA GeForce RTX 5090", p2p_ok=False)
+    code = doctor.main(["--no-self-test", "--mode", "auto"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "TP=2 over cuda:0-1: DISABLED, path: NCCL" in out and "SGLANG_SM120_HOSTMEM=off" in out, out
+    assert "path on this box (TP=2): NCCL" in out, out
+
+
+def test_doctor_names_the_p2p_path_on_a_workstation_box(monkeypatch, capsys):
+    _fake_box(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", p2p_ok=True)
+    code = doctor.main(["--no-self-test", "--mode", "auto"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "path on this box (TP=2): sm120 kernels over CUDA IPC (P2P between every pair)" in out, out
+    assert "retries in pinned host memory" in out, out
+
+
+def test_doctor_self_test_retries_in_host_memory_after_a_probe_failure(monkeypatch, capsys):
+    _fake_box(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", p2p_ok=True)
+    runs = []
+
+    def self_test(world, hidden, timeout_s, memory="device"):
+        runs.append(memory)
+        return "self-test failed: rank 0: IpcAllReduceProbeError: dropped" if memory == "device" else None
+
+    monkeypatch.setattr(doctor, "self_test", self_test)
+    code = doctor.main(["--mode", "auto"])
+    out = capsys.readouterr().out
+    assert runs == ["device", "host"] and code == 0, out
+    assert "after the P2P data-path probe failed" in out and "PASSED" in out, out
+
+
+def test_doctor_reports_a_bad_hostmem_value_in_one_line(monkeypatch, capsys):
+    from sglang_sm120.core import config
+
+    _quiet_machine(monkeypatch)
+    monkeypatch.setenv(config.HOSTMEM_ENV, "maybe")
+    code = doctor.main(["--no-self-test"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "cannot run: SGLANG_SM120_HOSTMEM='maybe' is not a valid host-memory setting" in out, out
+    assert "Traceback" not in out + err
+
+
+def test_doctor_names_the_architectures_the_library_was_built_for(monkeypatch, tmp_path):
+    """pip hides the build's output; setup.py leaves a record beside the library and the doctor reads it."""
+    library = tmp_path / "_C_torch9_9_9_cuda13_0.cpython-311-x86_64-linux-gnu.so"
+    monkeypatch.setenv("SGL_SM120_EXT_LIBRARY", str(library))
+    assert "no record at" in doctor.build_record_line()
+    record = {"archs": ["9.0a", "12.0a"], "nvcc_release": "13.0", "torch": "9.9.9+cu130"}
+    (tmp_path / "_C_torch9_9_9_cuda13_0.build.json").write_text(__import__("json").dumps(record))
+    line = doctor.build_record_line()
+    assert "built for 9.0a;12.0a with nvcc 13.0 against torch 9.9.9+cu130" in line, line
