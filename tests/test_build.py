@@ -152,7 +152,8 @@ def test_no_kernel_spills_to_local_memory():
 
 
 # Issue 22 item 9: the 1024-thread fused kernels sit at exactly 64 of their 64 registers, so a spill could appear
-# with another toolkit. The oldest one README allows (for a torch built with CUDA 12.x) is 12.8. Registers and
+# with another toolkit. README asks for an nvcc of torch's CUDA major; with a CUDA 12 build of torch that is 12.x,
+# and 12.8 is the oldest that knows sm_120. Registers and
 # spills are decided by ptxas, and the pinned `nvidia-cuda-nvcc-cu12` wheel carries ptxas 12.8 (not the nvcc
 # front end): so the sources' sm_120a PTX, from this toolkit's front end, is assembled again by ptxas 12.8 (at
 # PTX ISA 8.7, the newest it reads) and must not spill there either.
