@@ -55,7 +55,8 @@ def _child(rank: int, world: int, port: int, fn, args, queue, hang_report_s: flo
     faulthandler.dump_traceback_later(hang_report_s, exit=False, file=sys.stderr)
     verdict = None
     try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # (the SGLang harness's CPU dry run has no GPU)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             local = None
