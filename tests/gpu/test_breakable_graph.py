@@ -7,9 +7,11 @@ differs from a decode graph, and what this test exercises, is: several segments 
 between our captured calls that itself launches work, capture on a side stream with replay on another,
 and interleaving with a plain CUDA graph that uses the same workspace.
 
-Not run in the session that wrote it (no GPU there): WRITTEN, NOT YET RUN. Needs 2 GPUs, the built
-sgl_kernel_sm120 and sglang 0.5.23 (plus `cuda-python`, which SGLang's breakable graph uses to query capture
-status). Run: pytest -m gpu tests/gpu/test_breakable_graph.py
+Not run in the session that wrote it (no GPU there): WRITTEN, NOT YET RUN. Needs the built sgl_kernel_sm120,
+sglang 0.5.23 (e.g. from the .sgl carry) and `cuda-bindings` (SGLang's breakable graph queries capture status
+through it; the GPU image has it), and one GPU per rank or ranks sharing one (tests/gpu/sglang_harness.py: two
+processes capture and replay on one GPU; the kernels need only CUDA IPC between them).
+Run: pytest -m gpu tests/gpu/test_breakable_graph.py
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.gpu import sglang_harness
 from tests.gpu.harness import run_ranks
 from tests.sglang_versions import requires_sglang
 
-pytestmark = [pytest.mark.gpu(2), requires_sglang("0.5.23")]
+pytestmark = [pytest.mark.gpu, requires_sglang("0.5.23"), sglang_harness.needs(2)]
 
 WORLD = 2
 ROWS, HIDDEN = 24, 7168
