@@ -7,7 +7,7 @@ The GPU machine has Python 3.12 and torch 2.11 but no package registry, and the 
 64 MiB (working tree and carried paths together). The 0.5.23 wheel alone is 39 MB, the 0.5.13.post1 set of
 the shared tools 40 MB. What this writes (gitignored, carry it as ".sgl"):
 
-    .sgl/common/wheels/*.whl            deps both releases import, same version (not on the GPU image)
+    .sgl/common/wheels/*.whl            deps the GPU image lacks, one version for both releases
     .sgl/<release>/sglang.tar.xz        the release's Python sources, trimmed (below)
     .sgl/<release>/wheels/*.whl         deps whose pinned version differs between the releases
     .sgl/MANIFEST.json                  what is where, sizes, and what was left out
@@ -15,7 +15,8 @@ the shared tools 40 MB. What this writes (gitignored, carry it as ".sgl"):
 Trimmed: every `.py` of the `sglang` package and the dist-info that `importlib.metadata` reads (the overlay
 picks its seam table by version), minus `sglang/multimodal_gen`, `sglang/test`, `sglang/benchmark`, and every
 non-Python file (the Rust extensions, 46 MB in 0.5.23, the CUDA/JIT sources and tuning JSONs: nothing the
-distributed layer, the norms or the layer boundary import). xz-compressed: about 6.5 and 3 MB.
+distributed layer, the norms or the layer boundary import; the folders stay, empty). xz-compressed: about 6.2
+and 2.8 MiB; with the wheels about 37 MiB in all.
 
 Deps: what SGLang's modules import on the paths the GPU tests take (traced with CUDA faked on a CPU, stand-ins
 for sgl_kernel/flashinfer, see python/sglang_sm120/testing/standins.py), minus what the GPU image already has
@@ -54,8 +55,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Deps both releases import (exact pins of requirements/<stack>/ci.txt, where the two stacks agree), which the
-# GPU image does not have.
+# Deps that either release imports on the tested paths and that the GPU image lacks, where both releases take
+# the same version (exact pins of requirements/<stack>/ci.txt); one copy serves both.
 COMMON = [
     "annotated-types==0.8.0", "dill==0.4.1", "gguf==0.19.0", "loguru==0.7.3", "msgspec==0.23.0",
     "orjson==3.13.0", "pybase64==1.5.1", "pydantic==2.14.4", "pydantic-core==2.50.5", "sniffio==1.3.1",
