@@ -22,6 +22,10 @@ PATCHES (shared mode only; applied here, in the test harness, never in the overl
   torch symmetric-memory communicator (IPC/NVLS set-ups that assume one GPU per rank). `initialize_model_parallel`
   looks the function up as a module global in both releases, so the wrapper is what it calls.
 - `parallel_state.set_custom_all_reduce(False)`: SGLang's own switch (`--disable-custom-all-reduce`).
+PATCH where sgl_kernel is missing (any mode; `patch_weak_ref_tensor`, for 0.5.23's breakable CUDA graphs):
+- `runner_backend_utils.weak_ref_tensor.weak_ref_tensor` (sgl_kernel's non-owning view, which an eager break
+  applies to the tensors it reads) hands back the tensor itself: the same storage and data, only held longer
+  (the graph pool cannot reuse that memory meanwhile). Replays read the same bytes either way.
 Nothing else of SGLang is changed. Tests that need SGLang code a GPU machine cannot import (models.deepseek_v2
 needs sgl_kernel's torch ops) take that one function from SGLang's source with `upstream_function()`, which
 says so in its log line too.
@@ -189,6 +193,30 @@ def patch_groups_for_shared_gpus(ps, rank: int) -> list[str]:
     for line in applied:
         _say(rank, f"harness patch (shared GPUs, not the overlay): {line}")
     return applied
+
+
+def _strong_ref(tensor):
+    return tensor
+
+
+def patch_weak_ref_tensor(rank: int) -> list[str]:
+    """Stand-ins for what is missing (sgl_kernel, flashinfer), and, where sgl_kernel is one, the weak_ref_tensor
+    patch of the module docstring. Returns one line per patch applied (also logged)."""
+    for path in (os.path.join(REPO, "python"), REPO):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from sglang_sm120.testing import standins
+
+    standins.install()
+    if "sgl_kernel" not in standins.installed_roots():
+        return []
+    from sglang.srt.model_executor.runner_backend_utils import weak_ref_tensor as module
+
+    module.weak_ref_tensor = _strong_ref
+    line = ("runner_backend_utils.weak_ref_tensor.weak_ref_tensor: sgl_kernel is missing here, the tensor itself "
+            "is handed back (same data, held longer)")
+    _say(rank, f"harness patch (not the overlay): {line}")
+    return [line]
 
 
 def _publish_server_args(version: str, rank: int, world: int, local_rank: int, device_type: str,
