@@ -411,6 +411,11 @@ def upstream_function(module: str, qualname: str, namespace: dict | None = None)
     exec(compile(ast.unparse(ast.parse(source)), f"<{spec.origin}:{qualname}>", "exec"), scope)
     function = scope[name]
     function.__qualname__, function.__module__ = qualname, module
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    _say(rank, f"harness (not the overlay): SGLang's {module}:{qualname} compiled from its source, the module "
+               "itself cannot be imported here")
     return function
 
 
