@@ -23,6 +23,12 @@ Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
   timed (all-reduces removed); comm_us = step_us - compute-only step_us.
 - ``--via-sglang``: the same pattern through SGLang's ``GroupCoordinator.all_reduce`` and
   ``RMSNorm.forward_with_allreduce_fusion`` (behind SGLang's fusion gate), overlay off and then on.
+- ``--shared-gpu``: a CORRECTNESS run with the ranks sharing the visible GPUs (one lent GPU): torch's default
+  group and SGLang's groups on gloo (NCCL refuses two ranks on one GPU), SGLang's pynccl and own custom
+  all-reduces off (tests/gpu/sglang_harness.py's patches). Only ``sm120`` runs directly; ``nccl`` and
+  ``sglang_off`` (a gloo reduction cannot be captured in a CUDA graph) do not; ``sm120`` is the reference the
+  final hidden states of ``sglang_on`` are compared with. The JSON says ``"timings_meaningful": false`` and has
+  no end-to-end estimate; output ``verify_<gpu>_tp<N>_shared.json``.
 
 Timing: per graph, warmup replays then R timed replays (CUDA events); per replay the MAX over ranks; the MEDIAN.
 After the timing the final hidden states are compared between backends (rms(diff)/rms <= ``FINAL_REL_TOL``) and
@@ -88,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--via-sglang", action="store_true", help="also drive the pattern through SGLang (overlay off/on)")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="correctness only: ranks share the GPUs, every group on gloo, timings meaningless (see above)")
     p.add_argument("--sglang-custom-ar", default="off", choices=["on", "off"],
                    help="SGLang's own custom all-reduce in --via-sglang (off mimics PCIe boxes, where it is disabled)")
     p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"],
@@ -116,6 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not a.tokens or min(a.tokens) < 1:
         p.error("--tokens needs positive integers")
     a.backends = backends_of(a.backend, a.no_p2p)
+    if a.shared_gpu:
+        if a.backend.strip() == "both":
+            a.backends = ["sm120"]
+        if a.no_p2p or set(a.backends) != {"sm120"} or a.sglang_custom_ar == "on":
+            p.error("--shared-gpu runs ours only (backend sm120, no --no-p2p, --sglang-custom-ar off): NCCL refuses "
+                    "two ranks on one GPU and gloo cannot be captured in a CUDA graph")
     unknown = [b for b in a.backends if b not in BACKENDS]
     if unknown or not a.backends:
         p.error(f"--backend takes both or a comma list of {', '.join(BACKENDS)} (got {a.backend!r})")
@@ -153,8 +167,11 @@ class Bench(run.Run):
     validate = staticmethod(validate_verify_doc)
 
     def __init__(self, d, args, mode: dict | None = None):
+        self.shared = bool(getattr(args, "shared_gpu", False))
         super().__init__(d, args, mode)
         self.ref, self.ours = reference_backends(args.backends, self.no_p2p)
+        if self.shared:
+            self.ref = "sm120"  # no NCCL here: ours driven directly is what sglang_on is compared with
         self.cfg = vp.load_config(args.config)
         self.capture = not args.no_eagle3_capture
         self.results: list[dict] = []
@@ -184,7 +201,7 @@ class Bench(run.Run):
             return rs[0]["comm_us"] if rs else None
 
         n, s = comm(self.ref), comm(self.ours)
-        if n is None or s is None:
+        if n is None or s is None or self.shared:
             return []
         out = []
         for c in a.e2e_compute_ms:
@@ -241,6 +258,8 @@ class Bench(run.Run):
             "config": self.cfg.to_dict(),
             "world_size": self.d.world_size,
             "no_p2p": self.no_p2p,
+            "shared_gpu": self.shared,
+            "timings_meaningful": not self.shared,
             "nccl_setup": {**nccl_mode.public_nccl_mode(self.nccl_mode), "nccl_version": self.hw.get("nccl")},
             "reference_backend": self.ref,
             "ours_backend": self.ours,
@@ -348,6 +367,11 @@ class Bench(run.Run):
         d.log(f"bench_verify: {self.cfg.name} on {self.hw['gpu']} x{d.world_size}; per forward {pat['n_allreduce']} "
               f"all-reduces, {pat['n_fused']} fused on the sm120 path ({pat['n_plain']} plain at "
               f"{', '.join(pat['plain_allreduce_sites'])}); T = {a.tokens}; compute {a.compute}")
+        if self.shared:
+            self.notes["shared_gpu"] = (
+                f"CORRECTNESS RUN: {d.world_size} ranks share {torch.cuda.device_count()} GPU(s), every group on gloo; "
+                "timings mean nothing. nccl and sglang_off are not run (NCCL refuses two ranks on one GPU, gloo "
+                "cannot be captured); sglang_on is compared with sm120 driven directly.")
         self.norm, rejected = norms.select_norm_kernel(d, self.cfg.hidden_size, self.cfg.rms_norm_eps,
                                                          prefer=a.norm_kernel)
         self.notes["norm_kernels_rejected"] = [{"kernel": k, "reason": r} for k, r in rejected]
@@ -472,14 +496,23 @@ class Bench(run.Run):
         if not ok:
             self.skip("sglang", why)
             return
+        if self.shared:
+            ok, patches, why = d.attempt(lambda: _shared_gpu_patches(ps, d.rank), "shared-GPU patches")
+            if not ok:
+                self.skip("sglang", why)
+                return
+            self.notes["sglang_shared_gpu_patches"] = patches
         ok, _, why = d.attempt(lambda: ps.init_distributed_environment(
             world_size=d.world_size, rank=d.rank, distributed_init_method="env://", local_rank=d.local_rank,
-            backend="nccl"), "sglang init_distributed_environment")
+            backend="gloo" if self.shared else "nccl"), "sglang init_distributed_environment")
         if not ok:
             self.skip("sglang", why)
             return
         for overlay_on in (False, True):
             name = "sglang_on" if overlay_on else "sglang_off"
+            if self.shared and not overlay_on:
+                self.skip(name, "--shared-gpu: SGLang's own all-reduce is gloo here, which a CUDA graph cannot capture")
+                continue
             try:
                 self._sglang_phase(ps, name, overlay_on)
             except run.Abort:
@@ -536,7 +569,7 @@ class Bench(run.Run):
                         self.record(name, compute, T, t, comm_us, fusion_gate=comm.gate_says(T))
                         ref = self.finals.get((compute, T))
                         if ref is not None:
-                            self.compare(compute, T, "nccl", ref, name, t["final"])
+                            self.compare(compute, T, self.ref, ref, name, t["final"])
                         self._log_row(compute, T)
                     del model
                     torch.cuda.empty_cache()
@@ -581,6 +614,8 @@ class Bench(run.Run):
     def print_tables(self) -> None:
         doc = self.doc()
         pat = doc["pattern"]
+        if self.shared:
+            io.table_print(f"\n{self.notes['shared_gpu']}")
         for compute in ("none", "gemm"):
             rs = [r for r in doc["results"] if r["compute"] == compute]
             if not rs:
@@ -679,10 +714,39 @@ def _describe_overlay() -> dict:
     return comm.describe() if comm is not None else {"active": False}
 
 
+def init_shared_gpu(script: str) -> ranks.Dist:
+    """--shared-gpu: rank r on GPU LOCAL_RANK % count, torch's default group on gloo (no NCCL anywhere)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if ranks.world_size_from_env() < 2 or not torch.cuda.is_available():
+        print(f"{script} --shared-gpu: needs >= 2 ranks (torchrun --nproc-per-node N) and a CUDA GPU. No numbers "
+              "were produced.", file=sys.stderr, flush=True)
+        raise ranks.NotEnoughGPUs(2)
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1800))
+    return ranks.Dist(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local,
+                      device=torch.device("cuda", local), gloo=gloo, nccl=None)
+
+
+def _shared_gpu_patches(ps, rank: int) -> list[str]:
+    """SGLang's groups without pynccl or its own custom all-reduces (they open NCCL / IPC of their own, which
+    two ranks on one GPU refuse): the GPU test harness's patches, in this process only."""
+    from tests.gpu.sglang_harness import patch_groups_for_shared_gpus
+
+    return patch_groups_for_shared_gpus(ps, rank)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    uses_nccl = args.via_sglang or bool({"nccl", nccl_mode.NCCL_NO_P2P} & set(args.backends))
-    return run.main("benchmarks/bench_verify.py", args, uses_nccl, Bench, in_process=argv is not None)
+    uses_nccl = not args.shared_gpu and (args.via_sglang or bool({"nccl", nccl_mode.NCCL_NO_P2P} & set(args.backends)))
+    return run.main("benchmarks/bench_verify.py", args, uses_nccl, Bench, in_process=argv is not None,
+                    init=init_shared_gpu if args.shared_gpu else None)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,9 @@ def install_fakes() -> None:
                 "cuda": None, "torch": torch.__version__, "nccl": None, "world_size": d.world_size if d else 1,
                 "versions": {}, "env": {}, "note": "benchmarks/cpu_smoke.py: control-flow test, numbers meaningless"}
 
+    from benchmarks import bench_verify
+
+    bench_verify.init_shared_gpu = lambda script: fake_init_distributed()  # --shared-gpu: the same gloo processes
     io.TABLE_TAG = "[CPU smoke, fake numbers] "
     ranks.require_multi_gpu = lambda *a, **k: None
     ranks.init_distributed = fake_init_distributed

@@ -8,6 +8,14 @@
 #   the negative stage then uses
 #   hostmem: the kernel tests with the workspace in host memory (tests/gpu/test_hostmem_allreduce.py)
 #   polling: the one-GPU 8-rank polling microbenchmark (benchmarks/bench_polling.py)
+#   sglang-shared: the SGLang-level GPU tests on each SGLang release in turn (SGL_RELEASES, default
+#   "0.5.23 0.5.13.post1"), ranks sharing the GPU(s) with SGLang's groups on gloo (tests/gpu/sglang_harness.py):
+#   integration, probe fallback, breakable graph (0.5.23), bench_verify --shared-gpu --via-sglang. Needs the
+#   kernels built (stage build) and the .sgl carry (python3 scripts/pack_sglang_gpu.py on the dev machine,
+#   carry ".sgl"); each release is installed from it into $WORK/sgl-<release> and put first on PYTHONPATH for
+#   its tests only. junit XML: $WORK/results/gpu_tests_<gpu>_sglang_shared.xml (both releases, one testsuite
+#   each; copied to $OUT), per release gpu_tests_<gpu>_sglang_shared_<release>.xml.
+#   e.g. `OUT=dir bash scripts/gpu_suite.sh build sglang-shared`
 #   (default: all but probe and nop2p, in that order: the benchmarks come before the slow correctness-only tests)
 #   nop2p: both benchmarks with --no-p2p: ours through pinned host memory (sm120_hostmem) against NCCL with
 #   NCCL_P2P_DISABLE=1 (nccl_no_p2p; each script sets the variable itself, before NCCL starts), writing
@@ -21,6 +29,7 @@
 # at most 8 files, and whatever is in $OUT when a command is cut off).
 # Wheels for SGLang's CPU-side stack (see the project's shared tools) are taken from ./.whl when
 # present and installed into a scratch folder put first on PYTHONPATH; nothing is fetched from a registry.
+# (The sglang-shared stage does not use them: it installs each release from .sgl, see above.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -79,6 +88,50 @@ fi
 # the other stages import SGLang broadly, which on a GPU machine expects the stand-ins for a missing FlashInfer
 # (python/sglang_sm120/testing/standins.py), and this copy holds the PCIe all-reduce only. Its tvm-ffi goes first
 # (FlashInfer 0.7.2 asks >= 0.1.11; .whl's SGLang 0.5.13.post1 pins 0.1.9).
+BASE_PYTHONPATH="$PWD:$PWD/python"  # what the sglang-shared stage puts after a release's own folder
+
+sgl_site() {  # sgl_site RELEASE: install that release's trimmed SGLang and its wheels from .sgl; prints the folder
+  local rel=$1 site=$WORK/sgl-$1
+  if [ ! -f ".sgl/$rel/sglang.tar.xz" ]; then
+    echo ">>> no .sgl/$rel: run python3 scripts/pack_sglang_gpu.py on the dev machine and carry .sgl" >&2
+    return 1
+  fi
+  rm -rf "$site" && mkdir -p "$site" || return 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    .sgl/common/wheels/*.whl ".sgl/$rel"/wheels/*.whl > "$WORK/logs/sgl-$rel-install.log" 2>&1 || return 1
+  $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+    ".sgl/$rel/sglang.tar.xz" "$site" >> "$WORK/logs/sgl-$rel-install.log" 2>&1 || return 1
+  echo "$site"
+}
+
+merge_junit() {  # merge_junit OUT.xml RELEASE=FILE...: one <testsuites>, each release's suite named after it
+  $PY - "$@" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+out, parts = sys.argv[1], sys.argv[2:]
+root = ET.Element("testsuites")
+for part in parts:
+    release, path = part.split("=", 1)
+    try:
+        tree = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        suite = ET.SubElement(root, "testsuite", name=f"sglang {release}", tests="1", errors="1")
+        ET.SubElement(ET.SubElement(suite, "testcase", name="suite"), "error", message=f"no junit XML: {exc}")
+        continue
+    for suite in ([tree] if tree.tag == "testsuite" else list(tree)):
+        suite.set("name", f"sglang {release} (ranks sharing the GPU, SGLang on gloo)")
+        root.append(suite)
+ET.ElementTree(root).write(out, encoding="utf-8", xml_declaration=True)
+# In this stage every selected test must run: a skip is a failure of the run (a missing package, no GPU...).
+bad = 0
+for suite in root:
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    print(f">>> {suite.get('name')}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    bad += counts["failures"] + counts["errors"] + counts["skipped"] + (counts["tests"] == 0)
+sys.exit(1 if bad else 0)
+PYEOF
+}
+
 FI_PATH=
 if [ -d .fi/site ]; then
   FI_DEPS=$(mktemp -d)
@@ -124,6 +177,27 @@ for stage in $stages; do
     junit) step junit $PY scripts/merge_junit.py "$OUT/gpu_tests_${GPU_TAG}_tp${NGPU}.xml" $WORK/results/junit-*.xml ;;
     overlay) step overlay-tests $PY -m pytest -m gpu -v tests/gpu/test_sglang_integration.py \
               --junitxml="$WORK/results/junit-overlay.xml" ;;
+    sglang-shared)
+      gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
+print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
+      parts=()
+      for rel in ${SGL_RELEASES:-0.5.23 0.5.13.post1}; do
+        xml="$WORK/results/gpu_tests_${gpu}_sglang_shared_$rel.xml"
+        parts+=("$rel=$xml")
+        if ! site=$(sgl_site "$rel"); then
+          echo ">>> sglang $rel: install failed (logs/sgl-$rel-install.log)" | tee -a "$OUT/summary.log"; status=1; continue
+        fi
+        tests=(tests/gpu/test_sglang_integration.py tests/gpu/test_overlay_probe_fallback.py
+               tests/gpu/test_bench_verify_gpu.py::test_verify_via_sglang_shared_gpu_is_exactly_ours)
+        [ "$rel" = 0.5.23 ] && tests+=(tests/gpu/test_breakable_graph.py)
+        PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_TEST_SHARE_GPUS=1 step "sglang-shared-$rel" \
+          $PY -m pytest -m gpu -v -rs -p no:cacheprovider "${tests[@]}" --junitxml="$xml"
+      done
+      merge_junit "$WORK/results/gpu_tests_${gpu}_sglang_shared.xml" "${parts[@]}" | tee -a "$OUT/summary.log" \
+        || { echo ">>> sglang-shared: a test failed, errored or was skipped (each must run here)" \
+             | tee -a "$OUT/summary.log"; status=1; }
+      cp "$WORK/results/gpu_tests_${gpu}_sglang_shared.xml" "$OUT/" 2>/dev/null
+      publish ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -37,8 +37,8 @@ class Run:
         self.t0 = time.monotonic()
         self.complete = False
         self.aborted: str | None = None
-        self.out_json = io.result_path(Path(args.out), self.kind, self.hw["gpu"], d.world_size,
-                                       tag=nccl_mode.output_tag(self.no_p2p))
+        tag = "shared" if getattr(self, "shared", False) else nccl_mode.output_tag(self.no_p2p)
+        self.out_json = io.result_path(Path(args.out), self.kind, self.hw["gpu"], d.world_size, tag=tag)
 
     def doc(self) -> dict:
         raise NotImplementedError
@@ -72,13 +72,15 @@ class Run:
 
 
 def main(script: str, args, uses_nccl_label: bool, make_run: Callable[[ranks.Dist, Any, dict], Run],
-         in_process: bool) -> int:
+         in_process: bool, init: Callable[[str], ranks.Dist] | None = None) -> int:
     """Run one benchmark under torchrun. `uses_nccl_label`: the run records results under an NCCL name.
-    `in_process`: called from Python (tests), so a hanging teardown is never cut short by exiting."""
-    ranks.require_multi_gpu(script)
+    `in_process`: called from Python (tests), so a hanging teardown is never cut short by exiting. `init`: starts
+    the ranks another way than ranks.init_distributed (bench_verify --shared-gpu: gloo only, GPUs shared)."""
+    if init is None:
+        ranks.require_multi_gpu(script)
     # Before init_distributed: NCCL reads NCCL_P2P_DISABLE when it creates its first communicator.
     mode = nccl_mode.enter_nccl_mode(script, args.no_p2p, uses_nccl_label=uses_nccl_label)
-    d = ranks.init_distributed()
+    d = init(script) if init is not None else ranks.init_distributed()
     try:
         ranks.check_same_args(d, vars(args))
         run = make_run(d, args, mode)

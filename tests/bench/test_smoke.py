@@ -136,3 +136,30 @@ def test_verify_no_p2p_smoke(tmp_path):
     assert all(e["nccl_backend"] == "nccl_no_p2p" for e in doc["e2e_estimate"]) and doc["e2e_estimate"]
     assert doc["nccl_setup"]["env_at_init"]["NCCL_P2P_DISABLE"] == "1"
     assert_every_table_line_says_cpu_smoke(logs)
+
+
+def test_verify_shared_gpu_is_a_correctness_run(tmp_path):
+    """--shared-gpu (ranks sharing one GPU, every group on gloo): ours only, sglang_off skipped with the reason,
+    the JSON says its timings mean nothing and carries no estimate, and it gets a name of its own."""
+    logs = _run("verify", ["--out", str(tmp_path), "--config", "tiny_test", "--tokens", "1,3", "--iters", "2",
+                           "--warmup", "1", "--compute", "none", "--shared-gpu", "--via-sglang", "--no-plot"])
+    files = list(tmp_path.glob("verify_*_tp2_shared.json"))
+    assert len(files) == 1, logs
+    doc = json.loads(files[0].read_text())
+    schema.validate_verify_doc(doc)
+    assert doc["shared_gpu"] is True and doc["timings_meaningful"] is False
+    assert "CORRECTNESS RUN" in doc["notes"]["shared_gpu"] and doc["e2e_estimate"] == []
+    assert doc["reference_backend"] == "sm120"
+    assert {r["backend"] for r in doc["results"]} == {"sm120"}
+    assert any(s["impl"] == "sglang_off" and "cannot capture" in s["reason"] for s in doc["skipped"])
+    assert "use_pynccl=False" in " ".join(doc["notes"]["sglang_shared_gpu_patches"])
+    assert "CORRECTNESS RUN" in logs
+
+
+@pytest.mark.parametrize("extra", [["--backend", "nccl"], ["--no-p2p"], ["--sglang-custom-ar", "on"]])
+def test_verify_shared_gpu_refuses_what_needs_nccl(extra):
+    from benchmarks import bench_verify
+
+    with pytest.raises(SystemExit):
+        bench_verify.parse_args(["--shared-gpu", *extra])
+    assert bench_verify.parse_args(["--shared-gpu"]).backends == ["sm120"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -20,6 +21,8 @@ import torch.multiprocessing as mp
 # "1": a test of N ranks runs on fewer GPUs, ranks sharing them (rank r on GPU r % count). Correctness only: CUDA
 # IPC works between processes on one GPU, the tests' own collectives are gloo, and timings mean nothing.
 SHARE_GPUS_ENV = "SGL_SM120_TEST_SHARE_GPUS"
+# After a rank exits without a verdict, how long its peers' verdicts are still waited for.
+DEAD_RANK_GRACE_S = 20.0
 
 
 def gpu_count() -> int:
@@ -55,7 +58,8 @@ def _child(rank: int, world: int, port: int, fn, args, queue, hang_report_s: flo
     faulthandler.dump_traceback_later(hang_report_s, exit=False, file=sys.stderr)
     verdict = None
     try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        if torch.cuda.is_available():  # (the SGLang harness's CPU dry run has no GPU)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             local = None
@@ -89,12 +93,22 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300.0) -> None:
     for p in procs:
         p.start()
     results: dict[int, str | None] = {}
-    try:
-        for _ in range(world):
-            rank, verdict = queue.get(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    died_at = None
+    # Wait for every verdict, but not the whole bound for a rank that died without one (a crash in a spawned
+    # process, e.g. an import error): its peers would only wait for it in a collective until the deadline.
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, verdict = queue.get(timeout=1.0)
             results[rank] = verdict
-    except Exception:
-        pass
+            continue
+        except Exception:  # queue.Empty
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+        if dead and died_at is None:
+            died_at = time.monotonic()  # a verdict put just before exiting may still be in the pipe
+        if died_at is not None and time.monotonic() - died_at > DEAD_RANK_GRACE_S:
+            break
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
@@ -102,5 +116,7 @@ def run_ranks(world: int, fn, *args, timeout_s: float = 300.0) -> None:
     missing = sorted(set(range(world)) - set(results))
     problems = [v for v in results.values() if v]
     if missing:
-        problems.append(f"ranks {missing} reported nothing within {timeout_s:.0f} s (hang or crash)")
+        exits = {r: procs[r].exitcode for r in missing}
+        problems.append(f"ranks {missing} reported nothing within {timeout_s:.0f} s (hang or crash; exit codes "
+                        f"{exits}, None: killed when the run ended)")
     assert not problems, "\n".join(dict.fromkeys(problems))

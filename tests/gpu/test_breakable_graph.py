@@ -1,15 +1,17 @@
 """Our kernels inside SGLang 0.5.23's breakable CUDA graphs (the prefill graphs that are on by default there).
 
-Why this should hold (hooks_distributed._must_use_original does not exclude breakable graphs): a breakable
+Why this should hold (hooks/distributed.py's _must_use_original does not exclude breakable graphs): a breakable
 graph is a list of ordinary stream captures cut at eager break points; replay runs segment, break, segment...
 on the replaying stream. Our calls sit inside segments exactly as they sit inside a decode graph. What
 differs from a decode graph, and what this test exercises, is: several segments per graph, an eager step
 between our captured calls that itself launches work, capture on a side stream with replay on another,
 and interleaving with a plain CUDA graph that uses the same workspace.
 
-Not run in the session that wrote it (no GPU there): WRITTEN, NOT YET RUN. Needs 2 GPUs, the built
-sgl_kernel_sm120 and sglang 0.5.23 (plus `cuda-python`, which SGLang's breakable graph uses to query capture
-status). Run: pytest -m gpu tests/gpu/test_breakable_graph.py
+Not run in the session that wrote it (no GPU there): WRITTEN, NOT YET RUN. Needs the built sgl_kernel_sm120,
+sglang 0.5.23 (e.g. from the .sgl carry) and `cuda-bindings` (SGLang's breakable graph queries capture status
+through it; the GPU image has it), and one GPU per rank or ranks sharing one (tests/gpu/sglang_harness.py: two
+processes capture and replay on one GPU; the kernels need only CUDA IPC between them).
+Run: pytest -m gpu tests/gpu/test_breakable_graph.py
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.gpu import sglang_harness
 from tests.gpu.harness import run_ranks
 from tests.sglang_versions import requires_sglang
 
-pytestmark = [pytest.mark.gpu(2), requires_sglang("0.5.23")]
+pytestmark = [pytest.mark.gpu, requires_sglang("0.5.23"), sglang_harness.needs(2)]
 
 WORLD = 2
 ROWS, HIDDEN = 24, 7168
@@ -44,6 +47,9 @@ def _inputs(step, rank, world, device):
 
 
 def _scenario(rank, world):
+    # An eager break weak-references what it reads through sgl_kernel, missing on the GPU machine: the harness
+    # hands back the tensor itself there (see tests/gpu/sglang_harness.py).
+    sglang_harness.patch_weak_ref_tensor(rank)
     from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (
         BreakableCUDAGraph,
         BreakableCUDAGraphCapture,
