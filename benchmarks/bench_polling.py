@@ -36,6 +36,7 @@ SERIAL, BATCHED = 3, 0  # variant numbers: the polling before I10 (bench only), 
 # Fused one-shot CTAs per row: 1 = one CTA per row (the kernel before issue 12), 0 = the kernels' rule
 # (fused_cluster_size in csrc/ar_kernels.cu), 2/4/8 forced.
 CLUSTERS = (1, 0, 2, 4, 8)
+PUSH = 0  # the transport these kernels are timed with (benchmarks/bench_transports.py times all three)
 
 
 def _refill_then_call(ops, ws, op, variant, cluster, sm_count, t):
@@ -44,10 +45,10 @@ def _refill_then_call(ops, ws, op, variant, cluster, sm_count, t):
     def call(k):
         ops.ws_loopback_refill(ws)
         if op == "all_reduce":
-            ops.all_reduce(ws, t["x"], t["out"], variant, 256, sm_count, True)
+            ops.all_reduce(ws, t["x"], t["out"], variant, 256, sm_count, True, PUSH)
         else:
             ops.all_reduce_add_rmsnorm(ws, t["x"], t["residual"], t["weight"], 1e-6, t["norm"], t["out"], variant,
-                                       sm_count, True, cluster)
+                                       sm_count, True, cluster, PUSH)
 
     return call
 

@@ -1,12 +1,17 @@
-// The all-reduce kernels: a one-shot push and a hierarchical (reduce-scatter, cross-island exchange,
-// all-gather) push, each with a plain and a fused residual-add + RMSNorm epilogue.
-// The protocol invariants (I1..I13) are stated in ar_protocol.cuh; comments below name the one they rely on.
+// The all-reduce kernels: one-shot and hierarchical (reduce-scatter, cross-island exchange, all-gather)
+// schedules, each with a plain and a fused residual-add + RMSNorm epilogue, over three transports: push
+// (transports/push.cuh), staged push (transports/staged_push.cuh) and pull (transports/pull.cuh).
+// The protocol invariants (I1..I13) are stated in ar_protocol.cuh, the transports' own (P1.., S1..) in their
+// headers; comments below name the one they rely on.
 #include <algorithm>
 #include <type_traits>
 
 #include "ar_launch.h"
 #include "ar_protocol.cuh"
 #include "pack_math.cuh"
+#include "transports/pull.cuh"
+#include "transports/push.cuh"
+#include "transports/staged_push.cuh"
 
 namespace sgl_sm120 {
 namespace {
@@ -33,135 +38,79 @@ struct CallArgs {
 constexpr int kWideThreads = 512;
 constexpr int kHeldPacks = 2;
 
-// ---------------------------------------------------------------------------------------------------------
-// One-shot: every rank pushes its whole input into slot[rank] of every peer, then reduces all slots locally.
-// Bytes per rank: (W-1) x payload out and in. Best at small payloads, on NVLink, and always at 2 ranks.
-// ---------------------------------------------------------------------------------------------------------
+// One-shot over any transport: publish every own pack (push: into every peer's slot at once; staged: the same
+// stores in permutation passes; pull: into our own pull area, then every peer's flag, then wait for theirs), then
+// reduce pack by pack. `packs(emit)` calls emit(g, remapped pack) for every pack of this thread, in the same order
+// on every rank (P5). All threads of the CTA call publish (staged and pull hold CTA barriers).
+template <int kWorld, int kT>
+struct OneShotPath {
+  OneShotSlots<kWorld> slots;
+  PullOneShot<kWorld> pull;
+  unsigned long long seq;
 
-template <int kWorld>
-struct OneShotSlots {
-  int parity;
-  char* own_region;      // our region of this parity: slot[p] holds peer p's pushes
-  long long push_offset;  // where our slot sits in every peer's region
+  __device__ __forceinline__ OneShotPath(const WorkspaceView& ws, unsigned long long s)
+      : slots(ws, parity_of(s)), pull(s), seq(s) {}
 
-  __device__ __forceinline__ OneShotSlots(const WorkspaceView& ws, int par)
-      : parity(par), own_region(region_of(ws, ws.rank, par)), push_offset(ws.rank * ws.oneshot_slot_bytes) {}
-
-  // Slot addresses come from the __grid_constant__ view on every use: arrays of pointers indexed by a
-  // run-time rank would live in local memory.
-  __device__ __forceinline__ char* poll(const WorkspaceView& ws, int peer, long long g) const {
-    return own_region + peer * ws.oneshot_slot_bytes + g * kPackBytes;
-  }
-
-  // Destinations in rotated order so that the ranks do not all hit the same peer first.
-  __device__ __forceinline__ void push_pack(const WorkspaceView& ws, long long g, uint4 v) const {
-#pragma unroll
-    for (int step = 1; step < kWorld; ++step) {
-      const int peer = (ws.rank + step) % kWorld;
-      store_volatile(region_of(ws, peer, parity) + push_offset + g * kPackBytes, v);
+  template <typename Packs>
+  __device__ __forceinline__ void publish(const WorkspaceView& ws, Packs packs) const {
+    if constexpr (kT == kTransportPush) {
+      // Push everything before waiting on anything: no wait below depends on a later push of our own.
+      packs([&](long long g, uint4 v) { slots.push_pack(ws, g, v); });
+    } else if constexpr (kT == kTransportStaged) {
+      staged_passes<kWorld - 1>(
+          ws, seq, kFlagOneShot, kPhaseOneShot,
+          [&](int p) {
+            const int dest = (ws.rank + 1 + p) % kWorld;  // S2
+            char* slot = region_of(ws, dest, slots.parity) + slots.push_offset;
+            packs([&](long long g, uint4 v) { store_volatile(slot + g * kPackBytes, v); });
+            return dest;
+          },
+          [&](int p) { return (ws.rank + kWorld - 1 - p) % kWorld; });
+    } else {
+      pull.publish_and_wait(ws, packs);  // P1, P2, P4
     }
   }
 
-  // Wait for every peer's pack g (all loads issued before any test, I10), empty the slots (I4), and sum in
-  // rank order from bit-identical operands (I2), so every rank gets the same bits.
-  // kBatch < kWorld waits for the ranks in groups of kBatch, adding each group before loading the next: one
-  // more round trip per group, but 4 x kBatch registers of packs instead of 4 x kWorld, for the kernels that
-  // would otherwise spill (see the kernels). The sum's order, and so its bits, does not depend on kBatch.
+  // The fp32 sum of pack g over the ranks in rank order (bit for bit the same for every transport).
   template <typename T, int kBatch = kWorld>
-  __device__ __forceinline__ Acc8 reduce_pack(const WorkspaceView& ws, unsigned long long seq, long long g,
-                                              uint4 own) const {
-    static_assert(kWorld % kBatch == 0, "batches must tile the ranks");
-    const unsigned peers = ((1u << kWorld) - 1u) & ~(1u << ws.rank);
-    Acc8 acc;
-#pragma unroll
-    for (int base = 0; base < kWorld; base += kBatch) {
-      // v[rank - base] is never loaded: it is `own` from the start, so `own` needs no registers of its own
-      // during the wait (at 8 ranks the wait holds 32 of the 64 registers a 1024-thread CTA leaves a thread).
-      uint4 v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) v[i] = own;
-      const unsigned wanted = (peers >> base) & ((1u << kBatch) - 1u);
-      auto addr = [&](int i) { return poll(ws, base + i, g); };
-      wait_for_packs<kBatch, false>(ws, v, wanted, addr, [&](int i) { return base + i; }, kPhaseOneShot, seq);
-      empty_packs<kBatch>(wanted, addr);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (base + i == 0) {
-          acc = unpack<T>(v[i]);
-        } else {
-          accumulate<T>(acc, v[i]);
-        }
-      }
+  __device__ __forceinline__ Acc8 reduce(const WorkspaceView& ws, long long g, uint4 own) const {
+    if constexpr (kT == kTransportPull) {
+      return pull.template reduce_pack<T, kBatch>(ws, g, own);
+    } else {
+      return slots.template reduce_pack<T, kBatch>(ws, seq, g, own);
     }
-    return acc;
-  }
-
-  // The polling this file had before I10, kept only for the polling microbenchmark (benchmarks/bench_polling.py,
-  // one-shot bf16 at 8 ranks, see launch_oneshot_serial_poll) to time old against new in one build: each peer's
-  // pack is loaded, waited on and tested before the next load issues (the self branch and the short-circuit
-  // test serialise them).
-  template <typename T>
-  __device__ __forceinline__ Acc8 reduce_pack_serial(const WorkspaceView& ws, unsigned long long seq, long long g,
-                                                     uint4 own) const {
-    uint4 v[kWorld];
-    bool pending = false;
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p) {
-      v[p] = p == ws.rank ? own : load_volatile(poll(ws, p, g));
-      pending |= p != ws.rank && legacy_has_empty(v[p]);
-    }
-    if (pending) {
-      const long long start = static_cast<long long>(global_timer_ns());
-      unsigned int spins = 0;
-      while (pending) {
-        pending = false;
-        int missing = -1;
-#pragma unroll
-        for (int p = 0; p < kWorld; ++p) {
-          if (p != ws.rank && legacy_has_empty(v[p])) {
-            v[p] = load_volatile(poll(ws, p, g));
-            if (legacy_has_empty(v[p])) {
-              pending = true;
-              missing = p;
-            }
-          }
-        }
-        if (pending && (++spins & 255u) == 0u && wait_must_end(ws, start, missing, kPhaseOneShot, seq)) break;
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p)
-      if (p != ws.rank) store_volatile(poll(ws, p, g), empty_pack());
-    Acc8 acc = unpack<T>(v[0]);
-#pragma unroll
-    for (int p = 1; p < kWorld; ++p) accumulate<T>(acc, v[p]);
-    return acc;
-  }
-
-  static __device__ __forceinline__ bool legacy_has_empty(uint4 v) {
-    auto half = [](uint32_t w) { return (w & 0xFFFFu) == kEmptyHalf || (w >> 16) == kEmptyHalf; };
-    return half(v.x) || half(v.y) || half(v.z) || half(v.w);
-  }
-
-  template <typename T, bool kSerialPoll, int kBatch = kWorld>
-  __device__ __forceinline__ Acc8 reduce(const WorkspaceView& ws, unsigned long long seq, long long g, uint4 own) const {
-    if (kSerialPoll) return reduce_pack_serial<T>(ws, seq, g, own);
-    return reduce_pack<T, kBatch>(ws, seq, g, own);
   }
 };
 
-template <typename T, int kWorld, bool kSerialPoll = false>
+template <typename T, int kWorld, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+  if (begin_call(ws)) return;  // I12
+  const unsigned long long seq = load_sequence(ws);
+  const OneShotPath<kWorld, kT> path(ws, seq);
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+
+  path.publish(ws, [&](auto emit) {
+    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
+  });
+  for (long long g = first; g < a.num_packs; g += stride) {
+    a.out[g] = round_pack<T>(path.template reduce<T>(ws, g, remap_half_pack(a.inp[g])));
+  }
+  finish_call(ws, seq);
+}
+
+// The polling this file had before I10, kept only for the polling microbenchmark (push, bf16, 8 ranks).
+template <typename T, int kWorld>
+__global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial_poll_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
   const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  // Push everything before waiting on anything: no wait below depends on a later push of our own.
   for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
   for (long long g = first; g < a.num_packs; g += stride) {
-    a.out[g] = round_pack<T>(slots.template reduce<T, kSerialPoll>(ws, seq, g, remap_half_pack(a.inp[g])));
+    a.out[g] = round_pack<T>(slots.template reduce<T, true>(ws, seq, g, remap_half_pack(a.inp[g])));
   }
   finish_call(ws, seq);
 }
@@ -173,27 +122,33 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel
 // and the rounded residual and the weight stay in registers for the norm. Wider rows run 512 threads with
 // kPacks = kMaxPacksPerThread: each pack's operands are loaded when it is reduced, and the norm pass reads the
 // residual back from residual_out (this thread's own store, so it sees it) and the weight again.
-template <typename T, int kWorld, int kPacks, bool kSerialPoll = false>
+template <typename T, int kWorld, int kPacks, int kT, bool kSerialPoll = false>
 __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
+  static_assert(!kSerialPoll || kT == kTransportPush, "the old serial polling exists for push only");
   constexpr bool kHoldRow = kPacks == 1;
   constexpr int kUnroll = kHoldRow ? kPacks : 1;
-  constexpr int kBatch = kWorld;
+  // Push holds all 8 ranks' packs at once within the 1024-thread kernel's 64 registers; the staged passes and the
+  // pull flags take a few more registers, so there the 8-rank wait goes in two batches (the sum's order, and so
+  // its bits, unchanged).
+  constexpr int kBatch = (kT == kTransportPush || !kHoldRow || kWorld <= 4) ? kWorld : 4;
   __shared__ float s_red[33];
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
+  const OneShotPath<kWorld, kT> path(ws, seq);
   const int ppr = a.packs_per_row;
 
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  path.publish(ws, [&](auto emit) {
+    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
 #pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+      for (int k = 0; k < kPacks; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < ppr) {
+          const long long g = static_cast<long long>(row) * ppr + j;
+          emit(g, remap_half_pack(a.inp[g]));
+        }
       }
     }
-  }
+  });
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     constexpr int kHeld = kHoldRow ? kPacks : 1;
     uint4 r[kHeld], w[kHeld], res[kHeld], own[kHeld];
@@ -216,7 +171,12 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
         const long long g = static_cast<long long>(row) * ppr + j;
         const int h = kHoldRow ? k : 0;
         if (!kHoldRow) own[0] = remap_half_pack(a.inp[g]);
-        Acc8 acc = slots.template reduce<T, kSerialPoll, kBatch>(ws, seq, g, own[h]);
+        Acc8 acc;
+        if constexpr (kSerialPoll) {
+          acc = path.slots.template reduce<T, true>(ws, seq, g, own[h]);
+        } else {
+          acc = path.template reduce<T, kBatch>(ws, g, own[h]);
+        }
         accumulate<T>(acc, kHoldRow ? res[h] : a.residual[g]);  // unheld: loaded after the wait
         r[h] = round_pack<T>(acc);  // residual_out, rounded once
         a.out[g] = r[h];
@@ -277,14 +237,14 @@ __host__ __device__ __forceinline__ int packs_per_part(int packs_per_row, int pa
   return (packs_per_row + parts - 1) / parts;
 }
 
-template <typename T, int kWorld, int kCluster>
+template <typename T, int kWorld, int kCluster, int kT>
 __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   __shared__ float s_red[33];
   __shared__ float s_part;
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
+  const OneShotPath<kWorld, kT> path(ws, seq);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kCluster);
   const unsigned cta = cluster_cta_rank();
@@ -293,12 +253,14 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
   const int first_row = static_cast<int>(blockIdx.x / kCluster);
   const int row_stride = static_cast<int>(gridDim.x / kCluster);
 
-  for (int row = first_row; row < a.rows; row += row_stride) {
-    if (mine) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+  path.publish(ws, [&](auto emit) {
+    for (int row = first_row; row < a.rows; row += row_stride) {
+      if (mine) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        emit(g, remap_half_pack(a.inp[g]));
+      }
     }
-  }
+  });
   bool first = true;
   for (int row = first_row; row < a.rows; row += row_stride) {
     const long long g = static_cast<long long>(row) * ppr + j;
@@ -307,7 +269,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
     if (mine) {
       const uint4 own = remap_half_pack(a.inp[g]);
       const uint4 res = a.residual[g];
-      Acc8 acc = slots.template reduce_pack<T>(ws, seq, g, own);
+      Acc8 acc = path.template reduce<T>(ws, g, own);
       accumulate<T>(acc, res);
       r = round_pack<T>(acc);  // residual_out, rounded once
       a.out[g] = r;
@@ -364,14 +326,14 @@ __device__ __forceinline__ float grouped_sum(float v, float* scratch, int warps_
 // rows x kGroups), which is why it is only the fallback. 1024 threads: one pack per thread (packs <= 1024).
 // At 8 ranks the wait loads the peers in two batches of 4 (one more round trip, the sum's order unchanged, see
 // OneShotSlots::reduce_pack): a thread has 64 registers here, and all 8 at once would leave none to spare.
-template <typename T, int kWorld, int kGroups>
+template <typename T, int kWorld, int kGroups, int kT>
 __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   constexpr int kBatch = kWorld > 4 ? 4 : kWorld;
   __shared__ float s_red[32 + kGroups];
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
+  const OneShotPath<kWorld, kT> path(ws, seq);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kGroups);
   const int group_threads = static_cast<int>(blockDim.x) / kGroups;
@@ -380,18 +342,20 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   const int j = group * per + i;
   const bool mine = i < per && j < ppr;
 
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    if (mine) {
-      const long long g = static_cast<long long>(row) * ppr + j;
-      slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
+  path.publish(ws, [&](auto emit) {
+    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+      if (mine) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        emit(g, remap_half_pack(a.inp[g]));
+      }
     }
-  }
+  });
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const long long g = static_cast<long long>(row) * ppr + j;
     uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
     float squares = 0.f;
     if (mine) {
-      Acc8 acc = slots.template reduce_pack<T, kBatch>(ws, seq, g, remap_half_pack(a.inp[g]));
+      Acc8 acc = path.template reduce<T, kBatch>(ws, g, remap_half_pack(a.inp[g]));
       accumulate<T>(acc, a.residual[g]);
       r = round_pack<T>(acc);  // residual_out, rounded once
       a.out[g] = r;
@@ -405,145 +369,44 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   finish_call(ws, seq);
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// Hierarchical: packs are owned by island position in blocks of kOwnerBlockPacks consecutive packs, the
-// blocks dealt round-robin (owner = (g / 32) % I), so each warp stores 512 B pieces per destination:
-//  1. reduce-scatter: push each pack to its owner inside the island;
-//  2. the owner sums its island's packs in position order (fp32); with several islands it swaps the fp32
-//     partial with its twins (same position in the other islands) and sums the partials in island order, so
-//     twins agree bit for bit; then it rounds once (adding its residual when fused);
-//  3. all-gather: the owner pushes the result to its island.
-// Bytes per rank with I ranks an island and G islands: 2 (I-1)/I x payload inside the island and
-// 2 (G-1)/I x payload (fp32) across. Flat two-shot is G = 1.
-// The fp32 partials cross islands as two planes (low 4 floats of every pack, then the high 4), so that link,
-// the slowest, also gets 512 B pieces.
-// Fused: the owner adds ITS residual. Tensor parallelism replicates the residual on every rank, so this is
-// the caller's residual; the kernel does not check it.
-// ---------------------------------------------------------------------------------------------------------
-
-template <typename T, int kIsland>
-struct HierStep {
-  const WorkspaceView& ws;
-  const Topology& t;
-  int parity;
-  unsigned long long seq;
-
-  __device__ __forceinline__ HierStep(const WorkspaceView& w, const Topology& topo, unsigned long long s)
-      : ws(w), t(topo), parity(parity_of(s)), seq(s) {}
-
-  // Computed where used rather than kept: at 8 ranks the wait needs nearly every register (see reduce_pack).
-  // cross-island slots: G x 2 planes of a chunk (fp32), after I reduce-scatter slots
-  __device__ __forceinline__ long long xs_base() const { return static_cast<long long>(kIsland) * ws.chunk_slot_bytes; }
-  // all-gather slots: I x chunk, after those
-  __device__ __forceinline__ long long ag_base() const {
-    return xs_base() + 2ll * t.num_islands * ws.chunk_slot_bytes;
+// Hierarchical over push or staged push (the same slots, HierStep): the reduce-scatter and the all-gather either
+// store into every island peer at once (push) or in permutation passes (staged, S2); the cross-island exchange is
+// one-to-one already and stays as it is.
+template <typename T, int kIsland, int kT, typename Packs>
+__device__ __forceinline__ void hier_scatter(const WorkspaceView& ws, const Topology& t, const HierStep<T, kIsland>& step,
+                                             Packs packs) {
+  if constexpr (kT == kTransportPush) {
+    packs([&](long long g, uint4 v) { step.scatter(g, v); });
+  } else {
+    staged_passes<kIsland - 1>(
+        ws, step.seq, kFlagReduceScatter, kPhaseReduceScatter,
+        [&](int p) {
+          const int pos = (t.my_index + 1 + p) % kIsland;
+          const int dest = t.island_ranks[pos];
+          packs([&](long long g, uint4 v) {
+            if (step.owner(g) == pos) store_volatile(step.rs_slot(dest, t.my_index, g), v);
+          });
+          return dest;
+        },
+        [&](int p) { return t.island_ranks[(t.my_index + kIsland - 1 - p) % kIsland]; });
   }
+}
 
-  __device__ __forceinline__ int owner(long long g) const {
-    return static_cast<int>((g >> kOwnerBlockShift) & (kIsland - 1));
-  }
-  // Position of pack g inside its owner's chunk: the owner's blocks packed one after the other.
-  __device__ __forceinline__ long long offset(long long g) const {
-    return ((g / (kOwnerBlockPacks * kIsland)) << kOwnerBlockShift) | (g & (kOwnerBlockPacks - 1));
-  }
+// Staged all-gather: the owned results (already in `out`, stored by this very thread) to the island, pass by pass.
+template <typename T, int kIsland, typename Owned>
+__device__ __forceinline__ void hier_staged_gather(const WorkspaceView& ws, const Topology& t,
+                                                   const HierStep<T, kIsland>& step, Owned owned) {
+  staged_passes<kIsland - 1>(
+      ws, step.seq, kFlagAllGather, kPhaseAllGather,
+      [&](int p) {
+        const int dest = t.island_ranks[(t.my_index + 1 + p) % kIsland];
+        owned([&](long long g, uint4 v) { store_volatile(step.ag_slot(dest, t.my_index, g), v); });
+        return dest;
+      },
+      [&](int p) { return t.island_ranks[(t.my_index + kIsland - 1 - p) % kIsland]; });
+}
 
-  __device__ __forceinline__ char* rs_slot(int rank, int sender_pos, long long g) const {
-    return region_of(ws, rank, parity) + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
-  }
-  // plane 0: floats 0..3 of the pack's partial, plane 1: floats 4..7
-  __device__ __forceinline__ char* xs_slot(int rank, int sender_island, int plane, long long g) const {
-    return region_of(ws, rank, parity) + xs_base() + (2ll * sender_island + plane) * ws.chunk_slot_bytes +
-           offset(g) * kPackBytes;
-  }
-  __device__ __forceinline__ char* ag_slot(int rank, int sender_pos, long long g) const {
-    return region_of(ws, rank, parity) + ag_base() + sender_pos * ws.chunk_slot_bytes + offset(g) * kPackBytes;
-  }
-
-  // Phase 1, by every rank for every pack it does not own.
-  __device__ __forceinline__ void scatter(long long g, uint4 own) const {
-    const int o = owner(g);
-    if (o != t.my_index) store_volatile(rs_slot(t.island_ranks[o], t.my_index, g), own);
-  }
-
-  // Phase 2, by the owner: returns the fp32 sum over all ranks, identical on every twin.
-  __device__ __forceinline__ Acc8 reduce_owned(long long g, uint4 own) const {
-    // I10: the island's packs are loaded together, our own position being `own`, and summed in position
-    // order. (kBatch as in OneShotSlots::reduce_pack; these kernels run at <= 512 threads, with the registers
-    // for all 8.)
-    constexpr int kBatch = kIsland;
-    const unsigned senders = ((1u << kIsland) - 1u) & ~(1u << t.my_index);
-    Acc8 part;
-#pragma unroll
-    for (int base = 0; base < kIsland; base += kBatch) {
-      uint4 v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) v[i] = own;  // v[my_index - base] is never loaded
-      const unsigned wanted = (senders >> base) & ((1u << kBatch) - 1u);
-      auto rs = [&](int i) { return rs_slot(ws.rank, base + i, g); };
-      wait_for_packs<kBatch, false>(ws, v, wanted, rs, [&](int i) { return t.island_ranks[base + i]; },
-                                    kPhaseReduceScatter, seq);
-      empty_packs<kBatch>(wanted, rs);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (base + i == 0) {
-          part = unpack<T>(v[i]);
-        } else {
-          accumulate<T>(part, v[i]);
-        }
-      }
-    }
-    if (t.num_islands == 1) return part;
-    // I2 for fp32 words: use the remapped partial ourselves too.
-    const uint4 lo = make_uint4(remap_word(__float_as_uint(part.v[0])), remap_word(__float_as_uint(part.v[1])),
-                                remap_word(__float_as_uint(part.v[2])), remap_word(__float_as_uint(part.v[3])));
-    const uint4 hi = make_uint4(remap_word(__float_as_uint(part.v[4])), remap_word(__float_as_uint(part.v[5])),
-                                remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
-    for (int step = 1; step < t.num_islands; ++step) {
-      const int island = (t.my_island + step) % t.num_islands;
-      store_volatile(xs_slot(t.twin_ranks[island], t.my_island, 0, g), lo);
-      store_volatile(xs_slot(t.twin_ranks[island], t.my_island, 1, g), hi);
-    }
-    Acc8 total;
-    for (int island = 0; island < t.num_islands; ++island) {
-      Acc8 p;
-      if (island == t.my_island) {
-        p = partial_from(lo, hi);
-      } else {
-        // I10 within an island pair: both planes are loaded before either is tested.
-        uint4 h[2];
-        auto xs = [&](int plane) { return xs_slot(ws.rank, island, plane, g); };
-        const int twin = t.twin_ranks[island];
-        wait_for_packs<2, true>(ws, h, 3u, xs, [&](int) { return twin; }, kPhaseCrossIsland, seq);
-        empty_packs<2>(3u, xs);
-        p = partial_from(h[0], h[1]);
-      }
-      if (island == 0) {
-        total = p;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) total.v[i] += p.v[i];
-      }
-    }
-    return total;
-  }
-
-  // Phase 3 (send), by the owner: the final packed value to every other rank of the island.
-  __device__ __forceinline__ void gather_send(long long g, uint4 v) const {
-#pragma unroll
-    for (int step = 1; step < kIsland; ++step) {
-      const int pos = (t.my_index + step) & (kIsland - 1);
-      store_volatile(ag_slot(t.island_ranks[pos], t.my_index, g), v);
-    }
-  }
-
-  // Phase 3 (receive), by every rank for every pack it does not own.
-  __device__ __forceinline__ uint4 gather_receive(long long g) const {
-    const int o = owner(g);
-    return consume_pack<false>(ws, ag_slot(ws.rank, o, g), t.island_ranks[o], kPhaseAllGather, seq);
-  }
-};
-
-template <typename T, int kIsland>
+template <typename T, int kIsland, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
   if (begin_call(ws)) return;  // I12
@@ -552,12 +415,20 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  for (long long g = first; g < a.num_packs; g += stride) step.scatter(g, remap_half_pack(a.inp[g]));
+  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
+    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
+  });
   for (long long g = first; g < a.num_packs; g += stride) {
     if (step.owner(g) != t.my_index) continue;
     const uint4 v = remap_half_pack(round_pack<T>(step.reduce_owned(g, remap_half_pack(a.inp[g]))));
     a.out[g] = v;  // the remapped value, as the peers will see it (I2)
-    step.gather_send(g, v);
+    if constexpr (kT == kTransportPush) step.gather_send(g, v);
+  }
+  if constexpr (kT == kTransportStaged) {
+    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+      for (long long g = first; g < a.num_packs; g += stride)
+        if (step.owner(g) == t.my_index) emit(g, a.out[g]);
+    });
   }
   for (long long g = first; g < a.num_packs; g += stride) {
     if (step.owner(g) == t.my_index) continue;
@@ -568,43 +439,62 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
 
 // Registers as in oneshot_add_rmsnorm_kernel, at 512 threads: a row is held in registers up to kHeldPacks packs
 // per thread; with more, the norm pass reads residual_out back (this thread wrote every pack of it it reads) and
-// the weight.
-template <typename T, int kIsland, int kPacks>
+// the weight. Staged: the all-gather passes run once every row's owned packs are reduced, so the owned results
+// are read back from residual_out too.
+template <typename T, int kIsland, int kPacks, int kT>
 __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  constexpr bool kHoldRow = kPacks <= kHeldPacks;
-  constexpr int kUnroll = kHoldRow ? kPacks : 1;
+  constexpr bool kHoldRow = kPacks <= kHeldPacks && kT == kTransportPush;
+  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
   constexpr int kHeld = kHoldRow ? kPacks : 1;
   __shared__ float s_red[33];
   if (begin_call(ws)) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
   const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const int ppr = a.packs_per_row;
-
-  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  // Every pack of this thread, row by row: f(g, j).
+  auto each_pack = [&](auto f) {
+    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
 #pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        step.scatter(g, remap_half_pack(a.inp[g]));
+      for (int k = 0; k < kPacks; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < ppr) f(static_cast<long long>(row) * ppr + j, j);
       }
     }
+  };
+
+  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
+    each_pack([&](long long g, int) { emit(g, remap_half_pack(a.inp[g])); });
+  });
+  if constexpr (kT == kTransportStaged) {
+    each_pack([&](long long g, int) {
+      if (step.owner(g) != t.my_index) return;
+      Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
+      accumulate<T>(acc, a.residual[g]);
+      a.out[g] = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
+    });
+    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+      each_pack([&](long long g, int) {
+        if (step.owner(g) == t.my_index) emit(g, a.out[g]);
+      });
+    });
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     uint4 r[kHeld], w[kHeld];
+    if constexpr (kT == kTransportPush) {
 #pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        if (step.owner(g) != t.my_index) continue;
-        Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
-        accumulate<T>(acc, a.residual[g]);
-        const uint4 v = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
-        if (kHoldRow) r[k % kHeld] = v;
-        a.out[g] = v;
-        step.gather_send(g, v);
+      for (int k = 0; k < kPacks; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < ppr) {
+          const long long g = static_cast<long long>(row) * ppr + j;
+          if (step.owner(g) != t.my_index) continue;
+          Acc8 acc = step.reduce_owned(g, remap_half_pack(a.inp[g]));
+          accumulate<T>(acc, a.residual[g]);
+          const uint4 v = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
+          if (kHoldRow) r[k % kHeld] = v;
+          a.out[g] = v;
+          step.gather_send(g, v);
+        }
       }
     }
     float squares = 0.f;
@@ -642,6 +532,190 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   finish_call(ws, step.seq);
 }
 
+// Hierarchical over pull (transports/pull.cuh), phase by phase: every rank stores its input into its own pull area
+// and the owners load their packs from the island (reduce-scatter); with several islands each owner stores its
+// fp32 partial and the twins load each other's (cross-island); each owner stores its result and the island loads
+// it (all-gather). The sums, their order and their rounding are push's (HierStep::reduce_owned), bit for bit.
+template <typename T, int kIsland>
+struct PullHierSteps {
+  const WorkspaceView& ws;
+  const Topology& t;
+  const HierStep<T, kIsland>& step;
+  PullHier<kIsland> pull;
+
+  __device__ __forceinline__ PullHierSteps(const WorkspaceView& w, const Topology& topo, const HierStep<T, kIsland>& s)
+      : ws(w), t(topo), step(s), pull(topo, s.seq) {}
+
+  // Reduce-scatter: `packs(emit)` yields every pack of this thread (g, remapped input).
+  template <typename Packs>
+  __device__ __forceinline__ void scatter(Packs packs) const {
+    pull.island_phase(ws, kFlagReduceScatter, kPhaseReduceScatter, [&]() {
+      packs([&](long long g, uint4 v) { store_volatile(pull.input(ws, ws.rank, g), v); });  // P1
+    });
+  }
+
+  // The island's fp32 sum of an owned pack, in position order; with islands, its two planes stored for the twins
+  // (remapped as push sends them, I2, and kept so for our own use).
+  __device__ __forceinline__ Acc8 island_part(long long g, uint4 own) const {
+    return pull.template island_sum<T>(ws, g, own);
+  }
+
+  __device__ __forceinline__ void store_partial(long long g, const Acc8& part) const {
+    const uint4 lo = make_uint4(remap_word(__float_as_uint(part.v[0])), remap_word(__float_as_uint(part.v[1])),
+                                remap_word(__float_as_uint(part.v[2])), remap_word(__float_as_uint(part.v[3])));
+    const uint4 hi = make_uint4(remap_word(__float_as_uint(part.v[4])), remap_word(__float_as_uint(part.v[5])),
+                                remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
+    store_volatile(pull.partial(ws, ws.rank, 0, step.offset(g)), lo);
+    store_volatile(pull.partial(ws, ws.rank, 1, step.offset(g)), hi);
+  }
+
+  template <typename Stores>
+  __device__ __forceinline__ void exchange_partials(Stores stores) const {
+    pull.twin_phase(ws, stores);
+  }
+
+  // The total over islands in island order, from the stored planes (ours too, as push uses the remapped words).
+  __device__ __forceinline__ Acc8 total(long long g) const {
+    Acc8 sum;
+    for (int island = 0; island < t.num_islands; ++island) {
+      const int twin = t.twin_ranks[island];
+      uint4 h[2];
+      h[0] = load_volatile(pull.partial(ws, twin, 0, step.offset(g)));
+      h[1] = load_volatile(pull.partial(ws, twin, 1, step.offset(g)));
+      const Acc8 p = partial_from(h[0], h[1]);
+      if (island == 0) {
+        sum = p;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum.v[i] += p.v[i];
+      }
+    }
+    return sum;
+  }
+
+  template <typename Stores>
+  __device__ __forceinline__ void gather(Stores stores) const {
+    pull.island_phase(ws, kFlagAllGather, kPhaseAllGather, stores);
+  }
+
+  __device__ __forceinline__ void store_result(long long g, uint4 v) const {
+    store_volatile(pull.result(ws, ws.rank, step.offset(g)), v);  // P1
+  }
+
+  __device__ __forceinline__ uint4 load_result(long long g) const {
+    return load_volatile(pull.result(ws, t.island_ranks[step.owner(g)], step.offset(g)));
+  }
+};
+
+template <typename T, int kIsland>
+__global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_pull_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
+                                       const __grid_constant__ CallArgs a, bool use_islands) {
+  if (begin_call(ws)) return;  // I12
+  const Topology& t = use_islands ? ws.islands : ws.flat;
+  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const PullHierSteps<T, kIsland> pull(ws, t, step);
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  auto owned = [&](auto f) {
+    for (long long g = first; g < a.num_packs; g += stride)
+      if (step.owner(g) == t.my_index) f(g);
+  };
+
+  pull.scatter([&](auto emit) {
+    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
+  });
+  if (t.num_islands > 1) {
+    pull.exchange_partials([&]() { owned([&](long long g) { pull.store_partial(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
+    pull.gather([&]() {
+      owned([&](long long g) {
+        const uint4 v = remap_half_pack(round_pack<T>(pull.total(g)));
+        a.out[g] = v;
+        pull.store_result(g, v);
+      });
+    });
+  } else {
+    pull.gather([&]() {
+      owned([&](long long g) {
+        const uint4 v = remap_half_pack(round_pack<T>(pull.island_part(g, remap_half_pack(a.inp[g]))));
+        a.out[g] = v;
+        pull.store_result(g, v);
+      });
+    });
+  }
+  for (long long g = first; g < a.num_packs; g += stride)
+    if (step.owner(g) != t.my_index) a.out[g] = pull.load_result(g);
+  finish_call(ws, step.seq);
+}
+
+template <typename T, int kIsland, int kPacks>
+__global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
+                                       const __grid_constant__ CallArgs a, bool use_islands) {
+  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
+  __shared__ float s_red[33];
+  if (begin_call(ws)) return;  // I12
+  const Topology& t = use_islands ? ws.islands : ws.flat;
+  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const PullHierSteps<T, kIsland> pull(ws, t, step);
+  const int ppr = a.packs_per_row;
+  auto each_pack = [&](auto f) {
+    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+#pragma unroll kUnroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < ppr) f(static_cast<long long>(row) * ppr + j);
+      }
+    }
+  };
+  auto owned = [&](auto f) {
+    each_pack([&](long long g) {
+      if (step.owner(g) == t.my_index) f(g);
+    });
+  };
+  // The owner adds its residual (replicated by tensor parallelism) to the total and rounds once (I2 remap).
+  auto finish = [&](long long g, Acc8 acc) {
+    accumulate<T>(acc, a.residual[g]);
+    const uint4 v = remap_half_pack(round_pack<T>(acc));
+    a.out[g] = v;
+    pull.store_result(g, v);
+  };
+
+  pull.scatter([&](auto emit) { each_pack([&](long long g) { emit(g, remap_half_pack(a.inp[g])); }); });
+  if (t.num_islands > 1) {
+    pull.exchange_partials([&]() { owned([&](long long g) { pull.store_partial(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
+    pull.gather([&]() { owned([&](long long g) { finish(g, pull.total(g)); }); });
+  } else {
+    pull.gather([&]() { owned([&](long long g) { finish(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
+  }
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    float squares = 0.f;
+#pragma unroll kUnroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        uint4 v;
+        if (step.owner(g) != t.my_index) {
+          v = pull.load_result(g);
+          a.out[g] = v;
+        } else {
+          v = a.out[g];  // this thread's own store
+        }
+        squares += sum_of_squares<T>(v);
+      }
+    }
+    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
+#pragma unroll kUnroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) {
+        const long long g = static_cast<long long>(row) * ppr + j;
+        a.norm_out[g] = scale_pack<T>(a.out[g], a.weight[j], inv_rms);
+      }
+    }
+  }
+  finish_call(ws, step.seq);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Launch: grid <= SM count (I8), optional programmatic dependent launch.
 // ---------------------------------------------------------------------------------------------------------
@@ -663,10 +737,27 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int blocks, int threads
 
 int round_up_32(long long n) { return static_cast<int>(((n + 31) / 32) * 32); }
 
-template <typename T, int kWorld>
-cudaError_t launch_oneshot_plain(const WorkspaceView& ws, const CallArgs& a, int blocks, int threads,
-                                 const LaunchShape& shape, cudaStream_t stream) {
-  return launch_kernel(oneshot_all_reduce_kernel<T, kWorld>, blocks, threads, shape, stream, ws, a);
+// The transport as a compile-time constant: f(std::integral_constant<int, kT>) for shape.transport.
+template <typename F>
+cudaError_t with_transport(int transport, F f) {
+  switch (transport) {
+    case kTransportPush: return f(std::integral_constant<int, kTransportPush>{});
+    case kTransportStaged: return f(std::integral_constant<int, kTransportStaged>{});
+    case kTransportPull: return f(std::integral_constant<int, kTransportPull>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The world size as a compile-time constant.
+template <typename F>
+cudaError_t with_world(int world, F f) {
+  switch (world) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 template <typename T>
@@ -675,58 +766,65 @@ cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArg
   const int threads = static_cast<int>(std::min<long long>(std::min(shape.threads, kPlainMaxThreads), round_up_32(a.num_packs)));
   const long long wanted = (a.num_packs + threads - 1) / threads;
   const int blocks = static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, shape.max_blocks)));
-  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks (only that is built)
+  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: push, bf16, 8 ranks (only that is built)
     if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-      if (ws.world == 8) return launch_kernel(oneshot_all_reduce_kernel<T, 8, true>, blocks, threads, shape, stream, ws, a);
+      if (ws.world == 8 && shape.transport == kTransportPush)
+        return launch_kernel(oneshot_all_reduce_serial_poll_kernel<T, 8>, blocks, threads, shape, stream, ws, a);
     }
     return cudaErrorInvalidValue;
   }
-  if (variant != Variant::kOneShot) {
-    const bool islands = variant == Variant::kIsland;
-    switch ((islands ? ws.islands : ws.flat).island_size) {
-      case 1: return launch_kernel(hier_all_reduce_kernel<T, 1>, blocks, threads, shape, stream, ws, a, islands);
-      case 2: return launch_kernel(hier_all_reduce_kernel<T, 2>, blocks, threads, shape, stream, ws, a, islands);
-      case 4: return launch_kernel(hier_all_reduce_kernel<T, 4>, blocks, threads, shape, stream, ws, a, islands);
-      case 8: return launch_kernel(hier_all_reduce_kernel<T, 8>, blocks, threads, shape, stream, ws, a, islands);
-      default: return cudaErrorInvalidValue;
+  return with_transport(shape.transport, [&](auto transport) -> cudaError_t {
+    constexpr int kT = decltype(transport)::value;
+    if (variant != Variant::kOneShot) {
+      const bool islands = variant == Variant::kIsland;
+      return with_world((islands ? ws.islands : ws.flat).island_size, [&](auto island) -> cudaError_t {
+        constexpr int kIsland = decltype(island)::value;
+        if constexpr (kT == kTransportPull) {
+          return launch_kernel(hier_pull_all_reduce_kernel<T, kIsland>, blocks, threads, shape, stream, ws, a, islands);
+        } else {
+          return launch_kernel(hier_all_reduce_kernel<T, kIsland, kT>, blocks, threads, shape, stream, ws, a, islands);
+        }
+      });
     }
-  }
-  switch (ws.world) {
-    case 1: return launch_oneshot_plain<T, 1>(ws, a, blocks, threads, shape, stream);
-    case 2: return launch_oneshot_plain<T, 2>(ws, a, blocks, threads, shape, stream);
-    case 4: return launch_oneshot_plain<T, 4>(ws, a, blocks, threads, shape, stream);
-    case 8: return launch_oneshot_plain<T, 8>(ws, a, blocks, threads, shape, stream);
-    default: return cudaErrorInvalidValue;
-  }
+    return with_world(ws.world, [&](auto world) {
+      return launch_kernel(oneshot_all_reduce_kernel<T, decltype(world)::value, kT>, blocks, threads, shape, stream, ws,
+                           a);
+    });
+  });
 }
 
 template <typename T, int kPacks>
 cudaError_t launch_oneshot_fused(const WorkspaceView& ws, const CallArgs& a, int blocks, int threads,
                                  const LaunchShape& shape, cudaStream_t stream) {
-  switch (ws.world) {
-    case 1: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 1, kPacks>, blocks, threads, shape, stream, ws, a);
-    case 2: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 2, kPacks>, blocks, threads, shape, stream, ws, a);
-    case 4: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 4, kPacks>, blocks, threads, shape, stream, ws, a);
-    case 8: return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, kPacks>, blocks, threads, shape, stream, ws, a);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_transport(shape.transport, [&](auto transport) {
+    return with_world(ws.world, [&](auto world) {
+      return launch_kernel(oneshot_add_rmsnorm_kernel<T, decltype(world)::value, kPacks, decltype(transport)::value>,
+                           blocks, threads, shape, stream, ws, a);
+    });
+  });
 }
 
 template <typename T, int kPacks>
 cudaError_t launch_hier_fused(const WorkspaceView& ws, bool islands, const CallArgs& a, int blocks, int threads,
                               const LaunchShape& shape, cudaStream_t stream) {
-  switch ((islands ? ws.islands : ws.flat).island_size) {
-    case 1: return launch_kernel(hier_add_rmsnorm_kernel<T, 1, kPacks>, blocks, threads, shape, stream, ws, a, islands);
-    case 2: return launch_kernel(hier_add_rmsnorm_kernel<T, 2, kPacks>, blocks, threads, shape, stream, ws, a, islands);
-    case 4: return launch_kernel(hier_add_rmsnorm_kernel<T, 4, kPacks>, blocks, threads, shape, stream, ws, a, islands);
-    case 8: return launch_kernel(hier_add_rmsnorm_kernel<T, 8, kPacks>, blocks, threads, shape, stream, ws, a, islands);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_transport(shape.transport, [&](auto transport) {
+    constexpr int kT = decltype(transport)::value;
+    return with_world((islands ? ws.islands : ws.flat).island_size, [&](auto island) -> cudaError_t {
+      constexpr int kIsland = decltype(island)::value;
+      if constexpr (kT == kTransportPull) {
+        return launch_kernel(hier_pull_add_rmsnorm_kernel<T, kIsland, kPacks>, blocks, threads, shape, stream, ws, a,
+                             islands);
+      } else {
+        return launch_kernel(hier_add_rmsnorm_kernel<T, kIsland, kPacks, kT>, blocks, threads, shape, stream, ws, a,
+                             islands);
+      }
+    });
+  });
 }
 
 // Cluster launch of the split fused kernel: grid = clusters x kCluster, clusters capped by I8 at what every GPU of the
 // group can hold at once (shape.cluster_capacity, agreed at construction) and at the SM budget.
-template <typename T, int kWorld, int kCluster>
+template <typename T, int kWorld, int kCluster, int kT>
 cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, int threads, const LaunchShape& shape,
                                   cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
@@ -744,20 +842,19 @@ cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, in
   const int budget = std::min(shape.cluster_capacity[kCluster], shape.max_blocks / kCluster);
   if (budget < 1) return cudaErrorInvalidConfiguration;
   config.gridDim = dim3(std::min(a.rows, budget) * kCluster);
-  return cudaLaunchKernelEx(&config, oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster>, ws, a);
+  return cudaLaunchKernelEx(&config, oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster, kT>, ws, a);
 }
 
 template <typename T, int kCluster>
 cudaError_t launch_cluster(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape,
                            cudaStream_t stream) {
   const int threads = round_up_32(packs_per_part(a.packs_per_row, kCluster));
-  switch (ws.world) {
-    case 1: return launch_cluster_kernel<T, 1, kCluster>(ws, a, threads, shape, stream);
-    case 2: return launch_cluster_kernel<T, 2, kCluster>(ws, a, threads, shape, stream);
-    case 4: return launch_cluster_kernel<T, 4, kCluster>(ws, a, threads, shape, stream);
-    case 8: return launch_cluster_kernel<T, 8, kCluster>(ws, a, threads, shape, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_transport(shape.transport, [&](auto transport) {
+    return with_world(ws.world, [&](auto world) {
+      return launch_cluster_kernel<T, decltype(world)::value, kCluster, decltype(transport)::value>(ws, a, threads,
+                                                                                                   shape, stream);
+    });
+  });
 }
 
 // The cluster kernel's bits without a cluster: one CTA per row (see oneshot_add_rmsnorm_grouped_kernel).
@@ -766,13 +863,13 @@ cudaError_t launch_grouped(const WorkspaceView& ws, const CallArgs& a, const Lau
   const int threads = kGroups * round_up_32(packs_per_part(a.packs_per_row, kGroups));
   if (threads > 1024) return cudaErrorInvalidValue;
   const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
-  switch (ws.world) {
-    case 1: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 1, kGroups>, blocks, threads, shape, stream, ws, a);
-    case 2: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 2, kGroups>, blocks, threads, shape, stream, ws, a);
-    case 4: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 4, kGroups>, blocks, threads, shape, stream, ws, a);
-    case 8: return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, 8, kGroups>, blocks, threads, shape, stream, ws, a);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_transport(shape.transport, [&](auto transport) {
+    return with_world(ws.world, [&](auto world) {
+      return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, decltype(world)::value, kGroups,
+                                                              decltype(transport)::value>,
+                           blocks, threads, shape, stream, ws, a);
+    });
+  });
 }
 
 template <int kCluster>
@@ -789,14 +886,14 @@ cudaError_t cluster_capacity_of(int world, bool fp16, int threads, int* clusters
   config.numAttrs = 1;
   auto query = [&](auto kernel) { return cudaOccupancyMaxActiveClusters(clusters, kernel, &config); };
   switch (world) {
-    case 1: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 1, kCluster>)
-                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 1, kCluster>);
-    case 2: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 2, kCluster>)
-                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 2, kCluster>);
-    case 4: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 4, kCluster>)
-                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 4, kCluster>);
-    case 8: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 8, kCluster>)
-                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 8, kCluster>);
+    case 1: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 1, kCluster, kTransportPush>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 1, kCluster, kTransportPush>);
+    case 2: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 2, kCluster, kTransportPush>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 2, kCluster, kTransportPush>);
+    case 4: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 4, kCluster, kTransportPush>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 4, kCluster, kTransportPush>);
+    case 8: return fp16 ? query(oneshot_add_rmsnorm_cluster_kernel<__half, 8, kCluster, kTransportPush>)
+                        : query(oneshot_add_rmsnorm_cluster_kernel<__nv_bfloat16, 8, kCluster, kTransportPush>);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -869,8 +966,9 @@ cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArg
       const int threads = round_up_32(a.packs_per_row);
       if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks (only that is built)
         if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-          if (ws.world == 8)
-            return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, true>, blocks, threads, shape, stream, ws, a);
+          if (ws.world == 8 && shape.transport == kTransportPush)
+            return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, kTransportPush, true>, blocks, threads, shape,
+                                 stream, ws, a);
         }
         return cudaErrorInvalidValue;
       }

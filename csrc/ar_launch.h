@@ -25,6 +25,7 @@ struct LaunchShape {
   bool pdl;        // launch with programmatic stream serialization
   int cluster = 0;  // fused one-shot: CTAs per row (1, 2, 4, 8); 0 = fused_cluster_size's choice
   int cluster_mask = 0;  // bit c set: clusters of c CTAs may be launched; else the grouped one-CTA kernel runs
+  int transport = kTransportPush;  // ar_types.h Transport: how the call's data travels
   int cluster_capacity[9] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
 };
 
@@ -123,6 +124,9 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
 // Loopback: write a ready pattern over this rank's whole scratch on `stream`, so every peer pack reads as
 // arrived (the calls empty what they read, so the benchmark refills before each call).
 std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream);
+// Tests and benchmarks: the workspaces of ranks 0..world-1, all in this process on one device, see each other's
+// slabs directly (no IPC): one process runs the whole group, its ranks' kernels concurrently (issue 17).
+std::string workspace_link_local(Workspace** group, int world);
 // kHost: removes the shared buffer's name once every rank has mapped it (the memory stays until all unmap).
 std::string workspace_unlink_shared(Workspace* ws);
 std::string workspace_ipc_handle(const Workspace* ws, cudaIpcMemHandle_t* handle);

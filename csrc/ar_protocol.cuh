@@ -289,7 +289,57 @@ __device__ __forceinline__ int parity_of(unsigned long long seq) {
 // bases[] hold slabs in device memory (CUDA IPC) or, with no P2P, slabs inside one shared host buffer
 // (view.host_memory): the layout and every invariant above are the same for both.
 __device__ __forceinline__ char* region_of(const WorkspaceView& ws, int rank, int parity) {
-  return ws.bases[rank] + kCtrlBytes + static_cast<long long>(parity) * ws.region_bytes;
+  return ws.bases[rank] + kRegionsOffset + static_cast<long long>(parity) * ws.region_bytes;
+}
+
+// The pull area of `rank` (transports/pull.cuh): written by that rank only, read by its peers.
+__device__ __forceinline__ char* pull_area_of(const WorkspaceView& ws, int rank, int parity) {
+  return ws.bases[rank] + ws.pull_offset + static_cast<long long>(parity) * ws.pull_region_bytes;
+}
+
+// The flag that `source` writes into `rank`'s slab for `phase` and CTA index `cta` (ar_types.h, slab layout).
+__device__ __forceinline__ unsigned long long* flag_of(const WorkspaceView& ws, int rank, int phase, int source,
+                                                       int cta) {
+  return reinterpret_cast<unsigned long long*>(ws.bases[rank] + kCtrlBytes) +
+         ((static_cast<long long>(phase) * kMaxWorld + source) * kMaxCounters + cta);
+}
+
+__device__ __forceinline__ void store_flag_release(unsigned long long* flag, unsigned long long value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ void store_flag_relaxed(unsigned long long* flag, unsigned long long value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long load_flag_acquire(const unsigned long long* flag) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned long long load_flag_relaxed(const unsigned long long* flag) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+// Spin until our own flag from `peer` holds at least `target` (the call counter the peer publishes, transports/
+// pull.cuh P3), bounded by I7 and reported by I9 like every wait. kAcquire: the load that sees it is an acquire, so
+// the data the peer released before it is visible to this thread, and after a CTA barrier to the whole CTA.
+// Returns false when the wait gave up (I7, exit mode).
+template <bool kAcquire>
+__device__ __forceinline__ bool wait_for_flag(const WorkspaceView& ws, const unsigned long long* flag,
+                                              unsigned long long target, int peer, int phase, unsigned long long seq) {
+  auto load = [&]() { return kAcquire ? load_flag_acquire(flag) : load_flag_relaxed(flag); };
+  if (load() >= target) return true;
+  const long long start = static_cast<long long>(global_timer_ns());
+  unsigned int spins = 0;
+  while (true) {
+    poll_backoff(ws, spins + 1u);
+    if (load() >= target) return true;
+    if ((++spins & 255u) == 0u && wait_must_end(ws, start, peer, phase, seq)) return false;
+  }
 }
 
 // Every thread reads its CTA's seq slot itself at entry (I5): no shared memory and no barrier before the

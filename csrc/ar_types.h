@@ -33,6 +33,22 @@ struct Ctrl {
 };
 static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 
+// How the data of a call travels (sgl_kernel_sm120/variants.py Transport mirrors it; values are append-only):
+// push: every rank stores its packs into its peers' scratch at once (csrc/ar_kernels.cu, ar_protocol.cuh I1-I13);
+// staged: the same stores in W-1 permutation passes, one destination per pass, paced by flags
+// (transports/staged_push.cuh); pull: every rank stores into its own slab and the peers load from it, readiness
+// by flags (transports/pull.cuh).
+enum Transport : int { kTransportPush = 0, kTransportStaged = 1, kTransportPull = 2 };
+
+// Slab layout, every rank alike: [Ctrl][flags][push region, parity 0][parity 1][pull area, parity 0][parity 1].
+// Flags: one 64-bit word per (phase, source rank, CTA index), written by the source (remote store) and read by
+// the slab's owner only; a word holds the call counter (seq + 1) of the latest call the source published in that
+// phase, so it only grows and never needs resetting (transports/pull.cuh P3).
+enum FlagPhase : int { kFlagOneShot = 0, kFlagReduceScatter = 1, kFlagCrossIsland = 2, kFlagAllGather = 3 };
+constexpr int kFlagPhases = 4;
+constexpr long long kFlagBytes = static_cast<long long>(kFlagPhases) * kMaxWorld * kMaxCounters * 8;  // 64 KiB
+constexpr long long kRegionsOffset = kCtrlBytes + kFlagBytes;
+
 // Host-mapped (cudaHostAllocMapped) so the CPU can read it after the kernel traps and the context is gone.
 struct ErrorRecord {
   int flag;  // 1 once written
@@ -83,9 +99,12 @@ struct WorkspaceView {
   char* bases[kMaxWorld];  // slab base of each rank, mapped into this process (own slab included)
   int rank;
   int world;
-  long long region_bytes;      // bytes of one parity region
+  long long region_bytes;      // bytes of one parity region (push)
   long long oneshot_slot_bytes;  // one-shot: one slot per sender, max payload each
   long long chunk_slot_bytes;    // hierarchical: one slot per sender, one owner's share of the max payload
+  long long pull_offset;         // slab offset of the pull areas (after both push regions)
+  long long pull_region_bytes;   // one parity's pull area: [input copy: max payload][partial: 2 chunks][result: chunk]
+  long long pull_input_bytes;    // the input copy's bytes (the largest payload)
   Ctrl* ctrl;
   ErrorRecord* error;  // device pointer of the host-mapped record
   SlowRecord* slow;    // device pointer of the host-mapped slow-wait report (I9)

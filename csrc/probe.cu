@@ -1,4 +1,5 @@
 // The data-path probe, run once when a workspace is created, before its first call.
+// Its places cover every area a transport writes or reads remotely: push's slots, pull's areas and the flags.
 //
 // cudaDeviceCanAccessPeer says what the driver allows, not what the PCIe fabric delivers: with ACS redirection
 // on a switch or a translating IOMMU, peer writes can be dropped or land elsewhere while the capability still
@@ -24,29 +25,58 @@
 namespace sgl_sm120 {
 namespace {
 
-// The rounds of one parity region: one-shot slots, then the chunk blocks W at a time, then the region's end.
+// The rounds of one parity: one-shot slots, then the chunk blocks W at a time, then the push region's end, the
+// pull area's ends (transports/pull.cuh), and the flag area's ends (its flags are parity-free; probed with each
+// parity alike).
 __host__ __device__ __forceinline__ long long chunk_blocks(const WorkspaceView& v) {
   return v.chunk_slot_bytes > 0 ? v.region_bytes / v.chunk_slot_bytes : 0;
 }
 __host__ __device__ __forceinline__ int chunk_rounds(const WorkspaceView& v) {
   return static_cast<int>((chunk_blocks(v) + v.world - 1) / v.world);
 }
-__host__ __device__ __forceinline__ int rounds_per_parity(const WorkspaceView& v) { return 2 + chunk_rounds(v); }
+__host__ __device__ __forceinline__ int rounds_per_parity(const WorkspaceView& v) { return 4 + chunk_rounds(v); }
 
-// The byte offset (in a parity region) of place `which` (0: first, 1: last) that `sender` writes in `round`, or -1.
-__host__ __device__ __forceinline__ long long probe_place(const WorkspaceView& v, int round, int sender, int which) {
+// The round's kind within its parity.
+enum ProbeArea : int { kAreaOneShot, kAreaChunks, kAreaRegionEnd, kAreaPull, kAreaFlags };
+__host__ __device__ __forceinline__ int area_of(const WorkspaceView& v, int round) {
   const int k = round % rounds_per_parity(v);
+  if (k == 0) return kAreaOneShot;
+  if (k <= chunk_rounds(v)) return kAreaChunks;
+  return kAreaRegionEnd + (k - 1 - chunk_rounds(v));
+}
+
+// The slab offset of place `which` (0: first, 1: last) that `sender` writes in `round`, or -1. Different senders'
+// places never overlap within a round.
+__host__ __device__ __forceinline__ long long probe_place(const WorkspaceView& v, int round, int sender, int which) {
+  const int per = rounds_per_parity(v);
+  const int parity = round / per;
+  const long long region = kRegionsOffset + parity * v.region_bytes;
   long long first, last;
-  if (k == 0) {
-    first = sender * v.oneshot_slot_bytes;
-    last = first + v.oneshot_slot_bytes - kPackBytes;
-  } else if (k <= chunk_rounds(v)) {
-    const long long block = static_cast<long long>(k - 1) * v.world + sender;
-    if (block >= chunk_blocks(v)) return -1;
-    first = block * v.chunk_slot_bytes;
-    last = first + v.chunk_slot_bytes - kPackBytes;
-  } else {
-    first = last = v.region_bytes - static_cast<long long>(sender + 1) * kPackBytes;
+  switch (area_of(v, round)) {
+    case kAreaOneShot:
+      first = region + sender * v.oneshot_slot_bytes;
+      last = first + v.oneshot_slot_bytes - kPackBytes;
+      break;
+    case kAreaChunks: {
+      const long long block = static_cast<long long>(round % per - 1) * v.world + sender;
+      if (block >= chunk_blocks(v)) return -1;
+      first = region + block * v.chunk_slot_bytes;
+      last = first + v.chunk_slot_bytes - kPackBytes;
+      break;
+    }
+    case kAreaRegionEnd:
+      first = last = region + v.region_bytes - static_cast<long long>(sender + 1) * kPackBytes;
+      break;
+    case kAreaPull: {
+      const long long pull = v.pull_offset + parity * v.pull_region_bytes;
+      first = pull + sender * kPackBytes;
+      last = pull + v.pull_region_bytes - static_cast<long long>(sender + 1) * kPackBytes;
+      break;
+    }
+    default:  // kAreaFlags
+      first = kCtrlBytes + sender * kPackBytes;
+      last = kCtrlBytes + kFlagBytes - static_cast<long long>(sender + 1) * kPackBytes;
+      break;
   }
   if (which == 1 && last == first) return -1;
   return which == 0 ? first : last;
@@ -67,27 +97,30 @@ __global__ void probe_kernel(WorkspaceView ws, int round, int drop_peer, long lo
   const int peer = static_cast<int>(threadIdx.x) >> 1;
   const int which = static_cast<int>(threadIdx.x) & 1;
   if (peer >= ws.world || peer == ws.rank) return;
-  const int parity = round / rounds_per_parity(ws);
   const long long send_at = probe_place(ws, round, ws.rank, which);
   if (send_at >= 0 && peer != drop_peer)
-    store_volatile(region_of(ws, peer, parity) + send_at, probe_pattern(ws.rank, peer, round, which));
+    store_volatile(ws.bases[peer] + send_at, probe_pattern(ws.rank, peer, round, which));
   __threadfence_system();
   const long long receive_at = probe_place(ws, round, peer, which);
+  // Scratch starts empty (I1) and flags start at 0 (P3): a place has "landed" once it is no longer that, and is
+  // left so again.
+  const bool flags = area_of(ws, round) == kAreaFlags;
   int outcome = kProbeOk;
   if (receive_at >= 0) {
-    char* mine = region_of(ws, ws.rank, parity) + receive_at;
+    char* mine = ws.bases[ws.rank] + receive_at;
     const uint4 expect = probe_pattern(peer, ws.rank, round, which);
     const long long start = static_cast<long long>(global_timer_ns());
     outcome = kProbeMissing;
     while (static_cast<long long>(global_timer_ns()) - start <= timeout_ns) {
       const uint4 v = load_volatile(mine);
-      if (!half_pack_has_empty(v)) {  // I3: every lane has landed
+      const bool landed = flags ? (v.x | v.y | v.z | v.w) != 0u : !half_pack_has_empty(v);  // I3 per lane
+      if (landed) {
         const bool same = v.x == expect.x && v.y == expect.y && v.z == expect.z && v.w == expect.w;
         outcome = same ? kProbeOk : kProbeWrong;
         break;
       }
     }
-    store_volatile(mine, empty_pack());  // I4
+    store_volatile(mine, flags ? make_uint4(0u, 0u, 0u, 0u) : empty_pack());  // I4 / P3
     __threadfence_system();
   }
   if (outcome != kProbeOk) atomicMax(&outcomes[peer], outcome);
@@ -101,15 +134,18 @@ std::string probe_round_name(const WorkspaceView& view, int round) {
   const int per = rounds_per_parity(view);
   const int k = round % per;
   std::string where;
-  if (k == 0) {
-    where = "the one-shot slots (first and last pack)";
-  } else if (k <= chunk_rounds(view)) {
-    const long long first = static_cast<long long>(k - 1) * view.world;
-    const long long last = std::min<long long>(first + view.world, chunk_blocks(view)) - 1;
-    where = "chunk blocks " + std::to_string(first) + "-" + std::to_string(last) + " of " +
-            std::to_string(chunk_blocks(view)) + " (first and last pack)";
-  } else {
-    where = "the end of the region";
+  switch (area_of(view, round)) {
+    case kAreaOneShot: where = "the one-shot slots (first and last pack)"; break;
+    case kAreaChunks: {
+      const long long first = static_cast<long long>(k - 1) * view.world;
+      const long long last = std::min<long long>(first + view.world, chunk_blocks(view)) - 1;
+      where = "chunk blocks " + std::to_string(first) + "-" + std::to_string(last) + " of " +
+              std::to_string(chunk_blocks(view)) + " (first and last pack)";
+      break;
+    }
+    case kAreaRegionEnd: where = "the end of the region"; break;
+    case kAreaPull: where = "the pull area (both ends)"; break;
+    default: where = "the flags (both ends)"; break;
   }
   return "parity " + std::to_string(round / per) + ", " + where;
 }

@@ -84,6 +84,15 @@ void ws_unlink_shared(int64_t handle) { check_ok(workspace_unlink_shared(as_work
 
 void ws_register_shared(int64_t handle) { check_ok(workspace_register_shared(as_workspace(handle))); }
 
+// Tests and benchmarks: link the workspaces of ranks 0..W-1 created in this process (see workspace_link_local).
+void ws_link_local(std::vector<int64_t> handles) {
+  TORCH_CHECK(handles.size() == 1 || handles.size() == 2 || handles.size() == 4 || handles.size() == 8,
+              "a local group has 1, 2, 4 or 8 workspaces");
+  std::vector<Workspace*> group;
+  for (int64_t h : handles) group.push_back(as_workspace(h));
+  check_ok(workspace_link_local(group.data(), static_cast<int>(group.size())));
+}
+
 // Bytes of the shared host-memory buffer (every rank's slab) for these arguments: pure arithmetic, no GPU needed.
 int64_t host_shared_bytes_for(int64_t world, int64_t max_numel, int64_t oneshot_max_numel) {
   TORCH_CHECK(world == 1 || world == 2 || world == 4 || world == 8, "world must be 1, 2, 4 or 8");
@@ -259,16 +268,19 @@ void check_fits(const Workspace* ws, int64_t numel, Variant v) {
 }
 
 // The call's launch shape from the group-agreed limits (identical on every rank, so is the grid).
-LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster) {
+LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster, int64_t transport) {
+  TORCH_CHECK(transport == kTransportPush || transport == kTransportStaged || transport == kTransportPull,
+              "unknown transport ", transport, " (0 push, 1 staged, 2 pull)");
   LaunchShape shape{threads, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->limits.sm_budget))),
                     pdl, cluster};
+  shape.transport = static_cast<int>(transport);
   shape.cluster_mask = ws->limits.cluster_mask;
   for (int c = 0; c < 9; ++c) shape.cluster_capacity[c] = ws->limits.cluster_capacity[c];
   return shape;
 }
 
 void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
-                int64_t max_blocks, bool pdl) {
+                int64_t max_blocks, bool pdl, int64_t transport) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   check_io(ws, inp, inp, "inp");
@@ -279,7 +291,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   const Variant v = variant_of(ws, variant);
   check_fits(ws, inp.numel(), v);
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0);
+  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0, transport);
   const cudaError_t err = launch_all_reduce(ws->view, v, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
                                             c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
@@ -287,7 +299,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
 
 void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster) {
+                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster, int64_t transport) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
@@ -309,7 +321,7 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   const c10::cuda::CUDAGuard guard(ws->device);
   TORCH_CHECK(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
               "cluster must be 0 (automatic), 1, 2, 4 or 8");
-  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster));
+  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster), transport);
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, v, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
@@ -329,6 +341,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
       "str shared_dir, str shared_name, bool shared_create) -> int",
       &ws_create);
   m.def("ws_register_shared(int ws) -> ()", &ws_register_shared);
+  m.def("ws_link_local(int[] handles) -> ()", &ws_link_local);
   m.def("host_shared_bytes_for(int world, int max_numel, int oneshot_max_numel) -> int", &host_shared_bytes_for);
   m.def("ws_host_numa(int ws) -> int[]", &ws_host_numa);
   m.def("cluster_capacity_for(int device, int world) -> int[]", &cluster_capacity_for);
@@ -354,11 +367,14 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_sequence(int ws) -> int", &ws_sequence);
   m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
-  m.def("all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl) -> ()",
-        &all_reduce);
+  m.def(
+      "all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl, "
+      "int transport) -> ()",
+      &all_reduce);
   m.def(
       "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl, int cluster) -> ()",
+      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl, int cluster, "
+      "int transport) -> ()",
       &all_reduce_add_rmsnorm);
 }
 

@@ -59,8 +59,11 @@ __global__ void fill_ready_kernel(uint32_t* p, long long words) {
 struct ScratchSizes {
   long long oneshot_slot;
   long long chunk_slot;
-  long long region;  // one parity region
-  long long slab;    // Ctrl head + both parity regions, a whole number of pages (kHost: each rank binds its own)
+  long long region;       // one parity region (push)
+  long long pull_input;   // pull: the input copy (the largest payload)
+  long long pull_region;  // pull: one parity's area, [input copy][partial: 2 chunks][result: chunk]
+  long long slab;         // Ctrl + flags + both push regions + both pull areas, a whole number of pages (kHost:
+                          // each rank binds its own)
 };
 
 ScratchSizes scratch_sizes(int world, long long max_numel, long long oneshot_max_numel, const Topology& flat,
@@ -85,7 +88,9 @@ ScratchSizes scratch_sizes(int world, long long max_numel, long long oneshot_max
   const long long oneshot_region = static_cast<long long>(world) * z.oneshot_slot;
   const long long hier_region = (2ll * world + 2ll * max_groups) * z.chunk_slot;  // RS + AG + XS, worst case
   z.region = (std::max(oneshot_region, hier_region) + 255) / 256 * 256;
-  z.slab = (kCtrlBytes + 2 * z.region + 4095) / 4096 * 4096;
+  z.pull_input = (max_packs * kPackBytes + 255) / 256 * 256;
+  z.pull_region = z.pull_input + 3 * z.chunk_slot;
+  z.slab = (kRegionsOffset + 2 * z.region + 2 * z.pull_region + 4095) / 4096 * 4096;
   return z;
 }
 
@@ -185,9 +190,11 @@ std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
            " has " + (free_bytes >= 0 ? mebibytes(free_bytes) : std::string("an unknown amount")) +
            " free, the workspace needs " + need + "; " + kShmAdvice;
   }
-  // I1 for this rank's slab, before any rank can use the workspace (the host agrees every rank's outcome first).
+  // I1 for this rank's slab, before any rank can use the workspace (the host agrees every rank's outcome first);
+  // its flags start at 0 (transports/pull.cuh P3).
   uint32_t* words = reinterpret_cast<uint32_t*>(ws->shared + own);
   std::fill(words, words + ws->slab_bytes / 4, kEmptyWord);
+  std::memset(ws->shared + own + kCtrlBytes, 0, kFlagBytes);
   return "";
 }
 
@@ -250,9 +257,10 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
     if (err != cudaSuccess) {
       failure = cuda_failure("cudaMalloc of the IPC slab", err);
     } else {
-      fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes),
-                                      (ws->slab_bytes - kCtrlBytes) / 4);
+      fill_empty_kernel<<<256, 256>>>(reinterpret_cast<uint32_t*>(ws->local + kRegionsOffset),
+                                      (ws->slab_bytes - kRegionsOffset) / 4);
       err = cudaGetLastError();
+      if (err == cudaSuccess) err = cudaMemset(ws->local + kCtrlBytes, 0, kFlagBytes);  // flags start at 0 (P3)
       if (err != cudaSuccess) failure = cuda_failure("filling the IPC slab", err);
       ws->view.bases[cfg.rank] = ws->local;
     }
@@ -273,6 +281,9 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   v.region_bytes = z.region;
   v.oneshot_slot_bytes = z.oneshot_slot;
   v.chunk_slot_bytes = z.chunk_slot;
+  v.pull_offset = kRegionsOffset + 2 * z.region;
+  v.pull_region_bytes = z.pull_region;
+  v.pull_input_bytes = z.pull_input;
   v.timeout_ns = cfg.timeout_ns;
   v.warn_ns = cfg.warn_ns;
   v.num_counters = std::min(ws->sm_count, kMaxCounters);
@@ -344,9 +355,27 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
 std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream) {
   if (!ws->loopback) return "refill is for loopback workspaces only";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
-  fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(ws->local + kCtrlBytes),
-                                             (ws->slab_bytes - kCtrlBytes) / 4);
+  // Everything after Ctrl, in our slab and the stand-in peers': every pack reads as arrived (push), every peer's
+  // pull copy holds 1.0 (pull), and every flag (0x3F80... as a call counter) as published.
+  for (int r = 0; r < ws->view.world; ++r) {
+    char* slab = r == 0 ? ws->local : ws->loopback_slabs[r];
+    fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(slab + kCtrlBytes),
+                                               (ws->slab_bytes - kCtrlBytes) / 4);
+  }
   SGL_RETURN_IF_CUDA("loopback refill launch", cudaGetLastError());
+  return "";
+}
+
+std::string workspace_link_local(Workspace** group, int world) {
+  for (int r = 0; r < world; ++r) {
+    Workspace* ws = group[r];
+    if (ws->memory != Memory::kDevice || ws->view.world != world || ws->view.rank != r)
+      return "a local group links device-memory workspaces of ranks 0..W-1 of one world, in rank order";
+    if (ws->device != group[0]->device || ws->slab_bytes != group[0]->slab_bytes)
+      return "a local group's workspaces must share a device and a size";
+  }
+  for (int r = 0; r < world; ++r)
+    for (int q = 0; q < world; ++q) group[r]->view.bases[q] = group[q]->local;
   return "";
 }
 
@@ -427,8 +456,9 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
   SGL_RETURN_IF_CUDA("cudaMalloc", cudaMalloc(&d_count, sizeof(unsigned long long)));
   cudaError_t err = cudaMemset(d_count, 0, sizeof(unsigned long long));
   if (err == cudaSuccess) {
-    count_dirty_kernel<<<256, 256>>>(reinterpret_cast<const uint32_t*>(ws->view.bases[ws->view.rank] + kCtrlBytes),
-                                     (ws->slab_bytes - kCtrlBytes) / 4, d_count);
+    // The push regions only: the pull areas carry no sentinels and the flags are counters (ar_types.h).
+    count_dirty_kernel<<<256, 256>>>(reinterpret_cast<const uint32_t*>(ws->view.bases[ws->view.rank] + kRegionsOffset),
+                                     2 * ws->view.region_bytes / 4, d_count);
     err = cudaGetLastError();
   }
   unsigned long long host = 0;

@@ -2,6 +2,8 @@
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
 #   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
 #   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
+#   transports: tests/gpu/test_transports.py (push / staged / pull, processes sharing the GPU and one process running
+#   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
 #   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
 #   junit: merge the stages' junit XML into $OUT/gpu_tests_<gpu>_tp<N>.xml (N: GPUs the ranks ran on)
 #   build also starts the negative-control builds in the background (tests/gpu/test_negative_controls.py), which
@@ -172,6 +174,9 @@ for stage in $stages; do
               while pgrep -f "tests.gpu.test_negative_controls" > /dev/null; do sleep 2; done  # the background builds
               step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \
               --junitxml="$WORK/results/junit-negative.xml" ;;
+    transports) step transport-tests $PY -m pytest -m gpu -v tests/gpu/test_transports.py \
+              --junitxml="$WORK/results/junit-transports.xml" ;;
+    bench-transports) step bench-transports $PY -m benchmarks.bench_transports --out "$WORK/results" ;;
     trapdiag) step trap-diagnosis $PY scripts/diagnose_trap_delivery.py --world 8 --abort-after 5 \
               --out "$WORK/results/trap_delivery_${GPU_TAG}_w8.json" ;;
     junit) step junit $PY scripts/merge_junit.py "$OUT/gpu_tests_${GPU_TAG}_tp${NGPU}.xml" $WORK/results/junit-*.xml ;;

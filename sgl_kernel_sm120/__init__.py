@@ -14,7 +14,7 @@ from .errors import (
 )
 from .ipc_allreduce import IpcAllReduce
 from .reference import reference_add_rmsnorm, reference_all_reduce, reference_all_reduce_add_rmsnorm
-from .variants import Link, Variant, choose_variant, describe_schedule
+from .variants import Link, Transport, Variant, choose_transport, choose_variant, describe_schedule
 
 __all__ = [
     "IpcAllReduce",
@@ -24,7 +24,9 @@ __all__ = [
     "IpcAllReduceTimeoutError",
     "KernelsNotBuiltError",
     "Link",
+    "Transport",
     "Variant",
+    "choose_transport",
     "choose_variant",
     "describe_schedule",
     "kernels_available",

@@ -177,7 +177,7 @@ def _child(device_index: int, debug: str) -> dict:
                         ops.ws_set_launch_limits(handle, sm_budget, caps)
                         norm, res = torch.empty_like(x), torch.empty_like(x)
                         ops.all_reduce_add_rmsnorm(handle, x, residual, weight, 1e-6, norm, res, 0, sm_budget, False,
-                                                   cluster)
+                                                   cluster, 0)
                         torch.cuda.synchronize()
                         outs[launch] = (norm.view(torch.int16).clone(), res.view(torch.int16).clone())
                     same = all(torch.equal(a, b) for a, b in zip(outs["cluster"], outs["grouped"], strict=True))

@@ -37,7 +37,17 @@ from .errors import (
     IpcAllReduceTimeoutError,
 )
 from .link import local_gpu_has_nvlink
-from .variants import Link, Variant, choose_variant, oneshot_max_bytes, placement, validate_islands
+from .variants import (
+    STAGED_MAX_CTAS,
+    Link,
+    Transport,
+    Variant,
+    choose_transport,
+    choose_variant,
+    oneshot_max_bytes,
+    placement,
+    validate_islands,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +214,7 @@ class IpcAllReduce:
         timeout_s: float | None = None,
         warn_after_s: float | None = None,
         on_timeout: str = "trap",
+        transport: str = "auto",
     ):
         """memory="device": each rank's scratch in its GPU, reached by peers over CUDA IPC/P2P (NVLink or PCIe).
         memory="host": no P2P needed (GeForce cards): the scratch of every rank in one shared file on a tmpfs
@@ -212,85 +223,26 @@ class IpcAllReduce:
         on_timeout (csrc/ar_protocol.cuh I7): "trap" (default) ends the CUDA context of a rank whose wait timed
         out, so no wrong result flows on; "exit" records the timeout, poisons the workspace (every later call
         does nothing and raises) and keeps the context usable: for tests and measurements, where the caller
-        checks synchronize()."""
+        checks synchronize().
+        transport: "push", "staged", "pull" (csrc/transports/), or "auto": choose_transport's choice per call (push
+        until the tuner measures); every call can also force one (`transport=`). Results are bit for bit the
+        same whichever transport runs."""
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        self.max_numel = int(max_numel)
-        self.dtype = dtype
-        self.memory = memory
-        self.timeout_s = (
-            float(timeout_s) if timeout_s is not None else _seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
-        )
-        self.warn_after_s = (
-            float(warn_after_s) if warn_after_s is not None else _seconds_from_env(WARN_ENV, DEFAULT_WARN_S)
-        )
-        self.threads: int | None = None  # plain kernels' CTA size; None: plain_threads(nbytes)
-        # Fused one-shot: CTAs per row (1, 2, 4, 8); None: the kernels' own rule (fused_cluster_size in
-        # csrc/ar_kernels.cu). Must be the same on every rank, like every argument of a call.
-        self.fused_cluster: int | None = None
-        # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
-        # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
-        self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
-        self.on_timeout = on_timeout
-        self.shm_dir = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
-        self.abort_after_s = _seconds_from_env(ABORT_AFTER_ENV, DEFAULT_ABORT_AFTER_S)
-        # The one-shot bound of this workspace (host memory: smaller at 4 and 8 ranks, see variants.py).
-        self.oneshot_max_numel = self.max_numel
-        # Fused one-shot with a row over a cluster: the sizes the group may launch, and why (issue 22).
-        self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
-        self.sm_budget = 0
-        self.probe_rounds = 0
-        self._handle = 0
-        self._record = None
-        self._slow = None
-        self._last_slow_call = 0
-        self._stop_watchdog = threading.Event()
-        self._watchdog = None
+        self._set_fields(dist.get_rank(group), dist.get_world_size(group), device, max_numel, dtype, memory,
+                         timeout_s, warn_after_s, on_timeout, transport)
 
         # Step 1: arguments, checked locally, then compared across ranks.
         error = None
         groups = None
         try:
-            if self.device.type != "cuda":
-                raise ValueError(f"device must be a CUDA device, got {self.device}")
-            if self.device.index is None:
-                _require_cuda()
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            if dtype not in SUPPORTED_DTYPES:
-                raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
-            if not 1 <= self.world_size <= 8 or self.world_size not in (1, 2, 4, 8):
-                raise ValueError(f"world size must be 1, 2, 4 or 8, got {self.world_size}")
-            if self.max_numel <= 0 or self.max_numel % 8:
-                raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel}")
-            if not 0 < self.timeout_s < 1e9:  # also rejects nan
-                raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
-            if not 0 < self.warn_after_s < 1e9:
-                raise ValueError(f"warn_after_s must be > 0 seconds, got {self.warn_after_s}")
-            if link not in ("auto", "nvlink", "pcie"):
-                raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
-            if memory not in MEMORY_KINDS:
-                raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
-            if on_timeout not in ON_TIMEOUT_MODES:
-                raise ValueError(f"on_timeout must be 'trap' or 'exit', got {on_timeout!r}")
-            if self.abort_after_s < 0:
-                raise ValueError(f"{ABORT_AFTER_ENV} must be >= 0 seconds (0: off), got {self.abort_after_s}")
-            if memory == "host":
-                limit = oneshot_max_bytes(self.world_size, Link.HOST) // 2 // 8 * 8
-                self.oneshot_max_numel = max(8, min(self.max_numel, limit))
-            groups = validate_islands(islands, self.world_size)
-            if memory == "host" and groups:
-                raise ValueError("islands need memory='device': through host memory every pair is one hop")
+            groups = self._check_arguments(max_numel, dtype, islands, link, memory, on_timeout, transport)
             probe_drop_target(self.rank)  # a malformed debug switch fails here, on every rank
-            _ext.ops()  # kernels built?
-            _require_cuda()  # and something to run them on (kernels_available() only says the library loads)
         except Exception as exc:  # every rank must learn about it: see _joint_check
             error = f"{type(exc).__name__}: {exc}"
         _joint_check(group, error, "argument check")
         signature = (
             self.world_size, self.max_numel, str(dtype), groups, link, memory, self.timeout_s, self.warn_after_s,
-            on_timeout, self.shm_dir if memory == "host" else "",
+            on_timeout, self.shm_dir if memory == "host" else "", transport,
         )
         signatures: list = [None] * self.world_size
         dist.all_gather_object(signatures, signature, group=group)
@@ -314,6 +266,152 @@ class IpcAllReduce:
             self._create_host_workspace(ops, groups)
         else:
             self._create_device_workspace(ops, groups)
+        self._start(ops)
+
+    @classmethod
+    def local_group(
+        cls,
+        device,
+        world_size: int,
+        max_numel: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        islands=None,
+        link: str = "pcie",
+        timeout_s: float = 30.0,
+        warn_after_s: float | None = None,
+        on_timeout: str = "exit",
+        transport: str = "auto",
+    ) -> list[IpcAllReduce]:
+        """Tests and benchmarks (issue 17): the whole group in THIS process, one workspace per rank on one GPU,
+        each seeing the others' slabs directly (no IPC, no process group). Launched together, on W streams or as
+        W parallel branches of one CUDA graph, the ranks' kernels run concurrently, which ranks in separate
+        processes sharing a GPU never do (they time-slice): a race in a protocol can show here. Co-residency:
+        each rank gets SMs // W of the SMs (and a W-th of the cluster capacity), so the W ranks' CTAs fit the
+        GPU at once; the mode refuses a world the GPU cannot hold so. The results are the same bits as in
+        separate processes. Close the group with close_local_group(); a workspace of it alone is not closable."""
+        ops = _ext.ops()
+        _require_cuda()
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        comms = []
+        for rank in range(world_size):
+            comm = cls.__new__(cls)
+            comm.group = None
+            comm._set_fields(rank, world_size, device, max_numel, dtype, "device", timeout_s, warn_after_s,
+                             on_timeout, transport)
+            comm.islands = comm._check_arguments(max_numel, dtype, islands, link, "device", on_timeout, transport)
+            comm.num_islands = len(comm.islands) if comm.islands else 1
+            comm.link = Link(link) if link != "auto" else Link.PCIE
+            comm.use_pdl = False  # W streams of one process: no programmatic edges between the ranks' launches
+            comms.append(comm)
+        try:
+            for comm in comms:
+                comm._handle = ops.ws_create(*comm._create_args(comm.islands, "device"))
+            ops.ws_link_local([c._handle for c in comms])
+            sm = int(ops.ws_sm_count(comms[0]._handle))
+            budget = sm // world_size
+            if budget < 1:
+                raise IpcAllReduceError(f"{world_size} ranks cannot be co-resident on {sm} SMs")
+            capacity = [int(c) // world_size for c in ops.ws_cluster_capacity(comms[0]._handle)]
+            verdict = cluster_check.ClusterVerdict(False, "the GPU reports no cluster capacity", "checked")
+            if any(capacity):
+                verdict = cluster_check.verdict_for(
+                    device.index, str(torch.cuda.get_device_properties(device).uuid), _ext.library_path()
+                )
+            if not verdict.ok:
+                capacity = [0, 0, 0]
+            for comm in comms:
+                ops.ws_set_launch_limits(comm._handle, budget, capacity)
+                comm.sm_budget = budget
+                comm.fused_clusters = {
+                    "clusters": [c for c, cap in zip(cluster_check.CLUSTER_SIZES, capacity, strict=True) if cap > 0],
+                    "reason": verdict.reason + f" (local group: a {world_size}th of the GPU per rank)",
+                }
+                comm._start(ops)
+        except Exception:
+            close_local_group(comms)
+            raise
+        return comms
+
+    def _set_fields(self, rank, world_size, device, max_numel, dtype, memory, timeout_s, warn_after_s, on_timeout,
+                    transport) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self.max_numel = int(max_numel)
+        self.dtype = dtype
+        self.memory = memory
+        self.timeout_s = (
+            float(timeout_s) if timeout_s is not None else _seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+        )
+        self.warn_after_s = (
+            float(warn_after_s) if warn_after_s is not None else _seconds_from_env(WARN_ENV, DEFAULT_WARN_S)
+        )
+        self.threads: int | None = None  # plain kernels' CTA size; None: plain_threads(nbytes)
+        # Fused one-shot: CTAs per row (1, 2, 4, 8); None: the kernels' own rule (fused_cluster_size in
+        # csrc/ar_kernels.cu). Must be the same on every rank, like every argument of a call.
+        self.fused_cluster: int | None = None
+        # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
+        # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
+        self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
+        self.on_timeout = on_timeout
+        self.transport = transport
+        self.shm_dir = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
+        self.abort_after_s = _seconds_from_env(ABORT_AFTER_ENV, DEFAULT_ABORT_AFTER_S)
+        # The one-shot bound of this workspace (host memory: smaller at 4 and 8 ranks, see variants.py).
+        self.oneshot_max_numel = self.max_numel
+        # Fused one-shot with a row over a cluster: the sizes the group may launch, and why (issue 22).
+        self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
+        self.sm_budget = 0
+        self.probe_rounds = 0
+        self._handle = 0
+        self._record = None
+        self._slow = None
+        self._last_slow_call = 0
+        self._stop_watchdog = threading.Event()
+        self._watchdog = None
+
+    def _check_arguments(self, max_numel, dtype, islands, link, memory, on_timeout, transport):
+        """Step 1 of the construction, local to a rank: raises on a bad argument; returns the islands normalised."""
+        if self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            _require_cuda()
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+        if not 1 <= self.world_size <= 8 or self.world_size not in (1, 2, 4, 8):
+            raise ValueError(f"world size must be 1, 2, 4 or 8, got {self.world_size}")
+        if self.max_numel <= 0 or self.max_numel % 8:
+            raise ValueError(f"max_numel must be a positive multiple of 8, got {max_numel}")
+        if not 0 < self.timeout_s < 1e9:  # also rejects nan
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+        if not 0 < self.warn_after_s < 1e9:
+            raise ValueError(f"warn_after_s must be > 0 seconds, got {self.warn_after_s}")
+        if link not in ("auto", "nvlink", "pcie"):
+            raise ValueError(f"link must be 'auto', 'nvlink' or 'pcie', got {link!r}")
+        if memory not in MEMORY_KINDS:
+            raise ValueError(f"memory must be 'device' or 'host', got {memory!r}")
+        if on_timeout not in ON_TIMEOUT_MODES:
+            raise ValueError(f"on_timeout must be 'trap' or 'exit', got {on_timeout!r}")
+        if transport != "auto":
+            _transport(transport)
+        if self.abort_after_s < 0:
+            raise ValueError(f"{ABORT_AFTER_ENV} must be >= 0 seconds (0: off), got {self.abort_after_s}")
+        if memory == "host":
+            limit = oneshot_max_bytes(self.world_size, Link.HOST) // 2 // 8 * 8
+            self.oneshot_max_numel = max(8, min(self.max_numel, limit))
+        groups = validate_islands(islands, self.world_size)
+        if memory == "host" and groups:
+            raise ValueError("islands need memory='device': through host memory every pair is one hop")
+        _ext.ops()  # kernels built?
+        _require_cuda()  # and something to run them on (kernels_available() only says the library loads)
+        return groups
+
+    def _start(self, ops) -> None:
+        """The built workspace's host side: its records, the watchdog, the log line."""
         self.sm_count = int(ops.ws_sm_count(self._handle))
         self.max_blocks = self.sm_budget
         self._record = _ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle)))
@@ -503,12 +601,14 @@ class IpcAllReduce:
         return choose_variant(nbytes, self.world_size, self.link, self.num_islands)
 
     # ----------------------------------------------------------------------------------------------------
-    def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, variant=None) -> torch.Tensor:
+    def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, variant=None,
+                   transport=None) -> torch.Tensor:
         """Out-of-place sum over the group. `inp` is never written."""
         self._check_usable()
         if not self.supports(inp):
             raise ValueError(f"IpcAllReduce cannot take this tensor ({self._describe(inp)}); check supports() first")
         chosen = self._resolve_variant(variant, inp)
+        how = self._resolve_transport(transport, inp)
         result = torch.empty_like(inp) if out is None else out
         if result.shape != inp.shape or result.dtype != inp.dtype or not result.is_contiguous():
             raise ValueError("out must be a contiguous tensor with inp's shape and dtype")
@@ -519,8 +619,9 @@ class IpcAllReduce:
             target,
             int(chosen),
             min(self.threads or plain_threads(inp.numel() * inp.element_size()), MAX_PLAIN_THREADS),
-            self.max_blocks,
+            self._max_blocks(how),
             self.use_pdl,
+            how.code,
         )
         if target is not result:
             result.copy_(target)
@@ -536,6 +637,7 @@ class IpcAllReduce:
         residual_out: torch.Tensor | None = None,
         *,
         variant=None,
+        transport=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight.
 
@@ -553,6 +655,7 @@ class IpcAllReduce:
         if weight.shape != (inp.shape[-1],) or weight.dtype != inp.dtype:
             raise ValueError(f"weight must be [{inp.shape[-1]}] of dtype {inp.dtype}")
         chosen = self._resolve_variant(variant, inp)
+        how = self._resolve_transport(transport, inp)
         outs = []
         for given in (norm_out, residual_out):
             if given is None:
@@ -571,9 +674,10 @@ class IpcAllReduce:
             targets[0],
             targets[1],
             int(chosen),
-            self.max_blocks,
+            self._max_blocks(how),
             self.use_pdl,
             int(self.fused_cluster or 0),
+            how.code,
         )
         for o, t in zip(outs, targets, strict=True):
             if o is not t:
@@ -589,6 +693,10 @@ class IpcAllReduce:
         `barrier_timeout_s`), and only then free our slab: CUDA leaves freeing an allocation that another
         process still maps undefined. With `collective=False`, or after a kernel timeout (the CUDA context is
         then unusable and peers may be dead), the same steps run locally, without the barrier."""
+        if self.group is None and self._handle:
+            raise IpcAllReduceError(
+                "a workspace of IpcAllReduce.local_group closes with its group: close_local_group()"
+            )
         self._stop_watchdog.set()
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=2.0)
@@ -677,6 +785,18 @@ class IpcAllReduce:
             )
         return chosen
 
+    def _resolve_transport(self, transport, inp: torch.Tensor) -> Transport:
+        """The call's transport: forced per call, else the workspace's, else choose_transport (group-identical)."""
+        if transport is None and self.transport != "auto":
+            transport = self.transport
+        if transport is None or transport == "auto":
+            return choose_transport(inp.numel() * inp.element_size(), self.world_size, self.link)
+        return _transport(transport)
+
+    def _max_blocks(self, how: Transport) -> int:
+        """Staged push paces every CTA: few of them (STAGED_MAX_CTAS). The same on every rank."""
+        return min(self.max_blocks, STAGED_MAX_CTAS) if how is Transport.STAGED else self.max_blocks
+
     def _check_usable(self) -> None:
         err = self.timeout_error()
         if err is not None:
@@ -756,6 +876,27 @@ class IpcAllReduce:
             f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device} contiguous={t.is_contiguous()} "
             f"numel={t.numel()} max_numel={self.max_numel}"
         )
+
+
+def close_local_group(comms: list[IpcAllReduce]) -> None:
+    """Close a group IpcAllReduce.local_group made: wait for the device, then free every rank's workspace (each
+    maps the others' slabs, so they go together)."""
+    for comm in comms:
+        comm._stop_watchdog.set()
+    try:
+        torch.cuda.synchronize()
+    finally:
+        for comm in comms:
+            if comm._watchdog is not None:
+                comm._watchdog.join(timeout=2.0)
+            comm._release()
+
+
+def _transport(value) -> Transport:
+    try:
+        return Transport(getattr(value, "value", value))
+    except ValueError:
+        raise ValueError(f"transport must be 'push', 'staged', 'pull' or 'auto', got {value!r}") from None
 
 
 def _aligned(t: torch.Tensor) -> bool:

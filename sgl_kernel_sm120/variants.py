@@ -16,6 +16,31 @@ class Variant(enum.IntEnum):
     ISLAND = 2  # reduce-scatter inside each island, fp32 exchange between twins, all-gather: three hops
 
 
+class Transport(str, enum.Enum):
+    """How a call's data travels (csrc/ar_types.h enum Transport mirrors the codes; append-only)."""
+
+    PUSH = "push"  # every rank stores into every peer's scratch at once (posted writes)
+    STAGED = "staged"  # the same stores in W-1 permutation passes, one destination per pass (few CTAs)
+    PULL = "pull"  # every rank stores into its own slab, the peers load from it; readiness by flags
+
+    @property
+    def code(self) -> int:
+        return {"push": 0, "staged": 1, "pull": 2}[self.value]
+
+
+# Staged push paces its passes CTA by CTA: it is meant for few CTAs (issue 17; FlashInfer caps its staged ring
+# at 4). A seed, like every launch choice here, until the tuner measures.
+STAGED_MAX_CTAS = 8
+
+
+def choose_transport(nbytes: int, world_size: int, link: "Link | str") -> Transport:
+    """The transport a call takes when none is forced: push for every size until the tuner measures another
+    (issue 23). A pure function of group-identical inputs, like choose_variant."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return Transport.PUSH
+
+
 class Link(str, enum.Enum):
     NVLINK = "nvlink"
     PCIE = "pcie"

@@ -591,7 +591,7 @@ def _scenario_probe_drop(rank, world):
     rounds = probe.probe_rounds
     probe.close()
     assert rounds >= 6, f"only {rounds} probe rounds"
-    cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{rounds - 1}", "parity 1, the end of the region"))
+    cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{rounds - 1}", "parity 1, the flags"))
     for spec, where in cases:
         os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec
         try:

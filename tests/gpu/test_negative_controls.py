@@ -45,6 +45,9 @@ load(name=name, sources=sources, extra_cflags=["-O2", "-D" + flag], extra_cuda_c
 
 
 FLAGS = ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"]
+# The transports' own invariants (csrc/transports/): caught in the one-process concurrent mode
+# (tests/gpu/test_transports.py), where the ranks' kernels really run at once.
+TRANSPORT_FLAGS = ["SGL_SM120_DEBUG_FLAG_BEFORE_DATA", "SGL_SM120_DEBUG_STAGED_SKIP_PASS"]
 PREBUILT_ENV = "SGL_SM120_NEGATIVE_BUILDS"
 
 
@@ -79,6 +82,7 @@ if __name__ == "__main__":
 
     target = sys.argv[1]
     os.makedirs(target, exist_ok=True)
-    with concurrent.futures.ThreadPoolExecutor(len(FLAGS)) as pool:
-        for path in pool.map(lambda flag: _build_broken(flag, target), FLAGS):
+    everything = FLAGS + TRANSPORT_FLAGS
+    with concurrent.futures.ThreadPoolExecutor(len(everything)) as pool:
+        for path in pool.map(lambda flag: _build_broken(flag, target), everything):
             print("built", path, flush=True)

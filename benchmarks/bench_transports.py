@@ -1,0 +1,194 @@
+"""One-GPU microbenchmark of the kernels' own work for every transport x schedule (issue 17), the successor of
+bench_polling for the transports.
+
+    python -m benchmarks.bench_transports [--out benchmarks/results] [--iters 30] [--calls 20]
+
+Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused, push / staged / pull:
+- loopback: one process plays rank 0 of W (csrc/workspace.cu: the peers' slabs are local allocations). Before
+  each call a fill kernel marks every peer pack as arrived, every peer's pull copy as 1.0 and every flag as
+  published, so the call never waits: what is timed is the kernel's own work (stores, loads, sums, norm, the
+  staged passes' and pull's flag traffic). Measured in CUDA graphs of `calls` x (fill, call), minus a graph of
+  `calls` fills alone, per call. Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
+  one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
+  this rank does not own come from stand-in owners).
+- concurrent: one process runs the whole group (IpcAllReduce.local_group, each rank on a W-th of the SMs) as W
+  parallel branches of one CUDA graph, so the ranks really exchange (in one GPU's memory) and wait for one
+  another: ONESHOT, TWOSHOT and (W >= 4, two islands) ISLAND. Per call: the graph's replay time / calls.
+Median over `iters` replays. Nothing here crosses a link: on a PCIe box the transports differ by what the
+fabric does with many posted writes against loads, which only a run there shows (python -m sglang_sm120.tune).
+Output: transports_<gpu>_loopback.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import io, timing
+
+WORLDS = (2, 4, 8)
+HIDDEN = 7168
+ROWS = (1, 3, 4, 16, 64)
+TRANSPORTS = {"push": 0, "staged": 1, "pull": 2}
+STAGED_MAX_CTAS = 8  # sgl_kernel_sm120.variants.STAGED_MAX_CTAS: the CTAs a staged call gets
+
+
+def _loopback(args, dev) -> tuple[list[dict], dict]:
+    from sgl_kernel_sm120 import _ext
+
+    ops = _ext.ops()
+    records, fill_us = [], {}
+    for world in WORLDS:
+        ws = ops.ws_create_loopback(dev.index, world, max(ROWS) * HIDDEN)
+        sm = int(ops.ws_sm_count(ws))
+        try:
+            fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
+            fill_us[world] = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
+            variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
+            for rows, (vname, variant), (tname, tcode), op in itertools.product(
+                    ROWS, variants, TRANSPORTS.items(), ("all_reduce", "all_reduce_add_rmsnorm")):
+                x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
+                t = {"out": torch.empty_like(x), "norm": torch.empty_like(x), "res": torch.ones_like(x),
+                     "w": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
+                blocks = min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm
+
+                def step(k, ws=ws, x=x, t=t, variant=variant, tcode=tcode, op=op, blocks=blocks):
+                    ops.ws_loopback_refill(ws)
+                    if op == "all_reduce":
+                        ops.all_reduce(ws, x, t["out"], variant, 256, blocks, True, tcode)
+                    else:
+                        ops.all_reduce_add_rmsnorm(ws, x, t["res"], t["w"], 1e-6, t["norm"], t["out"], variant, blocks,
+                                                   True, 0, tcode)
+
+                graph, _ = timing.capture_graph(step, args.calls)
+                per_call = [v / args.calls - fill_us[world]
+                            for v in timing.replay_times(graph, args.iters, sync_each=True)]
+                correct = None
+                if variant == 0:  # one-shot: every source holds 1.0 (+ the residual 1.0 when fused)
+                    correct = bool(torch.equal(t["out"], torch.full_like(x, world + (op != "all_reduce"))))
+                rec = {"mode": "loopback", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
+                       "dtype": "bfloat16", "variant": vname, "transport": tname,
+                       "us_per_call_median": statistics.median(per_call), "us_per_call_min": min(per_call),
+                       "result_correct": correct}
+                records.append(rec)
+                print(f"loopback W={world} {op:24s} [{rows:2d},{HIDDEN}] {vname:8s} {tname:6s} "
+                      f"{rec['us_per_call_median']:7.2f} us{'  WRONG RESULT' if correct is False else ''}", flush=True)
+        finally:
+            ops.ws_destroy(ws)
+    return records, fill_us
+
+
+def _concurrent(args, dev) -> list[dict]:
+    from sgl_kernel_sm120 import IpcAllReduce, Variant
+    from sgl_kernel_sm120.ipc_allreduce import close_local_group
+
+    records = []
+    for world in WORLDS:
+        islands = [list(range(world // 2)), list(range(world // 2, world))] if world >= 4 else None
+        comms = IpcAllReduce.local_group(dev, world, max(ROWS) * HIDDEN, islands=islands, timeout_s=10.0)
+        streams = [torch.cuda.Stream() for _ in range(world)]
+        variants = [Variant.ONESHOT] + ([Variant.TWOSHOT] if world > 2 else []) + ([Variant.ISLAND] if islands else [])
+        try:
+            for rows, variant, transport, op in itertools.product(ROWS, variants, TRANSPORTS,
+                                                                    ("all_reduce", "all_reduce_add_rmsnorm")):
+                xs = [torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(world)]
+                res = torch.ones_like(xs[0])
+                w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
+                outs: list = [None] * world
+
+                def calls(r, comms=comms, xs=xs, res=res, w=w, variant=variant, transport=transport, op=op, outs=outs):
+                    for _ in range(args.calls):
+                        if op == "all_reduce":
+                            outs[r] = comms[r].all_reduce(xs[r], variant=variant, transport=transport)
+                        else:
+                            outs[r] = comms[r].all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, variant=variant,
+                                                                      transport=transport)[1]
+
+                for r in range(world):  # warm-up, eager: each rank on its own stream
+                    with torch.cuda.stream(streams[r]):
+                        calls(r)
+                torch.cuda.synchronize()
+                main = torch.cuda.Stream()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=main):
+                    for s in streams:
+                        s.wait_stream(main)
+                    for r in range(world):
+                        with torch.cuda.stream(streams[r]):
+                            calls(r)
+                    for s in streams:
+                        main.wait_stream(s)
+                per_call = [v / args.calls for v in timing.replay_times(graph, args.iters, warmup=2)]
+                expected = torch.full_like(xs[0], world + (op != "all_reduce"))
+                correct = all(torch.equal(o, expected) for o in outs) and all(c.timeout_error() is None for c in comms)
+                rec = {"mode": "concurrent", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
+                       "dtype": "bfloat16", "variant": variant.name, "transport": transport,
+                       "us_per_call_median": statistics.median(per_call), "us_per_call_min": min(per_call),
+                       "result_correct": correct}
+                records.append(rec)
+                print(f"concurrent W={world} {op:24s} [{rows:2d},{HIDDEN}] {variant.name:8s} {transport:6s} "
+                      f"{rec['us_per_call_median']:7.2f} us{'' if correct else '  WRONG RESULT'}", flush=True)
+                del graph
+                if not correct:
+                    break  # a wrong result or a timeout poisons the group: stop this world's sweep
+        finally:
+            close_local_group(comms)
+    return records
+
+
+def summary(records: list[dict]) -> list[dict]:
+    """Per (mode, world, rows, op): the best transport x schedule, and push's one-shot for comparison."""
+    out = []
+    keys = sorted({(r["mode"], r["world"], r["rows"], r["op"]) for r in records})
+    for mode, world, rows, op in keys:
+        rs = [r for r in records if (r["mode"], r["world"], r["rows"], r["op"]) == (mode, world, rows, op)
+              and r["result_correct"] is not False]
+        if not rs:
+            continue
+        best = min(rs, key=lambda r: r["us_per_call_median"])
+        push = [r for r in rs if r["transport"] == "push" and r["variant"] == "ONESHOT"]
+        out.append({"mode": mode, "world": world, "rows": rows, "op": op,
+                    "best": f"{best['variant']} {best['transport']}", "best_us": best["us_per_call_median"],
+                    "push_oneshot_us": push[0]["us_per_call_median"] if push else None})
+    return out
+
+
+def run(args) -> dict:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    records, fill_us = _loopback(args, dev)
+    records += _concurrent(args, dev)
+    return {
+        "benchmark": "bench_transports",
+        "what": __doc__.strip().splitlines()[0],
+        "hardware": f"1x {torch.cuda.get_device_name()} (loopback and one-process concurrent groups)",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "calls_per_graph": args.calls,
+        "iters": args.iters,
+        "fill_us_per_call": fill_us,
+        "timestamp": io.utc_now(),
+        "records": records,
+        "summary": summary(records),
+        "note": "one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(io.RESULTS_DIR))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--calls", type=int, default=20)
+    args = p.parse_args(argv)
+    doc = run(args)
+    path = Path(args.out) / f"transports_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
+    io.write_json(path, doc)
+    print(f"wrote {path}")
+    return 1 if any(r["result_correct"] is False for r in doc["records"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

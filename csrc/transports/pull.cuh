@@ -1,0 +1,202 @@
+// The pull transport (issue 17). On many PCIe fabrics the all-to-all posted writes of push collapse (several GPUs
+// behind one switch writing to several root complexes lose 75-93%; SM stores to peers were measured at 2.6 GB/s
+// against 27-52 GB/s for SM loads on two RTX PRO 6000 boxes: ../shared/notes/pcie_transports.md), while peer
+// loads keep their speed. So here every rank stores its packs into its OWN slab, publishes readiness with one
+// small remote store per consumer, and the consumers load the packs from there. Nobody polls peer memory: a rank
+// spins on its own flags only.
+//
+// Invariants (each relied on by the code below, which names it):
+//  P1  A producer stores its packs, remapped as push remaps them (I2), into its own pull area of the call's
+//      parity (I5), each where every consumer computes it to be: at the pack index g for inputs, at offset(g) in
+//      the owner's chunk for partials and results.
+//  P2  Publication follows the data: every thread fences (system scope) after its own stores, the CTA passes a
+//      barrier, then one thread per consumer stores the call counter seq + 1, with release semantics, into that
+//      consumer's flag for (phase, this rank, this CTA index). SGL_SM120_DEBUG_FLAG_BEFORE_DATA breaks this on
+//      purpose (the flags go out before the stores): consumers then read stale packs, and the tests must see it.
+//  P3  Flags are counters: a flag holds the latest call its source published in that phase, only grows (as the
+//      call counter does, I5) and means "call s is there" when it is >= s + 1. No flag is ever reset, and the
+//      transports of different calls of one workspace can share a phase's flags.
+//  P4  A consumer loads a producer's packs only after one of its threads saw the producer's flag with an acquire
+//      load and the CTA passed a barrier since. Its waits are bounded and reported like every wait (I7, I9).
+//  P5  Pack g is produced and consumed by the same CTA index on every rank: the grid and the pack -> CTA mapping
+//      are the same everywhere (the group agrees the launch limits, Workspace::limits), so one flag per CTA
+//      says that every pack that CTA's consumers need is there.
+//  P6  Every CTA publishes to, and waits for, every peer of a phase in every call, whether or not it has packs
+//      for that peer. So in call s + 1 a producer has seen each consumer's flag of call s + 1, which the consumer
+//      published only after its call s, and with it every read of call s, had ended: when the producer stores
+//      into the same parity again in call s + 2 (I5), nobody reads it any more.
+//  P7  A consumer issues its loads from every peer before it uses any (I10's reason), in rotated order (rank + 1,
+//      rank + 2, ...) so the consumers do not all start on one slab, and sums in rank order: bit for bit what
+//      push gives (the same operands, P1, in the same order).
+#pragma once
+
+#include "../ar_protocol.cuh"
+#include "../pack_math.cuh"
+
+namespace sgl_sm120 {
+
+// P2 and P4 for the peers a phase talks to. `peer_of(i)` is the rank of peer i (i < count); the thread with index i
+// publishes to it and waits for it, so blockDim.x >= count (every launch has at least 32 threads).
+struct PullSignals {
+  unsigned long long seq;
+
+  template <typename PeerOf>
+  __device__ __forceinline__ void publish(const WorkspaceView& ws, int flag_phase, int count, PeerOf peer_of) const {
+#ifndef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    __threadfence_system();  // P2: this thread's stores first
+    __syncthreads();
+#endif
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < count) {
+      const int peer = peer_of(i);
+      if (peer != ws.rank) store_flag_release(flag_of(ws, peer, flag_phase, ws.rank, blockIdx.x), seq + 1ull);
+    }
+  }
+
+  template <typename PeerOf>
+  __device__ __forceinline__ void wait(const WorkspaceView& ws, int flag_phase, int report_phase, int count,
+                                       PeerOf peer_of) const {
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < count) {
+      const int peer = peer_of(i);
+      if (peer != ws.rank)
+        wait_for_flag<true>(ws, flag_of(ws, ws.rank, flag_phase, peer, blockIdx.x), seq + 1ull, peer, report_phase,
+                            seq);
+    }
+    __syncthreads();  // P4: the whole CTA may load now
+  }
+};
+
+// Loads the kBatch packs of sources base .. base + kBatch - 1 (the peers' copies at `addr(i)`; ours, index `self`,
+// is `own`), issued in rotated order (self + 1, self + 2, ...) before any is used (P7). The register array is
+// indexed by compile-time constants only (a run-time index would put it in local memory): each load is placed by
+// predicated selects.
+template <int kCount, int kBatch, typename Addr>
+__device__ __forceinline__ void load_rotated(uint4 (&v)[kBatch], int base, int self, uint4 own, Addr addr) {
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) v[i] = own;
+#pragma unroll
+  for (int step = 1; step < kCount; ++step) {
+    const int source = (self + step) % kCount;
+    if (source >= base && source < base + kBatch) {
+      const uint4 x = load_volatile(addr(source));
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        if (base + i == source) v[i] = x;
+    }
+  }
+}
+
+// The fp32 sum over sources 0 .. kCount - 1 in order (P7), loaded in batches of kBatch: one more round trip per
+// batch, kBatch packs of registers instead of kCount (for the 64-register kernels); the order, and so the bits,
+// does not depend on kBatch (as OneShotSlots::reduce_pack).
+template <typename T, int kCount, int kBatch, typename Addr>
+__device__ __forceinline__ Acc8 sum_rotated(int self, uint4 own, Addr addr) {
+  static_assert(kCount % kBatch == 0, "batches must tile the sources");
+  Acc8 acc;
+#pragma unroll
+  for (int base = 0; base < kCount; base += kBatch) {
+    uint4 v[kBatch];
+    load_rotated<kCount, kBatch>(v, base, self, own, addr);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      if (base + i == 0) {
+        acc = unpack<T>(v[i]);
+      } else {
+        accumulate<T>(acc, v[i]);
+      }
+    }
+  }
+  return acc;
+}
+
+// One-shot pull: every rank's input copy sits at pack index g of its pull area; every rank loads every peer's.
+template <int kWorld>
+struct PullOneShot {
+  int parity;
+  PullSignals signals;
+
+  __device__ __forceinline__ explicit PullOneShot(unsigned long long seq) : parity(parity_of(seq)), signals{seq} {}
+
+  // P1, then P2 and P4 for every peer: `packs(emit)` calls emit(g, remapped pack) for every pack of this thread.
+  template <typename Packs>
+  __device__ __forceinline__ void publish_and_wait(const WorkspaceView& ws, Packs packs) const {
+    auto everyone = [](int i) { return i; };
+#ifdef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, kFlagOneShot, kWorld, everyone);  // P2 broken on purpose
+#endif
+    char* mine = pull_area_of(ws, ws.rank, parity);
+    packs([&](long long g, uint4 v) { store_volatile(mine + g * kPackBytes, v); });
+#ifndef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, kFlagOneShot, kWorld, everyone);
+#endif
+    signals.wait(ws, kFlagOneShot, kPhaseOneShot, kWorld, everyone);
+  }
+
+  template <typename T, int kBatch = kWorld>
+  __device__ __forceinline__ Acc8 reduce_pack(const WorkspaceView& ws, long long g, uint4 own) const {
+    return sum_rotated<T, kWorld, kBatch>(ws.rank, own,
+                                          [&](int peer) { return pull_area_of(ws, peer, parity) + g * kPackBytes; });
+  }
+};
+
+// Hierarchical pull, phase by phase (the owner layout is HierStep's: owner(g), offset(g)):
+//  reduce-scatter: every rank's input copy at pack index g; each owner loads its island's copies of its packs;
+//  cross-island: each owner's fp32 partial (two planes, as push sends them) at offset(g); twins load each other's;
+//  all-gather: each owner's result at offset(g); the island loads it from the owner.
+// Every phase ends with P2/P4 among the ranks it involves, so a CTA goes through the phases in step with its peers.
+template <int kIsland>
+struct PullHier {
+  const Topology& t;
+  int parity;
+  PullSignals signals;
+
+  __device__ __forceinline__ PullHier(const Topology& topo, unsigned long long seq)
+      : t(topo), parity(parity_of(seq)), signals{seq} {}
+
+  __device__ __forceinline__ char* input(const WorkspaceView& ws, int rank, long long g) const {
+    return pull_area_of(ws, rank, parity) + g * kPackBytes;
+  }
+  __device__ __forceinline__ char* partial(const WorkspaceView& ws, int rank, int plane, long long at) const {
+    return pull_area_of(ws, rank, parity) + ws.pull_input_bytes + (plane * ws.chunk_slot_bytes) + at * kPackBytes;
+  }
+  __device__ __forceinline__ char* result(const WorkspaceView& ws, int rank, long long at) const {
+    return pull_area_of(ws, rank, parity) + ws.pull_input_bytes + 2 * ws.chunk_slot_bytes + at * kPackBytes;
+  }
+
+  template <typename Stores>
+  __device__ __forceinline__ void island_phase(const WorkspaceView& ws, int flag_phase, int report_phase,
+                                               Stores stores) const {
+    auto island = [&](int i) { return t.island_ranks[i]; };
+#ifdef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, flag_phase, kIsland, island);
+#endif
+    stores();
+#ifndef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, flag_phase, kIsland, island);
+#endif
+    signals.wait(ws, flag_phase, report_phase, kIsland, island);
+  }
+
+  template <typename Stores>
+  __device__ __forceinline__ void twin_phase(const WorkspaceView& ws, Stores stores) const {
+    auto twins = [&](int i) { return t.twin_ranks[i]; };
+#ifdef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, kFlagCrossIsland, t.num_islands, twins);
+#endif
+    stores();
+#ifndef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
+    signals.publish(ws, kFlagCrossIsland, t.num_islands, twins);
+#endif
+    signals.wait(ws, kFlagCrossIsland, kPhaseCrossIsland, t.num_islands, twins);
+  }
+
+  // The island's sum of pack g in position order (P7), from the island's input copies; `own` is ours.
+  template <typename T>
+  __device__ __forceinline__ Acc8 island_sum(const WorkspaceView& ws, long long g, uint4 own) const {
+    return sum_rotated<T, kIsland, kIsland>(t.my_index, own,
+                                            [&](int pos) { return input(ws, t.island_ranks[pos], g); });
+  }
+};
+
+}  // namespace sgl_sm120

@@ -1,0 +1,255 @@
+"""GPU tests of the transports (issue 17): push, staged push and pull give the same bits, in both ways ranks run
+on one GPU.
+
+- Processes sharing the GPU (tests.gpu.harness.run_ranks, SGL_SM120_TEST_SHARE_GPUS=1): the real IPC paths, the
+  probe, host memory; but the ranks time-slice and never run at once, so a race in a flag protocol cannot show.
+- One process running the whole group (IpcAllReduce.local_group): W workspaces seeing each other's slabs, each
+  rank's calls on a stream of its own, or W parallel branches of one CUDA graph: the ranks' kernels run
+  concurrently. The transports' negative controls (a flag published before its data, a staged pass dropped)
+  are caught here.
+
+Inputs are small integers (exact in bf16/fp16 and fp32, whatever the order), so every result is compared with the
+exact sum bit for bit, and every transport's bits with push's for the same inputs (the norm included: the sum of
+squares runs in one fixed order whatever the transport). Timeouts run in exit mode: a protocol fault ends in
+IpcAllReduceTimeoutError or a wrong result, never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sgl_kernel_sm120 import IpcAllReduce, Variant, reference_all_reduce, reference_all_reduce_add_rmsnorm
+from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+from sgl_kernel_sm120.ipc_allreduce import close_local_group
+from tests.gpu.harness import need_ranks, run_ranks
+from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _same_on_all_ranks, _stable_seed
+
+pytestmark = pytest.mark.gpu
+
+TRANSPORTS = ("push", "staged", "pull")
+ROWS = (1, 3, 64, 257)
+HIDDENS = (7168, 2048, 8)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _islands(world: int, memory: str):
+    if memory == "host" or world < 4:
+        return None
+    return [list(range(world // 2)), list(range(world // 2, world))]
+
+
+def _variants(world: int, memory: str):
+    if world < 2:
+        return [Variant.ONESHOT]
+    if memory == "host" or world < 4:
+        return [Variant.ONESHOT, Variant.TWOSHOT]
+    return [Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int16).clone()
+
+
+def _case_inputs(world, rows, hidden, dtype, seed, dev):
+    inputs = [_int_tensor((rows, hidden), dtype, seed + r, dev) for r in range(world)]
+    residual = _int_tensor((rows, hidden), dtype, seed + 1000, dev)
+    weight = _int_tensor((hidden,), dtype, seed + 2000, dev, 1, 4)
+    return inputs, residual, weight
+
+
+def _check_case(tag, got_plain, got_fused, inputs, residual, weight, dtype, failures):
+    expected = reference_all_reduce(inputs)
+    ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS)
+    if not torch.equal(got_plain, expected):
+        failures.append(f"{tag}: all_reduce differs in {(got_plain != expected).sum().item()} elements")
+    if not torch.equal(got_fused[1], ref_res):
+        failures.append(f"{tag}: residual_out differs in {(got_fused[1] != ref_res).sum().item()} elements")
+    tol = ULP[dtype] * ref_norm.float().abs() + 1e-6
+    bad = ((got_fused[0].float() - ref_norm.float()).abs() > tol).sum().item()
+    if bad:
+        failures.append(f"{tag}: norm_out off by more than 1 ulp in {bad} elements")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Processes sharing the GPU.
+def _scenario_every_transport(rank, world, memory):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = IpcAllReduce(dist.group.WORLD, dev, max(ROWS) * max(HIDDENS), islands=_islands(world, memory),
+                      memory=memory, timeout_s=30.0, on_timeout="exit")
+    failures = []
+    try:
+        for dtype, rows, hidden, variant in itertools.product((torch.bfloat16, torch.float16), ROWS, HIDDENS,
+                                                               _variants(world, memory)):
+            if variant is Variant.ONESHOT and rows * hidden > ar.oneshot_max_numel:
+                continue  # host memory at 4 and 8 ranks: one-shot serves small calls only
+            inputs, residual, weight = _case_inputs(world, rows, hidden, dtype,
+                                                    _stable_seed("transports", rows, hidden, str(dtype)), dev)
+            bits = {}
+            for transport in TRANSPORTS:
+                tag = f"{memory} {dtype} [{rows}, {hidden}] {variant.name} {transport}"
+                plain = ar.all_reduce(inputs[rank], variant=variant, transport=transport)
+                fused = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=variant,
+                                                  transport=transport)
+                _check_case(tag, plain, fused, inputs, residual, weight, dtype, failures)
+                bits[transport] = (_bits(plain), _bits(fused[0]), _bits(fused[1]))
+                if not _same_on_all_ranks(fused[0]):
+                    failures.append(f"{tag}: norm_out is not bitwise identical across ranks")
+            for transport in TRANSPORTS[1:]:
+                if not all(torch.equal(a, b) for a, b in zip(bits["push"], bits[transport], strict=True)):
+                    failures.append(f"{memory} {dtype} [{rows}, {hidden}] {variant.name}: {transport}'s bits "
+                                    "differ from push's")
+        err = ar.timeout_error()
+        if err is not None:
+            failures.append(str(err))
+        if ar.scratch_dirty_count():
+            failures.append("push scratch not clean after the sweep")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+@need_ranks(2)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_transport_exact_and_same_bits_processes_sharing_the_gpu(world):
+    run_ranks(world, _scenario_every_transport, "device", timeout_s=300)
+
+
+@need_ranks(2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_transport_exact_and_same_bits_in_host_memory(world, monkeypatch):
+    before = set(os.listdir("/dev/shm"))
+    run_ranks(world, _scenario_every_transport, "host", timeout_s=300)
+    assert not set(os.listdir("/dev/shm")) - before
+
+
+# --------------------------------------------------------------------------------------------------------
+# One process, the ranks concurrent.
+def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, replays: int) -> list[str]:
+    """Eager calls on a stream per rank, then a CUDA graph of W parallel branches of mixed calls (every transport
+    and variant), replayed with fresh inputs. Returns the failures."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comms = IpcAllReduce.local_group(dev, world, max(rows_list) * max(hiddens), islands=_islands(world, "device"),
+                                     timeout_s=10.0)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    failures = []
+    try:
+        cases = list(itertools.product(rows_list, hiddens, _variants(world, "device"), TRANSPORTS))
+        # Eager: each rank's call on its own stream, all launched before any is waited for.
+        for rows, hidden, variant, transport in cases:
+            inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
+                                                    _stable_seed("local", rows, hidden), dev)
+            torch.cuda.synchronize()
+            plain, fused = [None] * world, [None] * world
+            for r, comm in enumerate(comms):
+                with torch.cuda.stream(streams[r]):
+                    plain[r] = comm.all_reduce(inputs[r], variant=variant, transport=transport)
+                    fused[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, variant=variant,
+                                                           transport=transport)
+            torch.cuda.synchronize()
+            tag = f"local W={world} [{rows}, {hidden}] {variant.name} {transport}"
+            for r in range(world):
+                _check_case(f"{tag} rank {r}", plain[r], fused[r], inputs, residual, weight, torch.bfloat16, failures)
+            if any(not torch.equal(_bits(fused[0][0]), _bits(f[0])) for f in fused[1:]):
+                failures.append(f"{tag}: norm_out differs across ranks")
+            if failures:
+                break
+        # A graph of W parallel branches, each rank's calls in order on its branch.
+        plan = [cases[(7 * i) % len(cases)] for i in range(calls_per_graph)]
+        static = []
+        for i, (rows, hidden, _variant, _transport) in enumerate(plan):
+            inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16, 7919 * i, dev)
+            static.append(([x.clone() for x in inputs], residual.clone(), weight.clone()))
+        torch.cuda.synchronize()
+        outputs = [[None] * len(plan) for _ in range(world)]
+        main = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=main):
+            for s in streams:
+                s.wait_stream(main)
+            for r, comm in enumerate(comms):
+                with torch.cuda.stream(streams[r]):
+                    for i, (_rows, _hidden, variant, transport) in enumerate(plan):
+                        x, residual, weight = static[i][0][r], static[i][1], static[i][2]
+                        if i % 2:
+                            outputs[r][i] = comm.all_reduce(x, variant=variant, transport=transport)
+                        else:
+                            outputs[r][i] = comm.all_reduce_add_rmsnorm(x, residual, weight, EPS, variant=variant,
+                                                                        transport=transport)
+            for s in streams:
+                main.wait_stream(s)
+        for replay in range(replays):
+            expected = []
+            for i, (rows, hidden, _variant, _transport) in enumerate(plan):
+                inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
+                                                        7919 * i + 100003 * (replay + 1), dev)
+                for r in range(world):
+                    static[i][0][r].copy_(inputs[r])
+                static[i][1].copy_(residual)
+                static[i][2].copy_(weight)
+                if i % 2:
+                    expected.append(reference_all_reduce(inputs))
+                else:
+                    expected.append(reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS)[1])
+            torch.cuda.synchronize()
+            graph.replay()
+            torch.cuda.synchronize()
+            for r in range(world):
+                for i, exp in enumerate(expected):
+                    got = outputs[r][i] if i % 2 else outputs[r][i][1]
+                    if not torch.equal(got, exp):
+                        failures.append(f"local W={world} replay {replay} rank {r} call {i} {plan[i]} wrong")
+            if failures:
+                break
+        del graph
+        for comm in comms:
+            err = comm.timeout_error()
+            if err is not None:
+                failures.append(f"timed out: {err}")
+        if comms[0].scratch_dirty_count():
+            failures.append("push scratch not clean after the local group's calls")
+    finally:
+        close_local_group(comms)
+    return failures
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_transport_exact_with_the_ranks_running_concurrently(world):
+    failures = _local_group_sweep(world, (1, 3, 64), (7168, 8), calls_per_graph=24, replays=20)
+    assert not failures, "\n".join(failures[:20])
+
+
+# The transports' negative controls: each build breaks one invariant of csrc/transports/ on purpose, and the
+# concurrent sweep must fail (a wrong result, or a timeout in exit mode). Run in a child process: the broken
+# library replaces the packaged one there (SGL_SM120_EXT_LIBRARY).
+CHILD = """
+import sys
+from tests.gpu.test_transports import _local_group_sweep
+failures = _local_group_sweep(int(sys.argv[1]), (1, 3, 64), (7168,), calls_per_graph=24, replays=40)
+print("FAILURES:", len(failures))
+print("\\n".join(failures[:5]))
+sys.exit(1 if failures else 0)
+"""
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_FLAG_BEFORE_DATA", "SGL_SM120_DEBUG_STAGED_SKIP_PASS"])
+def test_broken_transport_protocol_is_caught_with_the_ranks_running_concurrently(flag):
+    from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
+
+    with tempfile.TemporaryDirectory() as scratch:
+        library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
+        env = dict(os.environ, **{LIBRARY_OVERRIDE_ENV: library, "PYTHONPATH": ROOT})
+        done = subprocess.run([sys.executable, "-c", CHILD, "4"], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=ROOT)
+    report = done.stdout + done.stderr
+    assert done.returncode != 0, f"{flag}: the broken protocol was not caught:\n{report[-3000:]}"
+    assert "wrong" in report or "timed out" in report, report[-3000:]
