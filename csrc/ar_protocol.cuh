@@ -1,7 +1,10 @@
-// The push protocol shared by every all-reduce variant: workspace layout, readiness carried in the data
-// (sentinel half-words), bounded spin-waits, the device-side call sequence, and the timeout report.
+// The protocol shared by every all-reduce variant and transport: workspace layout, readiness carried in the data
+// (sentinel half-words, push and staged push), bounded spin-waits (on packs and on flags), the device-side call
+// sequence, and the timeout report. The transports add their own invariants in transports/pull.cuh (P1-P7) and
+// transports/staged_push.cuh (S1-S3).
 //
-// Protocol invariants (each one is relied on by code in ar_kernels.cu; the line that relies on it says so):
+// Protocol invariants (each one is relied on by code in ar_kernels.cu and transports/; the line that relies on it
+// says so):
 //
 //  I1  Scratch is "empty" when every 16-bit half-word holds kEmptyHalf (0x8000, the bit pattern of -0.0 in
 //      bf16 and fp16). The host fills the whole slab with it once, at creation, and never again.
