@@ -21,13 +21,11 @@ The numbers say what the kernels' own work costs, nothing about link latency.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import io, timing
+from benchmarks.harness import io, microbench, timing
 
 WORLDS = (8, 2)
 HIDDEN = 7168
@@ -102,20 +100,11 @@ def run(args) -> dict:
                           f"{rec['us_per_call_median']:7.2f} us{'' if correct else '  WRONG RESULT'}", flush=True)
         finally:
             ops.ws_destroy(ws)
-    return {
-        "benchmark": "bench_polling",
-        "what": __doc__.strip().splitlines()[0],
-        "hardware": f"1x {torch.cuda.get_device_name()} (loopback: rank 0 of W in one process)",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "calls_per_graph": args.calls,
-        "iters": args.iters,
-        "fill_us_per_call": fill_us,
-        "timestamp": io.utc_now(),
-        "records": records,
-        "comparisons": comparisons(records),
-        "note": "loopback: rank 0 of W on one GPU, peer packs pre-filled as ready; pushes land in local memory",
-    }
+    return microbench.document(
+        "bench_polling", __doc__, "loopback: rank 0 of W in one process", args, fill_us, records,
+        comparisons=comparisons(records),
+        note="loopback: rank 0 of W on one GPU, peer packs pre-filled as ready; pushes land in local memory",
+    )
 
 
 def comparisons(records: list[dict]) -> dict:
@@ -145,17 +134,7 @@ def comparisons(records: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(io.RESULTS_DIR))
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--calls", type=int, default=50)
-    args = p.parse_args(argv)
-    doc = run(args)
-    path = Path(args.out) / f"polling_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
-    io.write_json(path, doc)
-    print(f"wrote {path}")
-    bad = [r for r in doc["records"] if not r["result_correct"]]
-    return 1 if bad else 0
+    return microbench.main(run, "polling", __doc__, argv, iters=50, calls=50)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,12 @@ Output: transports_<gpu>_loopback.json.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import io, timing
+from benchmarks.harness import microbench, timing
 
 WORLDS = (2, 4, 8)
 HIDDEN = 7168
@@ -161,33 +159,14 @@ def run(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     records, fill_us = _loopback(args, dev)
     records += _concurrent(args, dev)
-    return {
-        "benchmark": "bench_transports",
-        "what": __doc__.strip().splitlines()[0],
-        "hardware": f"1x {torch.cuda.get_device_name()} (loopback and one-process concurrent groups)",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "calls_per_graph": args.calls,
-        "iters": args.iters,
-        "fill_us_per_call": fill_us,
-        "timestamp": io.utc_now(),
-        "records": records,
-        "summary": summary(records),
-        "note": "one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
-    }
+    return microbench.document(
+        "bench_transports", __doc__, "loopback and one-process concurrent groups", args, fill_us, records,
+        summary=summary(records), note="one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(io.RESULTS_DIR))
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--calls", type=int, default=20)
-    args = p.parse_args(argv)
-    doc = run(args)
-    path = Path(args.out) / f"transports_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
-    io.write_json(path, doc)
-    print(f"wrote {path}")
-    return 1 if any(r["result_correct"] is False for r in doc["records"]) else 0
+    return microbench.main(run, "transports", __doc__, argv, iters=30, calls=20)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The one-GPU microbenchmarks' common frame (bench_polling, bench_transports): the result document's head and the
+entry point that writes `<kind>_<gpu>_loopback.json` and fails on a wrong result."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from . import io
+
+
+def document(benchmark: str, doc: str, hardware: str, args, fill_us: dict, records: list[dict], **extra) -> dict:
+    """The result document: what ran where, the timing settings, the records, and the benchmark's own fields."""
+    import torch
+
+    return {
+        "benchmark": benchmark,
+        "what": doc.strip().splitlines()[0],
+        "hardware": f"1x {torch.cuda.get_device_name()} ({hardware})",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "calls_per_graph": args.calls,
+        "iters": args.iters,
+        "fill_us_per_call": fill_us,
+        "timestamp": io.utc_now(),
+        "records": records,
+        **extra,
+    }
+
+
+def main(run: Callable[[argparse.Namespace], dict], kind: str, doc: str, argv=None, *, iters: int,
+         calls: int) -> int:
+    """Parse --out/--iters/--calls, run, write the JSON; exit 1 when any record's result was wrong."""
+    import torch
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(io.RESULTS_DIR))
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--calls", type=int, default=calls)
+    args = p.parse_args(argv)
+    result = run(args)
+    path = Path(args.out) / f"{kind}_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
+    io.write_json(path, result)
+    print(f"wrote {path}")
+    return 1 if any(r["result_correct"] is False for r in result["records"]) else 0
