@@ -106,32 +106,11 @@ sgl_site() {  # sgl_site RELEASE: install that release's trimmed SGLang and its 
   echo "$site"
 }
 
-merge_junit() {  # merge_junit OUT.xml RELEASE=FILE...: one <testsuites>, each release's suite named after it
-  $PY - "$@" <<'PYEOF'
-import sys
-import xml.etree.ElementTree as ET
-out, parts = sys.argv[1], sys.argv[2:]
-root = ET.Element("testsuites")
-for part in parts:
-    release, path = part.split("=", 1)
-    try:
-        tree = ET.parse(path).getroot()
-    except (OSError, ET.ParseError) as exc:
-        suite = ET.SubElement(root, "testsuite", name=f"sglang {release}", tests="1", errors="1")
-        ET.SubElement(ET.SubElement(suite, "testcase", name="suite"), "error", message=f"no junit XML: {exc}")
-        continue
-    for suite in ([tree] if tree.tag == "testsuite" else list(tree)):
-        suite.set("name", f"sglang {release} (ranks sharing the GPU, SGLang on gloo)")
-        root.append(suite)
-ET.ElementTree(root).write(out, encoding="utf-8", xml_declaration=True)
-# In this stage every selected test must run: a skip is a failure of the run (a missing package, no GPU...).
-bad = 0
-for suite in root:
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    print(f">>> {suite.get('name')}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
-    bad += counts["failures"] + counts["errors"] + counts["skipped"] + (counts["tests"] == 0)
-sys.exit(1 if bad else 0)
-PYEOF
+merge_junit() {  # merge_junit OUT.xml RELEASE=FILE...: one <testsuites>, each release's suite named after it, strict
+  local out=$1; shift
+  local labelled=()
+  for part in "$@"; do labelled+=("sglang ${part%%=*} (ranks sharing the GPU, SGLang on gloo)=${part#*=}"); done
+  $PY scripts/merge_junit.py --strict "$out" "${labelled[@]}"
 }
 
 FI_PATH=
