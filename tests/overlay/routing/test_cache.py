@@ -109,10 +109,11 @@ def test_find_tables_reads_every_table_in_the_folder(tmp_path):
     assert sorted(f.status for f in found) == ["corrupt", "ok"]
 
 
-def test_routing_imports_without_torch():
-    # The offline report reads tables on machines without torch: routing may not pull it in.
+def test_routing_and_the_report_import_without_torch():
+    # The offline report reads tables on machines without torch: neither may pull it in.
     code = ("import sys; sys.modules['torch'] = None\n"
             "import sglang_sm120.routing.cache, sglang_sm120.routing.table\n"
+            "import sglang_sm120.reporting.document, sglang_sm120.reporting.render, sglang_sm120.report\n"
             "print('ok')")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "python")]))
