@@ -71,7 +71,7 @@ def clean_env(monkeypatch):
     exports the flags) are removed after the test."""
     from sglang_sm120.core import config
 
-    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
+    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, config.TUNE_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 
