@@ -20,6 +20,7 @@ transports besides the routing table's data model and the report.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -58,9 +59,10 @@ def detect_offer(ipc_class=None, transport_enum=None) -> KernelOffer:
     if ipc_class is None:
         from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce as ipc_class
     if transport_enum is None:
-        from sgl_kernel_sm120 import variants
-
-        transport_enum = getattr(variants, "Transport", None)
+        try:
+            transport_enum = getattr(importlib.import_module("sgl_kernel_sm120.variants"), "Transport", None)
+        except ImportError:
+            transport_enum = None
     values = {str(getattr(t, "value", t)) for t in transport_enum} if transport_enum is not None else {"push"}
     call_transport = _takes(ipc_class.all_reduce, "transport") and _takes(ipc_class.all_reduce_add_rmsnorm,
                                                                           "transport")
