@@ -66,7 +66,7 @@ class TuneSpec:
     kinds: list[str] = dataclasses.field(default_factory=lambda: ["plain", "fused"])
     quick: bool = False
     calls: int = 20  # calls captured per graph
-    iters: int = 30  # timed replays
+    iters: int = 20  # timed replays
     warmup: int = 5  # untimed replays
     verify_calls: int = 2  # eager calls checked per candidate (2: both halves of the double buffer)
     kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
