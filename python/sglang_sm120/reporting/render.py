@@ -62,7 +62,9 @@ def measurements_markdown(table: RoutingTable, dtype: str, kind: str) -> str:
                 text = f"{p.times[cid]:.2f}"
                 row.append(f"**{text}**" if chosen is not None and chosen.id == cid else text)
             elif cid in p.failed:
-                row.append("failed" if "not available" not in p.failed[cid] else "n/a")
+                why = p.failed[cid]
+                row.append("n/a" if "not available" in why else "pruned" if why.startswith("pruned")
+                           else "-" if why.startswith("not timed") else "failed")
             else:
                 row.append("")
         rows.append(row)
@@ -74,8 +76,8 @@ def failures_markdown(table: RoutingTable) -> str:
     for (dtype, kind), points in sorted(table.measurements.items()):
         for p in points:
             for cid, why in p.failed.items():
-                if why.startswith("failed at "):
-                    continue  # the first failure is listed
+                if why.startswith(("failed at ", "pruned", "not timed", "not available")):
+                    continue  # the first failure is listed; pruned and unavailable ones are not failures
                 seen.setdefault((cid, why), f"{dtype} {kind} rows {p.rows}")
     if not seen:
         return "none"

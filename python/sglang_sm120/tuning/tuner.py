@@ -38,6 +38,13 @@ ELEMENT_BYTES = {"bfloat16": 2, "float16": 2}
 # rule needs), then steps of about 25%; quick: the sizes below, each at most doubling.
 FULL_DENSE_ROWS = 16
 QUICK_ROWS = (1, 2, 3, 4, 6, 8)
+# A candidate slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES consecutive sizes is not timed at larger ones (NCCL
+# gains on our kernels as sizes grow, so such a candidate does not come back), and once no candidate of ours is
+# left, nothing is timed at the larger sizes of that dtype and kind: NCCL serves them. This keeps a full tune
+# at TP=8 near its 20 s budget. Pruning compares with NCCL only, never with another candidate of ours: one
+# that is slower than ONESHOT at a few rows may still win at many.
+PRUNE_FACTOR = 1.5
+PRUNE_SIZES = 2
 
 
 class TuneError(RuntimeError):
@@ -189,12 +196,21 @@ class Tuner:
     def _measure(self, dtype: str, kind: str, shape: cand.GroupShape, offer: cand.KernelOffer) -> list[Point]:
         points: list[Point] = []
         sticky: dict[str, str] = {}  # candidate id -> why it is no longer tried at larger sizes
+        losing: dict[str, int] = {}  # candidate id -> consecutive sizes it was slower than PRUNE_FACTOR x NCCL
         element = ELEMENT_BYTES[dtype]
         for rows in self.spec.rows:
             nbytes = rows * self.spec.hidden * element
             ours, skipped = cand.candidates(kind, nbytes, self.spec.hidden, shape, offer, self.spec.quick)
             times: dict[str, float] = {}
             failed: dict[str, str] = dict(skipped)
+            left = [r for r in ours if not sticky.get(r.id) and not self.spec.excluded(dtype, kind, r.id, nbytes)]
+            if not left:
+                for route in ours:
+                    failed[route.id] = sticky.get(route.id) or self.spec.excluded(dtype, kind, route.id, nbytes)
+                if ours:
+                    failed.setdefault(NCCL_ROUTE.id, "not timed: no candidate of ours left to compare with")
+                points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
+                continue
             for route in [NCCL_ROUTE] + ours:
                 cid = route.id
                 why = sticky.get(cid) or self.spec.excluded(dtype, kind, cid, nbytes)
@@ -214,6 +230,14 @@ class Tuner:
                 else:
                     self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
                                       "routed to our kernels, for want of an NCCL time to beat")
+            nccl = times.get(NCCL_ROUTE.id)
+            for cid, us in times.items():
+                if cid == NCCL_ROUTE.id or nccl is None:
+                    continue
+                losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
+                if losing[cid] >= PRUNE_SIZES:
+                    sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive sizes "
+                                   f"up to {nbytes} B")
             points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
         return points
 

@@ -270,3 +270,29 @@ def test_ranks_agree_over_gloo():
     # ONESHOT wins everywhere (its slowest rank: 10, then 15 from rows 3, against NCCL's 20); TWOSHOT failed on
     # rank 0 at rows 2, so on every rank, and is not tried again.
     assert answers[0][2] == "ONESHOT/push/device up to 57344 B"
+
+
+def test_a_candidate_far_slower_than_nccl_is_pruned_and_once_none_is_left_nothing_is_timed():
+    def times(cid, kind, dtype, rows, rank):
+        return {"nccl": 10.0, ONE: 10.0 if rows == 1 else 16.0, TWO: 16.0}[cid]  # both > 1.5x NCCL from rows 2
+
+    results, errors, measurers = run_threads(2, lambda r: FakeMeasurer(r, times, world=4),
+                                             spec(max_rows=5))
+    assert not errors, errors
+    points = results[0].measurements[("bfloat16", "plain")]
+    assert points[2].failed[TWO].startswith("pruned: slower than 1.5x NCCL at 2 consecutive sizes up to 28672 B")
+    assert points[3].failed[ONE].startswith("pruned") and points[3].times == {}
+    assert points[3].failed["nccl"] == "not timed: no candidate of ours left to compare with"
+    assert {t[1] for t in measurers[0].timed} == {1, 2, 3}
+    assert tbl.describe(results[0], "bfloat16", "plain") == "NCCL up to 71680 B"
+
+
+def test_pruning_compares_with_nccl_only_never_with_another_candidate():
+    def times(cid, kind, dtype, rows, rank):
+        return {"nccl": 20.0, ONE: 5.0 if rows <= 2 else 25.0, TWO: 12.0 if rows <= 2 else 10.0}[cid]
+
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, times, world=4), spec())
+    assert not errors, errors
+    # TWOSHOT was 2.4x slower than ONESHOT at rows 1-2 but kept, and takes over where ONESHOT loses to NCCL
+    assert tbl.describe(results[0], "bfloat16", "plain") == \
+        "ONESHOT/push/device up to 28672 B, TWOSHOT/push/device up to 57344 B"
