@@ -28,7 +28,7 @@ from typing import Any
 
 COPY_SIZES = (4096, 16384, 65536, 262144)
 PINGPONG_ITERS = 200
-MAX_SPINS = 2_000_000  # per wait: the kernels end on their own if a peer never answers
+MAX_SPINS = 2_000_000  # per wait (about a second): the kernels end on their own if a peer never answers
 BLOCK = 4096
 
 
@@ -52,7 +52,8 @@ def _kernels():
                 tl.store(peer_flag, i)
             seen = tl.load(my_flag, volatile=True)
             spins = 0
-            while (seen < i) & (spins < max_spins):
+            limit = tl.where(timeouts == 0, max_spins, 0)  # after one wait gave up, the rest do not wait
+            while (seen < i) & (spins < limit):
                 seen = tl.load(my_flag, volatile=True)
                 spins += 1
             timeouts += (seen < i).to(tl.int32)
