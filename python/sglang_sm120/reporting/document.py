@@ -132,7 +132,7 @@ def _slim(entry: Mapping[str, Any]) -> dict[str, Any]:
     fields = ALLREDUCE_FIELDS if entry["kind"] == "allreduce" else VERIFY_FIELDS
     return {"path": entry["path"], "kind": entry["kind"], "hardware": doc.get("hardware"), "date": doc.get("date"),
             "results": [{k: r.get(k) for k in fields if k in r} for r in doc.get("results", [])],
-            "skipped": doc.get("skipped", [])}
+            "skipped": list({json.dumps(x, sort_keys=True): x for x in doc.get("skipped", [])}.values())}
 
 
 def build(*, env: Mapping[str, Any], doctor: Mapping[str, Any] | None, tables: Sequence[cache.Loaded],

@@ -136,8 +136,9 @@ def allreduce_doc_markdown(doc: Mapping[str, Any]) -> str:
                     row.append(f"{found[0]['median_us']:.2f}")
             rows.append(row)
         parts += [f"{op}, us per call:", "", md_table(["rows"] + impls, rows), ""]
-    if doc.get("skipped"):
-        parts.append("Skipped: " + "; ".join(f"{s['impl']}: {s['reason']}" for s in doc["skipped"]))
+    skipped = list(dict.fromkeys(f"{s['impl']}: {s['reason']}" for s in doc.get("skipped") or []))
+    if skipped:
+        parts.append("Skipped: " + "; ".join(skipped))
     return "\n".join(parts).strip()
 
 

@@ -36,3 +36,8 @@ def test_the_committed_benchmark_results_render():
 
 def test_cells_cannot_break_the_table():
     assert render.md_table(["a"], [["x|y\nz"]]).splitlines()[-1] == "| x\\|y z |"
+
+
+def test_repeated_skip_reasons_are_listed_once():
+    doc = {"results": [], "skipped": [{"impl": "sm120", "reason": "no islands"}] * 3 + [{"impl": "x", "reason": "y"}]}
+    assert render.allreduce_doc_markdown(doc) == "Skipped: sm120: no islands; x: y"
