@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from sglang_sm120.tuning import launch
 from sglang_sm120.tuning.child import MARKER
 from sglang_sm120.tuning.tuner import TuneSpec
@@ -107,3 +109,15 @@ def test_the_child_environment_puts_both_packages_first():
     env = launch.child_env({"PYTHONPATH": "/elsewhere"})
     parts = env["PYTHONPATH"].split(":")
     assert parts[-1] == "/elsewhere" and len(parts) >= 2
+
+
+def test_the_real_child_reports_its_own_failure_as_an_error_event():
+    # On a machine without a GPU the child fails at its first CUDA call; the parent must get that as the
+    # child's error (not as a crash blamed on a candidate).
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA GPU")
+    outcome = launch.run_rank_child(0, 1, 0, launch.free_port(), spec(), timeout_s=120, stall_s=120)
+    assert outcome.returncode == 1 and outcome.error and outcome.last_begin is None, outcome
+    assert launch.summarize([outcome]).culprit is None
