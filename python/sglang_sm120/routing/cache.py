@@ -15,6 +15,10 @@ Reading (`load`) says what it found, as a `Loaded` with a status:
   another key       measured on other GPUs, TP size, islands, P2P matrix or workspace memory
   does not cover    another hidden size, or fewer sizes / dtypes than this server reduces
 Every status but ok and missing is logged once as a WARNING naming it, and the table is not used.
+
+A quick tune that failed at a server's start leaves a note beside the table's place (`<table>.failed.json`: the
+key, when, why), so the next start with --sm120-allreduce-tune auto does not run it again; a table saved for
+that key (the tool, or `force`) removes the note.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from . import table as tbl
 
 logger = logging.getLogger("sglang_sm120")
 
-__all__ = ["CACHE_ENV", "Loaded", "cache_dir", "find_tables", "load", "load_file", "save", "table_path"]
+__all__ = ["CACHE_ENV", "Loaded", "cache_dir", "find_tables", "load", "load_file", "save", "table_path",
+           "record_failure", "recorded_failure"]
 
 OK, MISSING, CORRUPT, OTHER_VERSIONS, ANOTHER_KEY, NOT_COVERED = (
     "ok", "missing", "corrupt", "other versions", "another key", "does not cover")
@@ -62,14 +67,12 @@ def table_path(key: Mapping[str, Any], hidden: int, folder: str | None = None) -
     return os.path.join(folder, f"routes_tp{int(key['world_size'])}_h{int(hidden)}_{tbl.box_tag(key)}.json")
 
 
-def save(table: tbl.RoutingTable, folder: str | None = None, path: str | None = None) -> str:
-    """Write `table` atomically; returns the path. Creates the folder."""
-    path = path or table_path(table.key, int(table.workload["hidden"]), folder)
+def _write_atomically(path: str, doc: Any) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(table.to_dict(), handle, indent=1, sort_keys=True)
+            json.dump(doc, handle, indent=1, sort_keys=True)
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -77,7 +80,42 @@ def save(table: tbl.RoutingTable, folder: str | None = None, path: str | None = 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def save(table: tbl.RoutingTable, folder: str | None = None, path: str | None = None) -> str:
+    """Write `table` atomically; returns the path. Creates the folder. Saved where servers look (no `path`), it
+    clears a failed quick tune's note for its key."""
+    default = table_path(table.key, int(table.workload["hidden"]), folder)
+    _write_atomically(path or default, table.to_dict())
+    if not path or path == default:
+        try:
+            os.unlink(default + FAILED_SUFFIX)
+        except FileNotFoundError:
+            pass
+    return path or default
+
+
+FAILED_SUFFIX = ".failed.json"
+
+
+def record_failure(key: Mapping[str, Any], hidden: int, why: str, when: str, folder: str | None = None) -> str:
+    """Note that the quick tune of this key failed (see the module docstring); returns the note's path."""
+    path = table_path(key, hidden, folder) + FAILED_SUFFIX
+    _write_atomically(path, {"key": dict(key), "when": when, "why": why})
     return path
+
+
+def recorded_failure(key: Mapping[str, Any], hidden: int, folder: str | None = None) -> dict[str, Any] | None:
+    """The note of a failed quick tune of exactly this key ({"when", "why", "path"}), else None."""
+    path = table_path(key, hidden, folder) + FAILED_SUFFIX
+    try:
+        with open(path, encoding="utf-8") as handle:
+            note = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("key"), dict) or tbl.compare_keys(key, note["key"]):
+        return None
+    return {"when": str(note.get("when")), "why": str(note.get("why")), "path": path}
 
 
 def load_file(path: str) -> Loaded:
@@ -124,4 +162,5 @@ def load(key: Mapping[str, Any], *, hidden: int, dtype: str, max_bytes: int, kin
 def find_tables(folder: str | None = None) -> list[Loaded]:
     """Every table file in the folder, read (for the report and the doctor)."""
     folder = cache_dir() if folder is None else folder
-    return [load_file(path) for path in sorted(glob.glob(os.path.join(folder, "routes_tp*.json")))]
+    return [load_file(path) for path in sorted(glob.glob(os.path.join(folder, "routes_tp*.json")))
+            if not path.endswith(FAILED_SUFFIX)]

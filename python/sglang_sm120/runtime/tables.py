@@ -15,7 +15,9 @@ Every step is collective over the group and agreed (core/exchange.py), so every 
      NCCL communicator, so nothing it does can break this process's CUDA context), the children tune
      together, each rank waits for its child (bounded by SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S, default 180 s,
      and a 60 s stall bound), the ranks agree on the outcomes; when every child delivered the same table and
-     its key is this group's, rank 0 saves it to the cache and every rank routes by it. Anything else: seeds.
+     its key is this group's, rank 0 saves it to the cache and every rank routes by it. Anything else: seeds,
+     and rank 0 leaves a note (routing/cache.py) so that later starts in auto mode do not run it again; `force`,
+     or a table the tool saves, clears it.
 The quick tune has not run on a GPU yet: its code path is real, and every failure of it ends in the seeds.
 """
 
@@ -114,6 +116,11 @@ def resolve_routes(
             # No table is what the activation line says already; a stale or broken one deserves its own warning.
             return seeds(f"{why} (--sm120-allreduce-tune off)" if why else "",
                          logging.INFO if missing else logging.WARNING)
+        if tune == "auto":
+            notes = agree("routes-failed-before", cache.recorded_failure(key, hidden))
+            if all(notes):
+                return seeds(f"the quick tune failed on this box on {notes[0]['when']} ({notes[0]['why']}) and is not "
+                             f"run again ({notes[0]['path']}; --sm120-allreduce-tune force retries it)")
         if why:
             log(logging.WARNING, f"sglang_sm120: {why}; measuring a quick one now (--sm120-allreduce-tune {tune})")
         else:
@@ -129,15 +136,24 @@ def resolve_routes(
                             stall_s=min(STALL_S, tune_timeout_s))
         outcomes = agree("routes-tuned", launch.outcome_payload(outcome), timeout_s=tune_timeout_s + AGREE_MARGIN_S)
         failed = [f"rank {r}: {o['why']}" for r, o in enumerate(outcomes) if not o["ok"]]
+        problem = ""
         if failed:
-            return seeds(f"the quick tune at start-up failed ({'; '.join(failed)})")
-        if len({o["digest"] for o in outcomes}) != 1:
-            return seeds("the quick tune at start-up gave the ranks different tables")
-        table = RoutingTable.from_dict(outcome.table)
-        mismatch = compare_keys(key, table.key)
-        if mismatch is not None:
-            return seeds(f"the quick tune measured under another key than the server's ({mismatch[0]}: "
-                         f"{mismatch[1]})")
+            problem = f"the quick tune at start-up failed ({'; '.join(failed)})"
+        elif len({o["digest"] for o in outcomes}) != 1:
+            problem = "the quick tune at start-up gave the ranks different tables"
+        else:
+            table = RoutingTable.from_dict(outcome.table)
+            mismatch = compare_keys(key, table.key)
+            if mismatch is not None:
+                problem = (f"the quick tune measured under another key than the server's ({mismatch[0]}: "
+                           f"{mismatch[1]})")
+        if problem:
+            if rank == 0:
+                try:
+                    cache.record_failure(key, hidden, problem, time.strftime("%Y-%m-%d %H:%M:%S"))
+                except OSError as exc:
+                    logger.warning("sglang_sm120: noting the failed quick tune: %s", exc)
+            return seeds(problem)
         table.durations["total"] = round(time.monotonic() - start, 3)
         saved: dict[str, Any] = {"path": None, "error": None}
         if rank == 0:

@@ -119,3 +119,18 @@ def test_routing_and_the_report_import_without_torch():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "python")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_failure_note_holds_for_its_key_only_and_a_saved_table_clears_it(tmp_path):
+    folder = str(tmp_path)
+    path = cache.record_failure(key(), 7168, "rank 1: exit code -11", "2026-12-03 10:00:00", folder)
+    assert path.endswith(".failed.json")
+    assert cache.recorded_failure(key(), 7168, folder) == {"when": "2026-12-03 10:00:00",
+                                                           "why": "rank 1: exit code -11", "path": path}
+    assert cache.recorded_failure(key(driver="590.0"), 7168, folder) is None
+    assert cache.recorded_failure(key(), 4096, folder) is None
+    assert cache.find_tables(folder) == []  # a note is not a table
+    cache.save(_table([10, 10], [5, 5]), folder, path=str(tmp_path / "elsewhere.json"))
+    assert cache.recorded_failure(key(), 7168, folder) is not None  # a copy elsewhere does not count
+    cache.save(_table([10, 10], [5, 5]), folder)
+    assert cache.recorded_failure(key(), 7168, folder) is None

@@ -182,3 +182,20 @@ def test_a_rank_that_cannot_compute_its_key_means_seeds_everywhere():
     books, logs = resolve_all("auto", Children(good_child), facts_fn=flaky)
     assert {b.source for b in books.values()} == {"seeds"}
     assert "the routing-table key could not be computed (rank 1: RuntimeError: no NVML)" in warnings(logs)[0]
+
+
+def test_a_failed_quick_tune_is_not_run_again_at_the_next_start_until_forced():
+    def crash(rank, spec):
+        return launch.ChildOutcome(rank, returncode=-11, tail=["Segmentation fault"])
+
+    resolve_all("auto", Children(crash))
+    note = cache.recorded_failure(KEY, HIDDEN)
+    assert note and "the quick tune at start-up failed (rank 0: exit code -11" in note["why"]
+    again = Children(good_child)
+    books, logs = resolve_all("auto", again)
+    assert again.calls == [] and {b.source for b in books.values()} == {"seeds"}
+    assert "is not run again" in warnings(logs)[-1] and "--sm120-allreduce-tune force retries it" in warnings(logs)[-1]
+    forced = Children(good_child)
+    books, _ = resolve_all("force", forced)
+    assert len(forced.calls) == 2 and {b.source for b in books.values()} == {"table"}
+    assert cache.recorded_failure(KEY, HIDDEN) is None  # the saved table cleared the note
