@@ -18,6 +18,10 @@
 #   its tests only. junit XML: $WORK/results/gpu_tests_<gpu>_sglang_shared.xml (both releases, one testsuite
 #   each; copied to $OUT), per release gpu_tests_<gpu>_sglang_shared_<release>.xml.
 #   e.g. `OUT=dir bash scripts/gpu_suite.sh build sglang-shared`
+#   tune: `python -m sglang_sm120.tune --quick` (hidden 7168, rows up to 8 x 4), its table copied to
+#   $WORK/results/tune_<gpu>_shared.json (one GPU: ranks share it and --debug-nccl-us stands in for NCCL, which
+#   cannot start there: plumbing only, the times mean nothing) or tune_<gpu>_tp<N>.json, then
+#   tests/gpu/test_tune_gpu.py (tune -> table -> a group routing by it -> the activation line; the start-up tune)
 #   (default: all but probe and nop2p, in that order: the benchmarks come before the slow correctness-only tests)
 #   nop2p: both benchmarks with --no-p2p: ours through pinned host memory (sm120_hostmem) against NCCL with
 #   NCCL_P2P_DISABLE=1 (nccl_no_p2p; each script sets the variable itself, before NCCL starts), writing
@@ -146,6 +150,12 @@ for stage in $stages; do
     hostmem) step hostmem-tests $PY -m pytest -m gpu -v tests/gpu/test_hostmem_allreduce.py \
               --junitxml="$WORK/results/junit-hostmem.xml" ;;
     polling) step bench-polling $PY -m benchmarks.bench_polling --out "$WORK/results" ;;
+    tune) if [ "$NGPU" -lt 2 ]; then tune_args=(--tp 2 --share-gpu --debug-nccl-us 1000000); tune_name=shared
+          else tune_args=(); tune_name=tp$NGPU; fi
+          SGLANG_SM120_CACHE="$WORK/tune-cache" step tune $PY -m sglang_sm120.tune --hidden 7168 --quick \
+            --max-batch 8 --draft-tokens 4 ${tune_args[@]+"${tune_args[@]}"} --out "$WORK/results/tune_${GPU_TAG}_${tune_name}.json"
+          step tune-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_tune_gpu.py \
+            --junitxml="$WORK/results/junit-tune.xml" ;;
     oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
               -k oversubscribed --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
     negative) [ -d "$SGL_SM120_NEGATIVE_BUILDS" ] || $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" \

@@ -2,35 +2,46 @@
 
 Importing this package never needs the compiled extension or a GPU; calling a kernel without the
 extension raises KernelsNotBuiltError with the command that builds it. This package knows nothing of SGLang.
+
+The public names are loaded on first use (PEP 562), so the pure-Python modules (`variants`, `errors`,
+`cluster_check`'s cache folder) import without torch: the overlay's routing cache and its offline report
+read them on machines that have no torch.
 """
 
-from ._ext import kernels_available
-from .errors import (
-    IpcAllReduceError,
-    IpcAllReduceHostMemoryError,
-    IpcAllReduceProbeError,
-    IpcAllReduceTimeoutError,
-    KernelsNotBuiltError,
-)
-from .ipc_allreduce import IpcAllReduce
-from .reference import reference_add_rmsnorm, reference_all_reduce, reference_all_reduce_add_rmsnorm
-from .variants import Link, Transport, Variant, choose_transport, choose_variant, describe_schedule
+from __future__ import annotations
 
-__all__ = [
-    "IpcAllReduce",
-    "IpcAllReduceError",
-    "IpcAllReduceHostMemoryError",
-    "IpcAllReduceProbeError",
-    "IpcAllReduceTimeoutError",
-    "KernelsNotBuiltError",
-    "Link",
-    "Transport",
-    "Variant",
-    "choose_transport",
-    "choose_variant",
-    "describe_schedule",
-    "kernels_available",
-    "reference_add_rmsnorm",
-    "reference_all_reduce",
-    "reference_all_reduce_add_rmsnorm",
-]
+import importlib
+
+_LAZY = {
+    "kernels_available": "._ext",
+    "IpcAllReduceError": ".errors",
+    "IpcAllReduceHostMemoryError": ".errors",
+    "IpcAllReduceProbeError": ".errors",
+    "IpcAllReduceTimeoutError": ".errors",
+    "KernelsNotBuiltError": ".errors",
+    "IpcAllReduce": ".ipc_allreduce",
+    "reference_add_rmsnorm": ".reference",
+    "reference_all_reduce": ".reference",
+    "reference_all_reduce_add_rmsnorm": ".reference",
+    "Link": ".variants",
+    "Transport": ".variants",
+    "Variant": ".variants",
+    "choose_transport": ".variants",
+    "choose_variant": ".variants",
+    "describe_schedule": ".variants",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

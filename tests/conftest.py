@@ -64,6 +64,13 @@ def require_gpus(n: int) -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path_factory):
+    """Every test gets its own $SGLANG_SM120_CACHE: no test reads or writes the user's routing tables or
+    cluster-check verdicts."""
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path_factory.mktemp("sm120-cache")))
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """The overlay's variables (and SGLang's PCIe-IPC switch) unset for the test. setenv-then-delenv records
@@ -71,7 +78,7 @@ def clean_env(monkeypatch):
     exports the flags) are removed after the test."""
     from sglang_sm120.core import config
 
-    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
+    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, config.TUNE_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 

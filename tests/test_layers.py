@@ -1,7 +1,8 @@
 """The import graph of the overlay and of the benchmarks: every import (module level or inside a function)
 points down the layers or sideways within one, and no group of modules imports itself in a loop.
 
-    python/sglang_sm120:  core  <  runtime  <  hooks  <  seams  <  plugin, launch_server, doctor, __init__
+    python/sglang_sm120:  core  <  routing  <  tuning, reporting  <  runtime  <  hooks  <  seams
+                          <  plugin, launch_server, doctor, tune, report, __init__
                           testing imports nothing of the overlay (tests and benchmarks only)
     benchmarks:           harness  <  workloads  <  peers  <  bench_*.py, cpu_smoke.py
 """
@@ -15,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-OVERLAY_LAYERS = {"core": 0, "runtime": 1, "hooks": 2, "seams": 3, "": 4}
+OVERLAY_LAYERS = {"core": 0, "routing": 1, "tuning": 2, "reporting": 2, "runtime": 3, "hooks": 4, "seams": 5, "": 6}
 BENCH_LAYERS = {"harness": 0, "workloads": 1, "peers": 2, "": 3}
 
 

@@ -1,103 +1,17 @@
-"""CUDA-graph timing, the one way every benchmark times: K calls captured back to back into one graph, warmup
-replays, then R replays each timed with CUDA events; per call = replay / K; per replay the MAX over ranks
-(gathered over gloo afterwards, never with NCCL between spinning kernels); reported: the MEDIAN over replays."""
+"""The benchmarks' timing: sglang_sm120.tuning.timing, the tuner's own (one way to time, written once), with
+`time_graph` taking the benchmarks' Dist (its gloo all-gather and barrier)."""
 
 from __future__ import annotations
 
-import math
-import statistics
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .io import short_exc
+from sglang_sm120.tuning import timing as _timing
+from sglang_sm120.tuning.timing import aggregate_iteration_times, calls_per_replay, capture_graph, replay_times
 
-
-def aggregate_iteration_times(per_rank: Sequence[Sequence[float]]) -> dict:
-    """per_rank[r][i]: rank r's time of iteration i. Per iteration take the max over ranks (the collective is
-    only done when its slowest rank is); report the median of those maxima, plus spread."""
-    if not per_rank or not per_rank[0]:
-        raise ValueError("no timings")
-    n = len(per_rank[0])
-    if any(len(r) != n for r in per_rank):
-        raise ValueError("ranks report different iteration counts")
-    worst = [max(r[i] for r in per_rank) for i in range(n)]
-    srt = sorted(worst)
-
-    def pct(p: float) -> float:
-        return srt[min(n - 1, max(0, int(math.floor(p * (n - 1) + 0.5))))]
-
-    return {
-        "median_us": statistics.median(worst),
-        "p10_us": pct(0.10),
-        "p90_us": pct(0.90),
-        "min_us": srt[0],
-        "iters": n,
-    }
-
-
-def calls_per_replay(nbytes: int, base: int = 20) -> int:
-    """K: calls captured per graph. Identical on all ranks (a function of the size only)."""
-    if nbytes <= 1 << 20:
-        return base
-    if nbytes <= 8 << 20:
-        return max(1, base // 2)
-    return max(1, base // 5)
-
-
-def capture_graph(
-    step: Callable[[int], Any], calls: int, *, eager_warmup: int = 1, stream: Any = None
-) -> tuple[Any, list]:
-    """Run ``step(k)`` for k in range(calls) eagerly ``eager_warmup`` times, then capture the same calls into
-    one graph (on ``stream`` if given, e.g. SGLang's graph_capture stream). Returns (graph, outputs)."""
-    import torch
-
-    for _ in range(eager_warmup):
-        for k in range(calls):
-            step(k)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    outs: list = []
-    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
-        for k in range(calls):
-            outs.append(step(k))
-    torch.cuda.synchronize()
-    return g, outs
-
-
-def replay_times(graph: Any, iters: int, *, warmup: int = 0, sync_each: bool = False) -> list[float]:
-    """This rank's us per replay of ``graph``, timed with CUDA events: ``warmup`` untimed replays, then ``iters``
-    timed ones, back to back (no host sync in between, so host skew between ranks is absorbed by the warmup
-    replays) unless ``sync_each`` makes the host wait for each replay before it launches the next."""
-    import torch
-
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda.synchronize()
-    for _ in range(warmup):
-        graph.replay()
-    for i in range(iters):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-        if sync_each:
-            ends[i].synchronize()
-    torch.cuda.synchronize()
-    return [starts[i].elapsed_time(ends[i]) * 1000.0 for i in range(iters)]
+__all__ = ["aggregate_iteration_times", "calls_per_replay", "capture_graph", "replay_times", "time_graph"]
 
 
 def time_graph(d, graph: Any, *, calls: int, iters: int, warmup: int) -> dict:
-    """Replay ``graph`` warmup + iters times (``replay_times``); per-call us = replay / calls; gather over gloo;
-    MAX over ranks per iteration; MEDIAN over iterations. Raises the same error on every rank if any rank
-    failed."""
-    d.barrier()
-    local, err = None, None
-    try:
-        local = [t / calls for t in replay_times(graph, iters, warmup=warmup)]
-    except Exception as e:  # noqa: BLE001
-        err = short_exc(e)
-    gathered = d.all_gather_obj((local, err))
-    errs = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-    if errs:
-        raise RuntimeError("timing failed: " + "; ".join(errs))
-    out = aggregate_iteration_times([g[0] for g in gathered])
-    out["calls_per_replay"] = calls
-    return out
+    """sglang_sm120.tuning.timing.time_graph over the benchmark's gloo group."""
+    return _timing.time_graph(graph, calls=calls, iters=iters, warmup=warmup, gather=d.all_gather_obj,
+                              barrier=d.barrier)

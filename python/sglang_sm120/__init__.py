@@ -7,7 +7,7 @@ entry point in every process). Neither SGLang nor the kernel package is imported
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .core.version import __version__
 
 
 def activate() -> None:

@@ -3,9 +3,11 @@
 Prints the GPUs (capability, driver, CUDA, NCCL), the architectures the kernels were built for, the probed
 CUDA P2P matrix, the PCIe/NUMA topology and the islands the kernel would use, IOMMU/ACS hints, NCCL settings
 worth setting for the large reductions that stay on NCCL, which backend each message size takes, which path the
-TP group gets on this box (CUDA IPC over P2P, pinned host memory without P2P, or NCCL) and why, and (with GPUs
-and built kernels) a short multi-process self-test over that path. Exits 0 when the backend can run, 1
-otherwise, naming the reason. Works on a CPU-only machine.
+TP group gets on this box (CUDA IPC over P2P, pinned host memory without P2P, or NCCL) and why, the routing table
+measured on this box (python -m sglang_sm120.tune) if any, the P2P fingerprints (SM store vs load bandwidth per
+pair and with all peers at once, one-way flag latency, driver-staged P2P; measured in a child process, not yet
+run on a GPU), and (with GPUs and built kernels) a short multi-process self-test over that path. Exits 0 when
+the backend can run, 1 otherwise, naming the reason. Works on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import sys
 from collections.abc import Sequence
 
 from .core import config
-from .core.facts import gpu_uuid, kernel_error
+from .core.facts import gpu_uuid, kernel_error, key_facts
 from .core.gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
 from .core.topology import cpu_affinity, format_levels, kernel_islands, level_name, probe
+from .reporting import render
+from .routing import cache
+from .routing.table import make_key
+from .tuning import fabric
 
 NCCL_SETTINGS = [
     ("NCCL_P2P_LEVEL", "SYS", "let NCCL use P2P across the CPU interconnect too (large reductions stay on NCCL)"),
@@ -255,6 +261,66 @@ def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
           f"({SHM_DIR_ENV}); {room}")
 
 
+def report_routing_table(world: int, memory: str, matrix: list[list[bool]], uuids: list[str], hidden: int,
+                         bound: config.ByteBound) -> None:
+    """The routing table a TP=world server on cuda:0..world-1 would route by (the key the server computes), or why
+    there is none; and the other tables in the cache folder."""
+    try:
+        import torch
+
+        local = [key_facts(torch.device("cuda", i)) for i in range(world)]
+        islands = None
+        if memory == "device":
+            islands = kernel_islands(probe(uuids[:world]).islands(), world)
+        key = make_key(local, islands=islands, p2p=[row[:world] for row in matrix[:world]], memory=memory)
+    except Exception as exc:
+        print(f"the table key could not be computed: {type(exc).__name__}: {exc}")
+        return
+    rows = max(1, bound.max_bytes // (hidden * 2))
+    loaded = cache.load(key, hidden=hidden, dtype="bfloat16", max_bytes=rows * hidden * 2)
+    if loaded.ok:
+        print(f"TP={world}, hidden {hidden}, bf16: tuned table {loaded.path}, measured {loaded.table.measured}")
+        print(render.ranges_markdown(loaded.table))
+    elif loaded.status == cache.MISSING:
+        print(f"TP={world}, hidden {hidden}: no table ({loaded.path}); servers route by the seeds until "
+              f"`python -m sglang_sm120.tune --hidden {hidden} --tp {world}` has measured this box "
+              f"(or, with --sm120-allreduce-tune auto, measure a quick one at start)")
+    else:
+        print(f"TP={world}, hidden {hidden}: {loaded.warning()}")
+    others = [t for t in cache.find_tables() if t.path != loaded.path]
+    for other in others:
+        what = f"measured {other.table.measured}" if other.table is not None else f"{other.status} ({other.reason})"
+        print(f"also in the cache: {other.path}: {what}")
+
+
+FABRIC_MODULE = "sglang_sm120.tuning.fabric_probe"
+
+
+def report_fingerprints(count: int, timeout_s: float) -> None:
+    """The P2P fingerprints, measured in a child process (tuning/fabric_probe.py) so that a fault on an unknown
+    fabric cannot end the doctor; judged by tuning/fabric.py."""
+    command = [sys.executable, "-m", FABRIC_MODULE, "--gpus", ",".join(map(str, range(count)))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"not measured: the probe did not finish within {timeout_s:.0f} s")
+        return
+    except OSError as exc:
+        print(f"not measured: the probe could not start ({exc})")
+        return
+    found = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not found:
+        tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[-400:]
+        print(f"not measured: the probe failed (exit code {done.returncode}): {tail}")
+        return
+    try:
+        fingerprint = fabric.Fingerprint.from_dict(json.loads(found[-1]))
+        for line in fabric.report_lines(fingerprint):
+            print(line)
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"not measured: the probe's answer could not be read ({type(exc).__name__}: {exc})")
+
+
 def self_test(world: int, hidden: int, timeout_s: float, memory: str = "device") -> str | None:
     """Runs the kernels over `world` local GPUs in spawned processes, with the workspace in `memory`. None when
     it passed, else why not."""
@@ -349,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="explicit bound (overrides the derived one)")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
     parser.add_argument("--self-test-timeout", type=float, default=120.0)
+    parser.add_argument("--no-fingerprint", action="store_true",
+                        help="skip the P2P fingerprints (bandwidth, flag latency, driver staging)")
+    parser.add_argument("--fingerprint-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     problems: list[str] = []
     try:
@@ -452,6 +521,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"the server stays on NCCL: {config.HOSTMEM_ENV}=off)"))
     if mode == "off":
         usable_world = None
+
+    section("routing table (python -m sglang_sm120.tune)")
+    if usable_world is not None:
+        report_routing_table(usable_world, usable_memory, matrix, [g["uuid"] for g in found], args.hidden, bound)
+    else:
+        print("no TP size enables the backend here: nothing to route")
+    if count >= 2 and not args.no_fingerprint:
+        section("P2P fingerprints: SM store vs load, flag latency, driver staging (not yet validated on a GPU)")
+        report_fingerprints(count, args.fingerprint_timeout)
 
     section("fused one-shot: cluster launch")
     report_cluster_launch(found)

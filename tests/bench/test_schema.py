@@ -1,4 +1,4 @@
-"""Result schemas and the pure helpers of the benchmarks (benchmarks/harness/schema.py, io.py, timing.py)."""
+"""Result schemas (sglang_sm120/reporting/schema.py) and the benchmarks' pure helpers (harness io.py, timing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from benchmarks.harness import io, ranks, schema, timing
+from benchmarks.harness import io, ranks, timing
+from sglang_sm120.reporting import schema
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.3", "world_size": 2}
 

@@ -74,6 +74,13 @@ def _fake_box(monkeypatch, name, p2p_ok):
     monkeypatch.setattr(doctor, "cpu_affinity", lambda uuid: None)
     monkeypatch.setattr(doctor, "kernel_error", lambda: None)  # as if the kernels were built
     monkeypatch.setattr(doctor, "probe", lambda uuids: _NoTopology())
+    monkeypatch.setattr(doctor, "key_facts", _key_facts)
+    monkeypatch.setattr(doctor, "report_fingerprints", lambda count, timeout_s: print(f"(fingerprints of {count})"))
+
+
+def _key_facts(device):
+    return {"uuid": f"GPU-{device.index}", "pci_bus_id": None, "name": "fake", "driver": "580.1", "cuda": "13.0",
+            "torch": "2.14.1", "nccl": "2.27.3", "sglang_sm120": "0.1.0", "kernels": "fake"}
 
 
 def test_doctor_gives_geforce_cards_the_host_memory_path(monkeypatch, capsys):
@@ -147,3 +154,63 @@ def test_doctor_names_the_architectures_the_library_was_built_for(monkeypatch, t
     (tmp_path / "_C_torch9_9_9_cuda13_0.build.json").write_text(__import__("json").dumps(record))
     line = doctor.build_record_line()
     assert "built for 9.0a;12.0a with nvcc 13.0 against torch 9.9.9+cu130" in line, line
+
+
+def test_doctor_shows_the_routing_table_of_this_box_or_how_to_make_one(monkeypatch, capsys):
+    from sglang_sm120.routing import cache
+    from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
+
+    _fake_box(monkeypatch, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", p2p_ok=True)
+    assert doctor.main(["--no-self-test", "--mode", "auto", "--max-bs", "1", "--draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=2, hidden 7168: no table" in out and "python -m sglang_sm120.tune --hidden 7168 --tp 2" in out, out
+    assert "(fingerprints of 2)" in out
+    key = make_key([_key_facts(torch_device(i)) for i in range(2)], islands=None, p2p=[[True, True], [True, True]],
+                   memory="device")
+    points = [Point(r, r * 14336, {NCCL: 20.0, "sm120/ONESHOT/push/device": 10.0}) for r in (1, 2)]
+    table = RoutingTable.from_points(key=key, measured="2026-12-03T10:00:00Z", workload={"hidden": 7168},
+                                     measurements={("bfloat16", k): points for k in ("plain", "fused")})
+    path = cache.save(table)
+    assert doctor.main(["--no-self-test", "--mode", "auto", "--max-bs", "1", "--draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"TP=2, hidden 7168, bf16: tuned table {path}, measured 2026-12-03T10:00:00Z" in out, out
+    assert "| bfloat16 | fused | 1 | 28672 | ONESHOT/push/device |" in out, out
+
+
+def torch_device(index):
+    import torch
+
+    return torch.device("cuda", index)
+
+
+def test_the_fingerprints_come_from_a_child_and_a_failing_child_is_not_measured(monkeypatch, capsys):
+    import json
+    import subprocess
+
+    answer = {"gpus": [0, 1], "pairs": [{"src": 0, "dst": 1, "store_gbps": 2.6, "load_gbps": 27.0}],
+              "all_peers": {"store_gbps": 2.6, "load_gbps": 27.0}, "errors": []}
+    calls = []
+
+    def run(command, **kw):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout="noise\n" + json.dumps(answer) + "\n", stderr="")
+
+    monkeypatch.setattr(doctor.subprocess, "run", run)
+    doctor.report_fingerprints(2, 10.0)
+    out = capsys.readouterr().out
+    assert calls[0][1:] == ["-m", "sglang_sm120.tuning.fabric_probe", "--gpus", "0,1"]
+    assert "=> posted-write collapse: with every GPU writing to all its peers at once" in out, out
+
+    def crash(command, **kw):
+        return subprocess.CompletedProcess(command, -11, stdout="", stderr="Segmentation fault")
+
+    monkeypatch.setattr(doctor.subprocess, "run", crash)
+    doctor.report_fingerprints(2, 10.0)
+    assert "not measured: the probe failed (exit code -11): Segmentation fault" in capsys.readouterr().out
+
+    def hang(command, timeout, **kw):
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(doctor.subprocess, "run", hang)
+    doctor.report_fingerprints(2, 10.0)
+    assert "not measured: the probe did not finish within 10 s" in capsys.readouterr().out

@@ -1,9 +1,10 @@
-"""Settings of the overlay: the two server arguments, their environment equivalents, the environment-only
-settings (agreement timeout, host-memory switch), and the byte bound.
+"""Settings of the overlay: the three server arguments, their environment equivalents, the environment-only
+settings (agreement timeout, host-memory switch, tune timeout), and the byte bound.
 
-`--sm120-allreduce {auto,on,off}` and `--sm120-allreduce-max-bytes N` are added to SGLang's parser by the
-server-args seam. Values are stored as plain instance attributes of `ServerArgs` (a dataclass in
-0.5.13.post1), so they travel inside the pickled `ServerArgs` that every scheduler process receives. The
+`--sm120-allreduce {auto,on,off}`, `--sm120-allreduce-max-bytes N` and
+`--sm120-allreduce-tune {auto,off,force}` are added to SGLang's parser by the server-args seam. Values are stored
+as plain instance attributes of `ServerArgs` (a dataclass in 0.5.13.post1), so they travel inside the pickled
+`ServerArgs` that every scheduler process receives. The
 `sglang.Engine(**kwargs)` API bypasses argparse and would reject unknown keyword arguments, hence the
 environment variables, which spawned scheduler processes inherit.
 
@@ -31,12 +32,22 @@ DEFAULT_HOSTMEM = "auto"
 
 MODES = ("auto", "on", "off")
 DEFAULT_MODE = "auto"
+# What a server does when no routing table of this box covers it (a table that does is always used, unless
+# "force"): "auto" runs the quick tune before CUDA-graph capture and caches it, "off" routes by the seeds,
+# "force" tunes again even when a table exists.
+TUNE_ENV = "SGLANG_SM120_ALLREDUCE_TUNE"
+TUNE_MODES = ("auto", "off", "force")
+DEFAULT_TUNE = "auto"
+# Bound, in seconds, of the quick tune at server start (its child processes are killed after it: seeds then).
+TUNE_TIMEOUT_ENV = "SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S"
+DEFAULT_TUNE_TIMEOUT_S = 180.0
 DEFAULT_AGREEMENT_TIMEOUT_S = 60.0
 MAX_AGREEMENT_TIMEOUT_S = 3600.0
 
 # Names of the attributes stored on ServerArgs instances (and of the argparse destinations).
 MODE_ATTR = "sm120_allreduce"
 MAX_BYTES_ATTR = "sm120_allreduce_max_bytes"
+TUNE_ATTR = "sm120_allreduce_tune"
 
 # The derived default is capped: past a few MiB NCCL's ring is as fast on PCIe and the IPC scratch
 # (allocated on every rank) would grow with the largest CUDA-graph batch.
@@ -59,6 +70,16 @@ def parse_mode(value: object, source: str) -> str:
     text = str(value).strip().lower()
     if text not in MODES:
         raise SettingError(f"{source}={value!r} is not a valid mode; allowed: {', '.join(MODES)}")
+    return text
+
+
+def parse_tune(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in TUNE_MODES:
+        raise SettingError(
+            f"{source}={value!r} is not a valid tune setting; allowed: {', '.join(TUNE_MODES)} (auto: measure at "
+            "start-up when no table of this box exists; off: the built-in seeds; force: measure at every start)"
+        )
     return text
 
 
@@ -108,24 +129,39 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
     return DEFAULT_MODE if raw in (None, "") else parse_mode(raw, MODE_ENV)
 
 
+def tune_from_env(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    raw = environ.get(TUNE_ENV)
+    return DEFAULT_TUNE if raw in (None, "") else parse_tune(raw, TUNE_ENV)
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float, maximum: float) -> float:
+    raw = environ.get(name)
+    if raw in (None, ""):
+        return default
+    allowed = f"allowed: seconds, a number above 0 and at most {maximum:.0f}"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a number; {allowed}") from None
+    if not 0 < value <= maximum:  # also rejects nan
+        raise SettingError(f"{name}={raw!r} is out of range; {allowed}")
+    return value
+
+
+def tune_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    return _seconds(os.environ if environ is None else environ, TUNE_TIMEOUT_ENV, DEFAULT_TUNE_TIMEOUT_S,
+                    MAX_AGREEMENT_TIMEOUT_S)
+
+
 def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int | None:
     environ = os.environ if environ is None else environ
     return parse_max_bytes(environ.get(MAX_BYTES_ENV), MAX_BYTES_ENV)
 
 
 def agreement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
-    environ = os.environ if environ is None else environ
-    raw = environ.get(AGREEMENT_TIMEOUT_ENV)
-    if raw in (None, ""):
-        return DEFAULT_AGREEMENT_TIMEOUT_S
-    allowed = f"allowed: seconds, a number above 0 and at most {MAX_AGREEMENT_TIMEOUT_S:.0f}"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is not a number; {allowed}") from None
-    if not 0 < value <= MAX_AGREEMENT_TIMEOUT_S:  # also rejects nan
-        raise SettingError(f"{AGREEMENT_TIMEOUT_ENV}={raw!r} is out of range; {allowed}")
-    return value
+    return _seconds(os.environ if environ is None else environ, AGREEMENT_TIMEOUT_ENV, DEFAULT_AGREEMENT_TIMEOUT_S,
+                    MAX_AGREEMENT_TIMEOUT_S)
 
 
 KERNEL_TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"  # read by sgl_kernel_sm120 itself when no value is passed
@@ -149,7 +185,9 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     SGLang's own setup (argument parsing, ServerArgs construction), so a typo stops the launch at once."""
     mode_from_env(environ)
     max_bytes_from_env(environ)
+    tune_from_env(environ)
     agreement_timeout_s(environ)
+    tune_timeout_s(environ)
     hostmem_from_env(environ)
 
 
@@ -209,12 +247,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             f"{MAX_EXPLICIT_BYTES}, or 'auto'. Environment equivalent: {MAX_BYTES_ENV}."
         ),
     )
+    group.add_argument(
+        "--sm120-allreduce-tune",
+        dest=TUNE_ATTR,
+        action=SettingAction,
+        parse=parse_tune,
+        metavar="{" + ",".join(TUNE_MODES) + "}",
+        default=None,
+        help=(
+            "Which sizes the sm120 kernels serve is decided by a routing table measured on this box (python -m "
+            "sglang_sm120.tune), found in $SGLANG_SM120_CACHE by GPUs, driver, versions and topology; each size goes "
+            "to the kernels only where they beat NCCL. Without a table: 'auto' (default) measures a quick one "
+            "before CUDA-graph capture and caches it (any failure: the seeds, with a warning); 'off' uses the "
+            "built-in seeds; 'force' measures at every start even when a table exists. Environment equivalent: "
+            f"{TUNE_ENV}."
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class OverlaySettings:
     mode: str
     max_bytes: int | None  # None: derive from the model and the CUDA-graph batch sizes
+    tune: str = DEFAULT_TUNE
 
 
 def settings_from_server_args(server_args: object | None, environ: Mapping[str, str] | None = None) -> OverlaySettings:
@@ -226,7 +281,9 @@ def settings_from_server_args(server_args: object | None, environ: Mapping[str, 
         max_bytes = max_bytes_from_env(environ)
     else:
         max_bytes = parse_max_bytes(max_bytes, f"ServerArgs.{MAX_BYTES_ATTR}")
-    return OverlaySettings(mode=mode, max_bytes=max_bytes)
+    tune = getattr(server_args, TUNE_ATTR, None) if server_args is not None else None
+    tune = tune_from_env(environ) if tune is None else parse_tune(tune, f"ServerArgs.{TUNE_ATTR}")
+    return OverlaySettings(mode=mode, max_bytes=max_bytes, tune=tune)
 
 
 @dataclass(frozen=True)

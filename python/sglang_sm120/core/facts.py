@@ -11,6 +11,8 @@ two PCIe-only GPUs cannot use its custom all-reduce, i.e. never on the machines 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +98,72 @@ def local_facts(device, mode: str) -> dict[str, Any]:
         facts["probe_error"] = f"{type(exc).__name__}: {exc}"
         logger.warning("sglang_sm120: probing the local GPU failed: %s", facts["probe_error"])
     return facts
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver's version ('580.95.05'), or 'unknown'."""
+    try:
+        with open("/proc/driver/nvidia/version") as handle:
+            found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", handle.read())
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:
+        return "unknown"
+
+
+def library_identity() -> str:
+    """Which kernel library this process loads: its file name, size and modification time (a rebuild changes
+    it), or why none loads."""
+    try:
+        from sgl_kernel_sm120 import _ext
+
+        path = _ext.library_path()
+        st = os.stat(path)
+        return f"{os.path.basename(path)}:{st.st_size}:{int(st.st_mtime)}"
+    except Exception as exc:
+        return f"unavailable ({type(exc).__name__})"
+
+
+def key_facts(device) -> dict[str, Any]:
+    """This rank's part of the routing-table key (routing/table.py LOCAL_FIELDS): its GPU and the versions
+    that can change a measurement. Needs torch and the GPU; the same function in the server and in the tuner,
+    so both compute the same key."""
+    import torch
+
+    from .version import __version__
+
+    index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    bus = None
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    try:
+        nccl = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except Exception:
+        nccl = "unknown"
+    return {
+        "uuid": gpu_uuid(props),
+        "pci_bus_id": bus,
+        "name": str(props.name),
+        "driver": driver_version(),
+        "cuda": str(torch.version.cuda),
+        "torch": str(torch.__version__),
+        "nccl": nccl,
+        "sglang_sm120": __version__,
+        "kernels": library_identity(),
+    }
 
 
 @dataclass(frozen=True)

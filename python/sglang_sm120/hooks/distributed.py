@@ -259,7 +259,7 @@ def prepare_tp_backend(
         settings.max_bytes, server_args, hidden_size, element_size, decode_rows=decode_rows
     )
     timeout_s, _ = config.kernel_timeout_s(server_args)
-    if comm.build(hidden_size, dtype, bound, kernel_timeout_s=timeout_s):
+    if comm.build(hidden_size, dtype, bound, kernel_timeout_s=timeout_s, tune=settings.tune):
         comm.fusion_groups_ok = fusion_groups_are(group)
         if not comm.fusion_groups_ok and comm.rank_in_group == 0:
             logger.info("sglang_sm120 [%s]: attention-TP/MoE groups differ from the TP group; fused "

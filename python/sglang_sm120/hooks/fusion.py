@@ -48,12 +48,13 @@ def _dp_attention_enabled() -> bool:
 
 
 def sm120_fusion_applies(num_tokens: int) -> bool:
-    """Our half of the fusion gate: backend active and the token count fits the workspace. A pure function of
-    T and build-time configuration, so every rank answers the same."""
+    """Our half of the fusion gate: backend active, the token count fits the workspace, and the routes send a
+    fused call of that size to our kernel (where a tuned table says NCCL + SGLang's add + RMSNorm won, SGLang
+    keeps its own path). A pure function of T and build-time configuration, so every rank answers the same."""
     comm = fusion_backend()
     if comm is None or torch.compiler.is_compiling() or _dp_attention_enabled():
         return False
-    return 0 < int(num_tokens) <= comm.max_fused_tokens
+    return comm.fuses_rows(num_tokens)
 
 
 def wrap_fusion_gate(original):

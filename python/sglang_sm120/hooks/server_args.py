@@ -1,4 +1,4 @@
-"""Replacements for ServerArgs seams: the two flags, and how their values reach every process.
+"""Replacements for ServerArgs seams: the three flags, and how their values reach every process.
 
 - `add_cli_args` (staticmethod): adds the flags, so they show in `--help`.
 - `from_cli_args` (classmethod): checks the SGLANG_SM120_* environment before SGLang builds anything (a bad
@@ -65,11 +65,13 @@ def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int]
     return True
 
 
-def store_settings(server_args, mode: str | None, max_bytes: int | None) -> None:
+def store_settings(server_args, mode: str | None, max_bytes: int | None, tune: str | None = None) -> None:
     if mode is not None:
         setattr(server_args, config.MODE_ATTR, config.parse_mode(mode, "--sm120-allreduce"))
     if max_bytes is not None:
         setattr(server_args, config.MAX_BYTES_ATTR, config.parse_max_bytes(max_bytes, "--sm120-allreduce-max-bytes"))
+    if tune is not None:
+        setattr(server_args, config.TUNE_ATTR, config.parse_tune(tune, "--sm120-allreduce-tune"))
 
 
 def wrap_add_cli_args(original):
@@ -102,12 +104,15 @@ def wrap_from_cli_args(original):
         server_args = func(cls, args)
         mode = getattr(args, config.MODE_ATTR, None)
         max_bytes = getattr(args, config.MAX_BYTES_ATTR, None)
-        store_settings(server_args, mode, max_bytes)
+        tune = getattr(args, config.TUNE_ATTR, None)
+        store_settings(server_args, mode, max_bytes, tune)
         # Processes started later (schedulers, detokenizer) inherit the environment.
         if mode is not None:
             os.environ[config.MODE_ENV] = getattr(server_args, config.MODE_ATTR)
         if max_bytes is not None:
             os.environ[config.MAX_BYTES_ENV] = str(getattr(server_args, config.MAX_BYTES_ATTR))
+        if tune is not None:
+            os.environ[config.TUNE_ENV] = getattr(server_args, config.TUNE_ATTR)
         keep_flashinfer_fusion_off_on_sm120(server_args)
         return server_args
 
@@ -124,6 +129,8 @@ def wrap_post_init(original):
             setattr(self, config.MODE_ATTR, config.mode_from_env())
         if getattr(self, config.MAX_BYTES_ATTR, None) is None:
             setattr(self, config.MAX_BYTES_ATTR, config.max_bytes_from_env())
+        if getattr(self, config.TUNE_ATTR, None) is None:
+            setattr(self, config.TUNE_ATTR, config.tune_from_env())
         keep_flashinfer_fusion_off_on_sm120(self)
 
     return __post_init__
@@ -148,6 +155,8 @@ def fill_settings_from_env(server_args) -> None:
         setattr(server_args, config.MODE_ATTR, config.mode_from_env())
     if getattr(server_args, config.MAX_BYTES_ATTR, None) is None:
         setattr(server_args, config.MAX_BYTES_ATTR, config.max_bytes_from_env())
+    if getattr(server_args, config.TUNE_ATTR, None) is None:
+        setattr(server_args, config.TUNE_ATTR, config.tune_from_env())
 
 
 class RunsFirst:

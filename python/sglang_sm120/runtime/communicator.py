@@ -13,6 +13,8 @@ Life cycle (each step collective over the TP group, each bounded in time, each a
    pinned host memory when P2P is missing. A device build whose data-path probe fails on the ranks
    (`IpcAllReduceProbeError`: the driver allows P2P but writes do not arrive) is retried once in host memory,
    unless SGLANG_SM120_HOSTMEM=off; the retry is decided from the agreed outcomes, so every rank takes it.
+   Then the routes (runtime/tables.py): the tuned table of this box, a quick tune at start-up, or the seeds;
+   every size goes to our kernels only where the table says they beat NCCL (`RouteBook`, runtime/routes.py).
 3. `all_reduce` / `all_reduce_add_rmsnorm` for eligible tensors, counted in `stats`.
 4. `close()` from `GroupCoordinator.destroy`.
 
@@ -31,11 +33,14 @@ import torch
 from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
 from sgl_kernel_sm120.variants import describe_schedule
 
-from ..core import exchange
+from ..core import config, exchange
 from ..core.config import HOSTMEM_ENV, ByteBound
 from ..core.facts import group_facts, local_facts
 from ..core.gate import GateDecision, decide
 from ..core.topology import kernel_islands, probe
+from ..tuning.candidates import KernelOffer, apply_cluster, detect_offer
+from .routes import RouteBook
+from .tables import resolve_routes
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -100,6 +105,9 @@ class Sm120Communicator:
 
         self.decision: GateDecision | None = None
         self.uuids: list[str | None] = []
+        self.p2p: list[list[bool]] | None = None  # the gate's P2P matrix: part of the routing-table key
+        # Which sizes go to our kernels, and how (set at build; the seeds until then).
+        self.routes: RouteBook = RouteBook.seeds()
         self.comm = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted = False
         self.build_error: str | None = None
@@ -158,9 +166,10 @@ class Sm120Communicator:
     def _scope(self, step: str) -> str:
         return f"{self.name}/{'-'.join(map(str, self.ranks))}/{step}"
 
-    def _agree(self, step: str, payload: Any) -> list[Any]:
+    def _agree(self, step: str, payload: Any, timeout_s: float | None = None) -> list[Any]:
         prefix = exchange.next_prefix(self._scope(step), self.rank_in_group)
-        return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload, self.timeout_s)
+        return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload,
+                              self.timeout_s if timeout_s is None else timeout_s)
 
     def _activation_line(self, enabled: bool, detail: str) -> str:
         return activation_line(enabled, self.name, self.world_size, self.mode, detail, self.upstream_note(enabled))
@@ -179,6 +188,7 @@ class Sm120Communicator:
             everyone = self._agree("gate", facts)
             gathered = group_facts(everyone)
             self.uuids = gathered.uuids
+            self.p2p = gathered.p2p
             decision = decide(
                 self.mode,
                 gathered.capabilities,
@@ -212,9 +222,12 @@ class Sm120Communicator:
 
     # ------------------------------------------------------------------------------------------------------
     def build(
-        self, hidden_size: int, dtype: torch.dtype, bound: ByteBound, kernel_timeout_s: float | None = None
+        self, hidden_size: int, dtype: torch.dtype, bound: ByteBound, kernel_timeout_s: float | None = None,
+        tune: str = "off",
     ) -> bool:
-        """Collective: create the IpcAllReduce workspace. Every rank ends with it, or none does. Runs once;
+        """Collective: create the IpcAllReduce workspace, then resolve the routes (`tune`: the
+        --sm120-allreduce-tune setting; "off" keeps to an existing table or the seeds, the default here so that
+        nothing measures unless the caller asks). Every rank ends with a workspace, or none does. Runs once;
         later calls (the draft model's runner) keep the first workspace, which captured graphs reference."""
         if not self.gate_enabled or self.build_attempted:
             return self.active
@@ -301,16 +314,41 @@ class Sm120Communicator:
         self.max_bytes = max_numel * element_size
         self.max_fused_tokens = max_numel // int(hidden_size)
         self.bound_explanation = bound.explanation
+        self.routes = self._resolve_routes(tune)
         self._log_rank0(logging.WARNING, "%s", self._activation_line(True, self.serving_summary()))
         return True
 
+    def _resolve_routes(self, tune: str) -> RouteBook:
+        """Collective (runtime/tables.py): the table of this box, a quick tune, or the seeds. Never raises."""
+        comm = self.comm
+        try:
+            offer = detect_offer(type(comm))
+        except Exception:  # a stand-in workspace class, or a broken install: push, per-call variant only
+            offer = KernelOffer()
+        try:
+            tune_timeout = config.tune_timeout_s()
+        except config.SettingError as exc:
+            self._log_rank0(logging.WARNING, "sglang_sm120: %s; using the default", exc)
+            tune_timeout = config.DEFAULT_TUNE_TIMEOUT_S
+        return resolve_routes(
+            agree=self._agree, rank=self.rank_in_group, world=self.world_size, device=self.device,
+            memory=self.memory, islands=getattr(comm, "islands", None), link=self.link, p2p=self.p2p, offer=offer,
+            num_islands=int(getattr(comm, "num_islands", 1) or 1), hidden=int(self.hidden_size), dtype=self.dtype,
+            max_bytes=self.max_bytes, tune=tune, tune_timeout_s=tune_timeout,
+            log=lambda level, text: self._log_rank0(level, "%s", text),
+        )
+
     def serving_summary(self) -> str:
-        """What the built workspace serves, for the activation line: bound, schedule, fused bound, islands."""
+        """What the built workspace serves, for the activation line: bound, schedule (the table's routes, or the
+        seeds' variants), fused bound, islands, and where the routes come from."""
         comm = self.comm
         link = getattr(comm, "link", self.link)
         link = getattr(link, "value", link)
         islands = getattr(comm, "islands", None)
-        schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
+        if self.routes.source == "table":
+            schedule = f"where the table routes them, {self.routes.describe(_dtype_name(self.dtype), self.max_bytes)}"
+        else:
+            schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
         transport = f"transport: {transport_text(self.memory)}"
         if self.memory_note:
             transport += f", because {self.memory_note}"
@@ -323,7 +361,8 @@ class Sm120Communicator:
             f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}, a few rows "
             f"{fused_launch}), larger ones to NCCL; {transport}; islands {islands or 'none (flat)'}, "
             f"link {link}{waits}; "
-            f"bound: {self.bound_explanation}; gate: {self.decision.reason if self.decision else '?'}"
+            f"bound: {self.bound_explanation}; gate: {self.decision.reason if self.decision else '?'}; "
+            f"{self.routes.source_line()}"
         )
 
     def _construct(
@@ -376,10 +415,15 @@ class Sm120Communicator:
     # ------------------------------------------------------------------------------------------------------
     # Eligibility: pure functions of shape, dtype, contiguity and configuration fixed at build time, so every
     # rank of the group takes the same path for the same call (a mismatch would leave a kernel waiting).
+    def _route(self, inp: torch.Tensor, fused: bool):
+        return self.routes.call(inp.numel() * inp.element_size(), _dtype_name(inp.dtype), fused)
+
     def takes(self, inp: torch.Tensor) -> bool:
         comm = self.comm
-        # The kernel's supports() also checks device, dtype, contiguity and its own numel bound.
-        return comm is not None and inp.numel() * inp.element_size() <= self.max_bytes and bool(comm.supports(inp))
+        # The kernel's supports() also checks device, dtype, contiguity and its own numel bound; the routes say
+        # whether this size is ours at all (a table sends the sizes NCCL won to NCCL).
+        return (comm is not None and inp.numel() * inp.element_size() <= self.max_bytes and bool(comm.supports(inp))
+                and self._route(inp, False) is not None)
 
     def takes_fused(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         comm = self.comm
@@ -392,15 +436,28 @@ class Sm120Communicator:
         if inp.numel() * inp.element_size() > self.max_bytes:
             return False
         supports = getattr(comm, "supports_add_rmsnorm", comm.supports)
-        return bool(supports(inp))
+        return bool(supports(inp)) and self._route(inp, True) is not None
+
+    def fuses_rows(self, num_tokens: int) -> bool:
+        """The fusion gate's question: are fused calls of `num_tokens` rows (of the model's hidden size and
+        dtype) ours? Where the table routes them to NCCL, SGLang keeps its all-reduce + add + RMSNorm."""
+        if self.comm is None or self.hidden_size is None or not 0 < int(num_tokens) <= self.max_fused_tokens:
+            return False
+        element = torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else 2
+        nbytes = int(num_tokens) * self.hidden_size * element
+        return self.routes.call(nbytes, _dtype_name(self.dtype), True) is not None
 
     def all_reduce(self, inp: torch.Tensor) -> torch.Tensor:
         self.stats["sm120"] += 1
-        return self.comm.all_reduce(inp)
+        _, kwargs = self._route(inp, False)
+        return self.comm.all_reduce(inp, **kwargs)
 
     def all_reduce_add_rmsnorm(self, inp, residual, weight, eps: float):
         self.stats["sm120_fused"] += 1
-        return self.comm.all_reduce_add_rmsnorm(inp, residual, weight, eps)
+        route, kwargs = self._route(inp, True)
+        if route is not None:
+            kwargs = apply_cluster(self.comm, route, self.routes.offer, kwargs)
+        return self.comm.all_reduce_add_rmsnorm(inp, residual, weight, eps, **kwargs)
 
     # ------------------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -435,9 +492,14 @@ class Sm120Communicator:
             "memory": self.memory,  # "device" (CUDA IPC over P2P) | "host" (pinned host memory) | None
             "memory_note": self.memory_note,
             "fused_clusters": dict(getattr(self.comm, "fused_clusters", {}) or {}) if self.comm is not None else None,
+            "routes": self.routes.as_dict(_dtype_name(self.dtype) if self.dtype else None, self.max_bytes),
             "stats": dict(self.stats),
             "device_calls": self.device_calls(),
         }
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _host_memory_failure(failed: dict[int, dict[str, Any]]) -> str:

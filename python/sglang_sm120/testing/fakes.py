@@ -43,9 +43,12 @@ class FakeIpcAllReduce:
         self.group, self.device, self.max_numel, self.dtype = group, device, int(max_numel), dtype
         self.memory, self.world_size = memory, world_size
         self.islands = islands
+        self.num_islands = len(islands) if islands else 1
         self.link = Link.HOST if memory == "host" else link
         self.closed = False
         self.calls: list[str] = []
+        self.variants: list = []  # the `variant` argument of every call (None: the kernels' own choice)
+        self.fused_cluster = None  # as on the real workspace: read at each fused call
         FakeIpcAllReduce.instances.append(self)
 
     @classmethod
@@ -76,12 +79,14 @@ class FakeIpcAllReduce:
     def supports_add_rmsnorm(self, inp: torch.Tensor) -> bool:
         return self.supports(inp) and inp.dim() == 2
 
-    def all_reduce(self, inp, out=None):
+    def all_reduce(self, inp, out=None, *, variant=None):
         self.calls.append("all_reduce")
+        self.variants.append(variant)
         return (inp.float() * self.world_size).to(inp.dtype)
 
-    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None):
+    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None, *, variant=None):
         self.calls.append("all_reduce_add_rmsnorm")
+        self.variants.append((variant, self.fused_cluster))
         residual_out = (inp.float() * self.world_size + residual.float()).to(inp.dtype)
         r = residual_out.float()
         norm = (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(inp.dtype)

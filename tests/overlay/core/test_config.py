@@ -51,6 +51,8 @@ def _parser():
         (["--sm120-allreduce-max-bytes", "0"], "--sm120-allreduce-max-bytes='0' is out of range"),
         (["--sm120-allreduce-max-bytes", "99999999999"], "--sm120-allreduce-max-bytes='99999999999' is out of range"),
         (["--sm120-allreduce", "maybe"], "--sm120-allreduce='maybe' is not a valid mode; allowed: auto, on, off"),
+        (["--sm120-allreduce-tune", "on"],
+         "--sm120-allreduce-tune='on' is not a valid tune setting; allowed: auto, off, force"),
     ],
 )
 def test_bad_flag_values_get_our_message_not_argparse_lambda(argv, needle, capsys):
@@ -98,6 +100,9 @@ def test_good_flag_values_parse():
         (config.AGREEMENT_TIMEOUT_ENV, "nan", "SGLANG_SM120_ALLREDUCE_AGREEMENT_TIMEOUT_S='nan' is out of range"),
         (config.HOSTMEM_ENV, "on", "SGLANG_SM120_HOSTMEM='on' is not a valid host-memory setting; allowed: auto"),
         (config.HOSTMEM_ENV, "yes", "SGLANG_SM120_HOSTMEM='yes' is not a valid host-memory setting; allowed: auto"),
+        (config.TUNE_ENV, "always", "SGLANG_SM120_ALLREDUCE_TUNE='always' is not a valid tune setting; allowed: auto"),
+        (config.TUNE_TIMEOUT_ENV, "-1", "SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S='-1' is out of range"),
+        (config.TUNE_TIMEOUT_ENV, "later", "SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S='later' is not a number"),
     ],
 )
 def test_bad_environment_values_are_one_line_errors(name, value, needle):
@@ -129,6 +134,26 @@ def test_env_equivalents():
     assert config.max_bytes_from_env({}) is None
     with pytest.raises(config.SettingError, match=config.MODE_ENV):
         config.mode_from_env({config.MODE_ENV: "sometimes"})
+
+
+def test_the_tune_setting_from_flag_and_environment():
+    assert _parser().parse_args(["--sm120-allreduce-tune", " Force"]).sm120_allreduce_tune == "force"
+    assert _parser().parse_args([]).sm120_allreduce_tune is None
+    assert config.tune_from_env({}) == "auto" and config.tune_from_env({config.TUNE_ENV: ""}) == "auto"
+    assert config.tune_from_env({config.TUNE_ENV: "OFF"}) == "off"
+    assert config.tune_timeout_s({}) == config.DEFAULT_TUNE_TIMEOUT_S
+    assert config.tune_timeout_s({config.TUNE_TIMEOUT_ENV: "30"}) == 30.0
+
+    class Args:
+        sm120_allreduce = "auto"
+        sm120_allreduce_max_bytes = None
+        sm120_allreduce_tune = "force"
+
+    assert config.settings_from_server_args(Args(), {config.TUNE_ENV: "off"}).tune == "force"
+    assert config.settings_from_server_args(None, {config.TUNE_ENV: "off"}).tune == "off"
+    Args.sm120_allreduce_tune = "sometimes"
+    with pytest.raises(config.SettingError, match="ServerArgs.sm120_allreduce_tune='sometimes'"):
+        config.settings_from_server_args(Args(), {})
 
 
 def test_settings_prefer_server_args_then_env():

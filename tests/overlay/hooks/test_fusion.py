@@ -90,6 +90,38 @@ def test_fusion_gate_defers_to_upstream_when_ours_says_no():
     assert gate(5) == "upstream" and calls == [5]
 
 
+def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(backend):
+    from sglang_sm120.routing.table import NCCL, Point, RoutingTable
+    from sglang_sm120.runtime.routes import TABLE, RouteBook
+
+    points = [Point(r, r * HIDDEN * 2, {NCCL: 20.0, "sm120/ONESHOT/push/device": 10.0 if r <= 3 else 30.0})
+              for r in range(1, 9)]
+    table = RoutingTable.from_points(key={}, measured="now", workload={"hidden": HIDDEN},
+                                     measurements={("bfloat16", "fused"): points})
+    backend.dtype = torch.bfloat16
+    backend.routes = RouteBook(TABLE, table=table, path="p", memory="device")
+    assert [hooks_fusion.sm120_fusion_applies(t) for t in (1, 3, 4, 8, 9)] == [True, True, False, False, False]
+
+
+def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
+    from sglang.srt.distributed import parallel_state
+
+    from sglang_sm120.core import config
+
+    backend = fake_backend()
+    backend.comm = None
+    seen = []
+    monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(kw["tune"]) or False)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setenv(config.TUNE_ENV, "force")
+    server_args = SimpleNamespace(cuda_graph_max_bs=8, sm120_allreduce="on", sm120_allreduce_max_bytes=None)
+    hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
+    server_args.sm120_allreduce_tune = "off"
+    backend.build_attempted = False
+    hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
+    assert seen == ["force", "off"]
+
+
 def test_real_backend_without_workspace_never_claims_fusion(overlay, monkeypatch):
     b = fake_backend()
     b.comm = None

@@ -18,6 +18,7 @@ from sglang_sm120.core.config import ByteBound
 from sglang_sm120.core.facts import group_facts
 from sglang_sm120.core.gate import GateDecision
 from sglang_sm120.runtime import communicator as comm_mod
+from sglang_sm120.runtime import tables as tables_mod
 from sglang_sm120.testing.fakes import FakeIpcAllReduce
 
 
@@ -143,7 +144,14 @@ def fake_kernel_module(monkeypatch):
     module.IpcAllReduce = FakeIpcAllReduce
     monkeypatch.setitem(sys.modules, "sgl_kernel_sm120", module)
     monkeypatch.setattr(comm_mod, "probe", lambda uuids: _FlatTopology())
+    monkeypatch.setattr(tables_mod, "key_facts", fake_key_facts)
     return module
+
+
+def fake_key_facts(device):
+    rank = int(threading.current_thread().name) if threading.current_thread().name.isdigit() else 0
+    return {"uuid": f"GPU-{rank}", "pci_bus_id": f"00000000:0{rank}:00.0", "name": "fake", "driver": "580.1",
+            "cuda": "13.0", "torch": "2.14.1", "nccl": "2.27.3", "sglang_sm120": "0.1.0", "kernels": "fake"}
 
 
 class _FlatTopology:
@@ -531,3 +539,70 @@ def test_attach_reads_the_hostmem_setting(monkeypatch):
     comm = hooks_distributed.attach(Group())
     assert comm is not None and comm.hostmem == "off"
     assert comm.upstream_note is upstream_pcie.activation_note
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routing by a table
+
+
+def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32):
+    from sglang_sm120.routing import cache
+    from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
+
+    key = make_key([fake_key_facts(None)] * 2, islands=None, p2p=None, memory="device")
+
+    def points(ours_rows, cid):
+        return [Point(r, r * 7168 * 2, {NCCL: 20.0, cid: 10.0 if r <= ours_rows else 30.0})
+                for r in range(1, rows + 1)]
+
+    table = RoutingTable.from_points(
+        key=key, measured="2026-12-03T10:00:00Z", workload={"hidden": 7168, "max_bytes": rows * 7168 * 2},
+        measurements={("bfloat16", "plain"): points(plain_ours_rows, "sm120/TWOSHOT/push/device"),
+                      ("bfloat16", "fused"): points(fused_ours_rows, "sm120/ONESHOT/push/device/c4")})
+    return cache.save(table)
+
+
+def test_a_tuned_table_routes_each_size_and_the_line_names_it(fake_kernel_module, caplog):
+    from sgl_kernel_sm120.variants import Variant
+
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    path = _table_for_the_fake_group(plain_ours_rows=4, fused_ours_rows=2)
+    store = dist.HashStore()
+    bound = ByteBound(32 * 7168 * 2, "32 rows")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound, tune="auto"), b)[1])(
+        enabled_backend(r, 2, store, "tp:tabled")))
+    line = _warnings(caplog)[-1]
+    assert f"routes: tuned table {path}, measured 2026-12-03T10:00:00Z" in line, line
+    assert "where the table routes them, plain: TWOSHOT/push/device up to 57344 B, NCCL up to 458752 B; fused: " \
+           "ONESHOT/push/device/c4 up to 28672 B, NCCL up to 458752 B" in line, line
+    backend = backends[0]
+    weight = torch.ones(7168, dtype=torch.bfloat16)
+    four, five = torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(5, 7168, dtype=torch.bfloat16)
+    assert backend.takes(four) and not backend.takes(five)  # NCCL won from 5 rows on
+    two, three = four[:2].contiguous(), four[:3].contiguous()
+    assert backend.takes_fused(two, two.clone(), weight) and not backend.takes_fused(three, three.clone(), weight)
+    assert backend.fuses_rows(2) and not backend.fuses_rows(3) and not backend.fuses_rows(0)
+    backend.all_reduce(four)
+    backend.all_reduce_add_rmsnorm(two, two.clone(), weight, 1e-6)
+    assert backend.comm.variants == [Variant.TWOSHOT, (Variant.ONESHOT, 4)]
+    assert backend.describe()["routes"]["source"] == "table"
+    for b in backends.values():
+        b.close()
+
+
+def test_without_a_table_the_line_says_seeds_and_every_size_within_the_bound_is_ours(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    bound = ByteBound(8 * 7168 * 2, "t")
+    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
+        enabled_backend(r, 2, store, "tp:seeded")))
+    lines = _warnings(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("routes: seeds, not measured on this box (python -m sglang_sm120.tune)"), lines
+    backend = backends[0]
+    assert backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16)) and backend.fuses_rows(8)
+    backend.all_reduce(torch.ones(8, 7168, dtype=torch.bfloat16))
+    assert backend.comm.variants == [None]  # the kernels' own choice
+    routes = backend.describe()["routes"]
+    assert routes["source"] == "seeds" and routes["line"] == backend.routes.source_line()
+    assert routes["why"].startswith("no routing table of this box in ")

@@ -128,21 +128,24 @@ def test_flags_in_help(overlay):
     text = parser_with_flags().format_help()
     assert "--sm120-allreduce {auto,on,off}" in text
     assert "--sm120-allreduce-max-bytes N" in text
-    assert config.MODE_ENV in text and config.MAX_BYTES_ENV in text
+    assert "--sm120-allreduce-tune {auto,off,force}" in text
+    assert config.MODE_ENV in text and config.MAX_BYTES_ENV in text and config.TUNE_ENV in text
 
 
 def test_flags_reach_a_pickled_server_args(overlay):
     from sglang.srt.server_args import ServerArgs
 
     args = parser_with_flags().parse_args(
-        ["--model-path", "dummy", "--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536"]
+        ["--model-path", "dummy", "--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536",
+         "--sm120-allreduce-tune", "off"]
     )
     server_args = ServerArgs.from_cli_args(args)
     assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("on", 65536)
     clone = pickle.loads(pickle.dumps(server_args))
-    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes) == ("on", 65536)
+    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes, clone.sm120_allreduce_tune) == ("on", 65536, "off")
     # exported for processes that rebuild ServerArgs from its fields
     assert os.environ[config.MODE_ENV] == "on" and os.environ[config.MAX_BYTES_ENV] == "65536"
+    assert os.environ[config.TUNE_ENV] == "off"
 
 
 @ONLY_0513
@@ -151,7 +154,8 @@ def test_flag_defaults(overlay):
 
     server_args = ServerArgs.from_cli_args(parser_with_flags().parse_args(["--model-path", "dummy"]))
     assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("auto", None)
-    assert config.MODE_ENV not in os.environ
+    assert server_args.sm120_allreduce_tune == "auto"
+    assert config.MODE_ENV not in os.environ and config.TUNE_ENV not in os.environ
 
 
 def test_bad_flag_values_are_rejected(overlay, capsys):
@@ -167,10 +171,12 @@ def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
 
     monkeypatch.setenv(config.MODE_ENV, "off")
     monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
+    monkeypatch.setenv(config.TUNE_ENV, "force")
     server_args = ServerArgs(model_path="dummy")  # what sglang.Engine(**kwargs) builds
     assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("off", 4096)
+    assert server_args.sm120_allreduce_tune == "force"
     clone = pickle.loads(pickle.dumps(server_args))
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096)
+    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096, "force")
 
 
 @ONLY_0513

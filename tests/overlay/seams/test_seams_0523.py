@@ -103,13 +103,15 @@ def parse(*argv):
 
 
 def test_cli_flags_survive_resolution_and_the_pickle_to_schedulers(overlay):
-    server_args = parse("--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536")
+    server_args = parse("--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536", "--sm120-allreduce-tune",
+                        "force")
     server_args.resolve_once()
     assert server_args._resolution_finished
     clone = pickle.loads(pickle.dumps(server_args))  # what each scheduler process receives
-    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes) == ("on", 65536)
+    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes, clone.sm120_allreduce_tune) == ("on", 65536,
+                                                                                                    "force")
     clone.resolve_once()  # publish() calls it again in the scheduler: the sealed record is not written
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("on", 65536)
+    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("on", 65536, "force")
 
 
 def test_defaults_are_filled_at_resolution(overlay):
@@ -117,6 +119,7 @@ def test_defaults_are_filled_at_resolution(overlay):
     assert getattr(server_args, config.MODE_ATTR, None) is None  # 0.5.23 has no __post_init__ to fill them
     server_args.resolve_once()
     assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("auto", None)
+    assert server_args.sm120_allreduce_tune == "auto"
 
 
 def test_copies_that_drop_our_attributes_fall_back_to_the_exported_environment(overlay):
@@ -138,11 +141,12 @@ def test_engine_api_reads_the_environment_at_resolve_once(overlay, monkeypatch):
 
     monkeypatch.setenv(config.MODE_ENV, "off")
     monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
+    monkeypatch.setenv(config.TUNE_ENV, "off")
     server_args = ServerArgs(model_path="dummy")  # what sglang.Engine(**kwargs) builds
     server_args.resolve_once()  # what Engine._launch_subprocesses calls
     assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("off", 4096)
     clone = pickle.loads(pickle.dumps(server_args))
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096)
+    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096, "off")
 
 
 def test_bad_env_value_fails_at_resolution_naming_the_variable(overlay, monkeypatch):

@@ -1,4 +1,6 @@
-"""Result-document builders and validators shared by the benchmarks and their CPU tests (no torch import)."""
+"""The result documents of the benchmarks (benchmarks/results/*.json): validators, and the builders they share
+(crossover, targets and their verdicts, the end-to-end estimate). Here, not in benchmarks/, because the report
+(`python -m sglang_sm120.report`) reads these documents too and the benchmarks sit above the package. No torch."""
 
 from __future__ import annotations
 

@@ -1,0 +1,210 @@
+"""The report a user of a real box sends: one markdown file with its JSON attached, built offline from what is
+on the machine, without torch and without a GPU of its own (the doctor, which needs them, runs as a separate
+process).
+
+Sections: environment (OS, packages, driver, nvidia-smi's GPU list and topology matrix, the kernel command
+line's IOMMU settings), the doctor's output, every routing table in the cache folder (or the ones named), and the
+benchmark result documents named. The host name is replaced by "<host>" everywhere. The attached JSON holds
+the same data, with the result documents cut to the fields that make their tables, so the whole stays small
+enough to paste into an issue (GitHub takes about 65,000 characters).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ..routing import cache
+from . import render, schema
+
+REPORT_VERSION = 1
+ISSUE_LIMIT_CHARS = 65000
+PACKAGES = ("sglang-sm120", "sglang", "torch", "sgl-kernel", "flashinfer-python", "triton", "nvidia-nccl-cu13",
+            "nvidia-nccl-cu12", "nvidia-ml-py")
+ALLREDUCE_FIELDS = ("impl", "label", "op", "rows", "hidden", "dtype", "bytes", "world_size", "median_us", "error")
+VERIFY_FIELDS = ("backend", "compute", "tokens", "world_size", "step_us", "comm_us")
+
+
+def _run(command: Sequence[str], timeout: float = 30.0) -> str | None:
+    if shutil.which(command[0]) is None:
+        return None
+    try:
+        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({command[0]} failed: {exc})"
+    return (done.stdout or "") + (done.stderr or "")
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(run: Callable[[Sequence[str]], str | None] = _run) -> dict[str, Any]:
+    driver = None
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as handle:
+            driver = handle.readline().strip()
+    except OSError:
+        pass
+    try:
+        with open("/proc/cmdline", encoding="utf-8") as handle:
+            cmdline = [w for w in handle.read().split() if "iommu" in w or w.startswith(("pci=", "pcie_"))]
+    except OSError:
+        cmdline = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "driver": driver,
+        "kernel_cmdline_pcie": cmdline,
+        "nvidia_smi": run(["nvidia-smi", "--query-gpu=index,name,pci.bus_id,driver_version,memory.total",
+                           "--format=csv"]),
+        "topology": run(["nvidia-smi", "topo", "-m"]),
+        "cache_dir": cache.cache_dir(),
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("SGLANG_SM120_", "SGL_SM120_", "NCCL_")) or k == "CUDA_VISIBLE_DEVICES"},
+    }
+
+
+def run_doctor(args: Sequence[str] = (), timeout_s: float = 600.0) -> dict[str, Any]:
+    """`python -m sglang_sm120.doctor` in its own process (it needs torch and the GPUs; the report does not)."""
+    command = [sys.executable, "-m", "sglang_sm120.doctor", *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
+        return {"command": " ".join(command[1:]), "exit_code": done.returncode,
+                "output": (done.stdout or "") + (done.stderr or "")}
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"command": " ".join(command[1:]), "exit_code": None,
+                "output": out + f"\n(the doctor did not finish within {timeout_s:.0f} s)"}
+    except OSError as exc:
+        return {"command": " ".join(command[1:]), "exit_code": None, "output": f"(could not start: {exc})"}
+
+
+def read_results(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Every benchmark result document under `paths` (files or folders), validated; a file that is not one is
+    listed with the reason."""
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+        else:
+            files.append(path)
+    out = []
+    for path in files:
+        entry: dict[str, Any] = {"path": path}
+        try:
+            with open(path, encoding="utf-8") as handle:
+                doc = json.load(handle)
+            kind = doc.get("benchmark") if isinstance(doc, dict) else None
+            if kind not in ("allreduce", "verify") and isinstance(doc, dict):
+                kind = "verify" if "pattern" in doc else "allreduce" if "crossover_bytes" in doc else None
+            if kind == "allreduce":
+                schema.validate_allreduce_doc(doc)
+            elif kind == "verify":
+                schema.validate_verify_doc(doc)
+            else:
+                raise schema.SchemaError("not a bench_allreduce or bench_verify result")
+            entry.update(kind=kind, doc=doc)
+        except (OSError, ValueError) as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(entry)
+    return out
+
+
+def _slim(entry: Mapping[str, Any]) -> dict[str, Any]:
+    if "doc" not in entry:
+        return dict(entry)
+    doc = entry["doc"]
+    fields = ALLREDUCE_FIELDS if entry["kind"] == "allreduce" else VERIFY_FIELDS
+    return {"path": entry["path"], "kind": entry["kind"], "hardware": doc.get("hardware"), "date": doc.get("date"),
+            "results": [{k: r.get(k) for k in fields if k in r} for r in doc.get("results", [])],
+            "skipped": list({json.dumps(x, sort_keys=True): x for x in doc.get("skipped", [])}.values())}
+
+
+def build(*, env: Mapping[str, Any], doctor: Mapping[str, Any] | None, tables: Sequence[cache.Loaded],
+          results: Sequence[Mapping[str, Any]], created: str | None = None) -> dict[str, Any]:
+    created = created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "report_version": REPORT_VERSION,
+        "created": created,
+        "environment": dict(env),
+        "doctor": dict(doctor) if doctor is not None else None,
+        "tables": [{"path": t.path, "status": t.status, "reason": t.reason,
+                    "table": t.table.to_dict() if t.table is not None else None} for t in tables],
+        "results": [_slim(r) for r in results],
+    }
+
+
+def _fence(text: str, lang: str = "") -> str:
+    return f"```{lang}\n{text.rstrip()}\n```"
+
+
+def markdown(report: Mapping[str, Any], *, tables: Sequence[cache.Loaded] = (),
+             results: Sequence[Mapping[str, Any]] = ()) -> str:
+    env = report["environment"]
+    packages = ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v)
+    parts = [
+        "## sglang-sm120 report",
+        "",
+        f"Created {report['created']} by `python -m sglang_sm120.report` (report format {report['report_version']}).",
+        "",
+        "### Environment",
+        "",
+        f"- Python {env['python']}, {env['platform']}",
+        f"- packages: {packages or 'none found'}",
+        f"- driver: {env.get('driver') or 'unknown'}",
+        f"- kernel command line (IOMMU/PCIe): {' '.join(env.get('kernel_cmdline_pcie') or []) or 'nothing set'}",
+        f"- settings: {', '.join(f'{k}={v}' for k, v in env.get('env', {}).items()) or 'none'}",
+        "",
+        _fence(env.get("nvidia_smi") or "(nvidia-smi not found)"),
+        "",
+        _fence(env.get("topology") or "(no topology)"),
+        "",
+        "### Doctor",
+        "",
+    ]
+    doctor = report.get("doctor")
+    if doctor is None:
+        parts.append("(not run: --no-doctor)")
+    else:
+        parts += [f"`python {doctor['command']}` exited with {doctor['exit_code']}:", "", _fence(doctor["output"])]
+    parts += ["", "### Routing tables", ""]
+    if not tables:
+        parts.append(f"none in {env.get('cache_dir')}: run `python -m sglang_sm120.tune`")
+    for loaded in tables:
+        if loaded.table is None:
+            parts.append(f"- `{loaded.path}`: {loaded.status} ({loaded.reason})")
+        else:
+            parts += [render.table_markdown(loaded.table, path=loaded.path, title=os.path.basename(loaded.path)), ""]
+    parts += ["", "### Benchmark results", ""]
+    if not results:
+        parts.append("none given (`--results benchmarks/results/<file>.json`)")
+    for entry in results:
+        if "doc" not in entry:
+            parts.append(f"- `{entry['path']}`: not used ({entry.get('error')})")
+            continue
+        doc = entry["doc"]
+        body = render.allreduce_doc_markdown(doc) if entry["kind"] == "allreduce" else render.verify_doc_markdown(doc)
+        parts += [f"#### {os.path.basename(entry['path'])}: {render.hardware_line(doc)}", "", body, ""]
+    attached = json.dumps(report, sort_keys=True, separators=(",", ":"))
+    parts += ["", "<details><summary>JSON</summary>", "", _fence(attached, "json"), "", "</details>", ""]
+    return "\n".join(parts)
+
+
+def redact_host(text: str, host: str | None = None) -> str:
+    host = host or socket.gethostname()
+    return text.replace(host, "<host>") if host and len(host) > 1 else text

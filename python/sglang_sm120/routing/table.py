@@ -1,0 +1,447 @@
+"""The routing table: for each message size (bytes, dtype, plain or fused) the route that serves it, with the
+measured time of every candidate, keyed by the box it was measured on.
+
+A route is NCCL (for a fused call: NCCL followed by SGLang's own add + RMSNorm) or one configuration of our
+kernels: variant (ONESHOT, TWOSHOT, ISLAND) x transport (push, staged, pull) x workspace memory (device, host),
+plus, for the fused one-shot, the CTAs a row is spread over (None: the kernel's own rule).
+
+The rule that turns measurements into routes (`choose`), incumbent NCCL:
+- a candidate is only eligible at a size where it beat NCCL there by at least MIN_GAIN (2%), and only inside a
+  run of at least SUSTAIN (2) consecutive measured sizes where it did; so our kernels never serve a measured size
+  where NCCL was as fast or faster: no regression by construction;
+- one of our candidates displaces another of ours only with the same sustained gain over it (>= 2% at this size
+  and the next); a smaller gain, a tie, or a gain at one size only keeps the incumbent;
+- a failed candidate (verification, timeout, crash) has no time and is never routed to.
+Sizes between two measured sizes take the route of the larger one, except that a size just above a point NCCL
+serves stays on NCCL until the next measured point. Sizes above the largest measured one are not covered
+(`lookup` returns None: the caller's NCCL).
+
+Everything here is pure: no torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
+# measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
+FORMAT_VERSION = 1
+TUNE_VERSION = 1
+
+VARIANTS = ("ONESHOT", "TWOSHOT", "ISLAND")
+TRANSPORTS = ("push", "staged", "pull")
+MEMORIES = ("device", "host")
+KINDS = ("plain", "fused")
+DTYPES = ("bfloat16", "float16")
+CLUSTERS = (1, 2, 4, 8)  # CTAs one row of the fused one-shot is spread over
+NCCL = "nccl"
+OURS = "sm120"
+
+MIN_GAIN = 0.02
+SUSTAIN = 2
+
+# Key fields. A difference in a version field makes a table "stale: other versions", one in a box field
+# "another key"; either way it is not used.
+VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "sglang_sm120", "kernels")
+BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory")
+LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
+
+
+class TableError(ValueError):
+    """A table document that does not have the shape this module writes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    backend: str  # NCCL | OURS
+    variant: str | None = None
+    transport: str | None = None
+    memory: str | None = None
+    cluster: int | None = None  # fused one-shot only; None: the kernel's own rule
+
+    def __post_init__(self):
+        if self.backend == NCCL:
+            if any(v is not None for v in (self.variant, self.transport, self.memory, self.cluster)):
+                raise TableError("an NCCL route has no variant, transport, memory or cluster")
+            return
+        if self.backend != OURS:
+            raise TableError(f"unknown backend {self.backend!r}")
+        if self.variant not in VARIANTS:
+            raise TableError(f"unknown variant {self.variant!r} (known: {', '.join(VARIANTS)})")
+        if self.transport not in TRANSPORTS:
+            raise TableError(f"unknown transport {self.transport!r} (known: {', '.join(TRANSPORTS)})")
+        if self.memory not in MEMORIES:
+            raise TableError(f"unknown memory {self.memory!r} (known: {', '.join(MEMORIES)})")
+        if self.cluster is not None and (self.cluster not in CLUSTERS or self.variant != "ONESHOT"):
+            raise TableError(f"cluster {self.cluster!r}: the fused one-shot spreads a row over {CLUSTERS} CTAs")
+
+    @property
+    def ours(self) -> bool:
+        return self.backend == OURS
+
+    @property
+    def id(self) -> str:
+        """'nccl' or 'sm120/ONESHOT/push/device' (+ '/c8' for a row over an 8-CTA cluster)."""
+        if not self.ours:
+            return NCCL
+        tail = f"/c{self.cluster}" if self.cluster is not None else ""
+        return f"{OURS}/{self.variant}/{self.transport}/{self.memory}{tail}"
+
+    @property
+    def label(self) -> str:
+        """The id without the backend prefix: what logs and reports show ('NCCL' for NCCL)."""
+        return "NCCL" if not self.ours else self.id[len(OURS) + 1:]
+
+    @classmethod
+    def parse(cls, text: str) -> Route:
+        if text == NCCL:
+            return NCCL_ROUTE
+        parts = str(text).split("/")
+        if len(parts) not in (4, 5) or parts[0] != OURS:
+            raise TableError(f"bad route {text!r}: expected 'nccl' or 'sm120/VARIANT/TRANSPORT/MEMORY[/cN]'")
+        cluster = None
+        if len(parts) == 5:
+            if not parts[4].startswith("c") or not parts[4][1:].isdigit():
+                raise TableError(f"bad route {text!r}: the cluster part is cN")
+            cluster = int(parts[4][1:])
+        return cls(OURS, parts[1], parts[2], parts[3], cluster)
+
+
+NCCL_ROUTE = Route(NCCL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """The measurements at one size: median over replays of the slowest rank, in us, per candidate id; and the
+    reason of every candidate that failed there."""
+
+    rows: int
+    nbytes: int
+    times: Mapping[str, float]
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """Sizes low..high bytes (inclusive) of one dtype and kind go to `route`."""
+
+    dtype: str
+    kind: str
+    low: int
+    high: int
+    route: Route
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rule
+
+
+def _beats(candidate: float | None, incumbent: float | None, min_gain: float) -> bool:
+    return candidate is not None and incumbent is not None and candidate <= (1.0 - min_gain) * incumbent
+
+
+def _in_long_runs(flags: Sequence[bool], length: int) -> list[bool]:
+    """True at the positions inside a run of at least `length` consecutive True values."""
+    out = [False] * len(flags)
+    start = None
+    for i, flag in enumerate(list(flags) + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            if i - start >= length:
+                out[start:i] = [True] * (i - start)
+            start = None
+    return out
+
+
+def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int = SUSTAIN) -> list[Route]:
+    """The route of every point (ascending sizes), by the rule in the module docstring."""
+    if any(b.nbytes <= a.nbytes for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError("points must be in strictly ascending size order")
+    ours = sorted({cid for p in points for cid in p.times if cid != NCCL})
+    times = {cid: [p.times.get(cid) for p in points] for cid in ours + [NCCL]}
+    sustained = {
+        cid: _in_long_runs([_beats(t, n, min_gain) for t, n in zip(times[cid], times[NCCL], strict=True)], sustain)
+        for cid in ours
+    }
+    chosen: list[Route] = []
+    current = NCCL
+    for i in range(len(points)):
+        contenders = [cid for cid in ours if sustained[cid][i]]
+
+        def fastest(ids, at=i):
+            return min(ids, key=lambda c: (times[c][at], c))
+
+        if not contenders:
+            current = NCCL
+        elif current == NCCL or current not in contenders:
+            current = fastest(contenders)
+        else:
+            nxt = i + 1
+            qualified = [
+                cid for cid in contenders
+                if cid != current
+                and _beats(times[cid][i], times[current][i], min_gain)
+                and nxt < len(points) and sustained[cid][nxt]
+                and _beats(times[cid][nxt], times[current][nxt], min_gain)
+            ]
+            if qualified:
+                current = fastest(qualified)
+        chosen.append(Route.parse(current))
+    return chosen
+
+
+def ranges(points: Sequence[Point], routes: Sequence[Route], dtype: str, kind: str) -> list[Entry]:
+    """Byte ranges from per-point routes: (previous size, this size] takes this point's route, except that the
+    sizes strictly between an NCCL point and one of ours stay on NCCL; adjacent equal routes merge."""
+    pieces: list[Entry] = []
+    previous: Route | None = None
+    low = 1
+    for point, route in zip(points, routes, strict=True):
+        if previous is not None and not previous.ours and route.ours and point.nbytes > low:
+            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, NCCL_ROUTE))
+            low = point.nbytes
+        pieces.append(Entry(dtype, kind, low, point.nbytes, route))
+        low, previous = point.nbytes + 1, route
+    merged: list[Entry] = []
+    for entry in pieces:
+        if merged and merged[-1].route == entry.route and merged[-1].high + 1 == entry.low:
+            merged[-1] = dataclasses.replace(merged[-1], high=entry.high)
+        else:
+            merged.append(entry)
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The key
+
+
+def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[int]] | None,
+             p2p: Sequence[Sequence[bool]] | None, memory: str) -> dict[str, Any]:
+    """The table key of a group from every rank's local facts (rank order; fields LOCAL_FIELDS) and the group's
+    islands, P2P matrix and workspace memory. A version that differs between ranks is kept as 'a | b'."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
+    key: dict[str, Any] = {
+        "world_size": len(local),
+        "gpus": [{"uuid": f.get("uuid"), "pci_bus_id": f.get("pci_bus_id"), "name": f.get("name")} for f in local],
+        "islands": [list(map(int, g)) for g in islands] if islands else None,
+        "p2p": [[bool(v) for v in row] for row in p2p] if p2p is not None else None,
+        "memory": memory,
+    }
+    for field in VERSION_FIELDS:
+        values = []
+        for f in local:
+            value = f.get(field)
+            if value not in values:
+                values.append(value)
+        key[field] = values[0] if len(values) == 1 else " | ".join(str(v) for v in values)
+    return key
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(_canonical(value).encode()).hexdigest()
+
+
+def box_tag(key: Mapping[str, Any]) -> str:
+    """Eight hex digits naming the GPUs of a key (their UUIDs in rank order), for the cache file name."""
+    return digest([g.get("uuid") for g in key.get("gpus") or []])[:8]
+
+
+def compare_keys(expected: Mapping[str, Any], found: Mapping[str, Any]) -> tuple[str, str] | None:
+    """None when `found` (a table's key) is `expected` (this group's); else ("other versions" | "another key",
+    what differs, as 'field table-value -> this-value')."""
+    def differences(fields):
+        out = []
+        for field in fields:
+            mine, theirs = expected.get(field), found.get(field)
+            if mine == theirs:
+                continue
+            if field == "gpus" and isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+                ranks = [r for r, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
+                out.append(f"gpus of ranks {ranks} differ")
+            else:
+                out.append(f"{field} {theirs!r} -> {mine!r}")
+        return out
+
+    versions = differences(VERSION_FIELDS)
+    if versions:
+        return "other versions", "; ".join(versions)
+    box = differences(BOX_FIELDS)
+    if box:
+        return "another key", "; ".join(box)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclasses.dataclass
+class RoutingTable:
+    key: dict[str, Any]
+    measured: str  # ISO 8601, UTC
+    workload: dict[str, Any]  # hidden, rows, dtypes, kinds, max_bytes
+    entries: list[Entry]
+    measurements: dict[tuple[str, str], list[Point]]  # (dtype, kind) -> points, ascending
+    quick: bool = False
+    durations: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: "measure", "total"
+    incumbents: dict[str, str] = dataclasses.field(default_factory=dict)  # kind -> what the NCCL route ran
+    notes: list[str] = dataclasses.field(default_factory=list)
+    rule: dict[str, Any] = dataclasses.field(default_factory=lambda: {"min_gain": MIN_GAIN, "sustain": SUSTAIN})
+    tune_version: int = TUNE_VERSION
+    _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    # -- building --------------------------------------------------------------------------------------
+    @classmethod
+    def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
+        """Choose the routes of every (dtype, kind) from its points and assemble the table."""
+        rule = kwargs.get("rule") or {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
+        entries: list[Entry] = []
+        for (dtype, kind), points in sorted(measurements.items()):
+            routes = choose(points, min_gain=rule["min_gain"], sustain=rule["sustain"])
+            entries += ranges(points, routes, dtype, kind)
+        return cls(key=dict(key), measured=measured, workload=dict(workload), entries=entries,
+                   measurements={k: list(v) for k, v in measurements.items()}, **kwargs)
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def routes_for(self, dtype: str, kind: str) -> list[Entry]:
+        return [e for e in self.entries if e.dtype == dtype and e.kind == kind]
+
+    def largest(self, dtype: str, kind: str) -> int:
+        """The largest size this table covers for (dtype, kind); 0 when none."""
+        return max((e.high for e in self.routes_for(dtype, kind)), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "tune_version": self.tune_version,
+            "key": self.key,
+            "measured": self.measured,
+            "quick": self.quick,
+            "durations": self.durations,
+            "workload": self.workload,
+            "rule": self.rule,
+            "incumbents": self.incumbents,
+            "notes": self.notes,
+            "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": e.route.id}
+                        for e in self.entries],
+            "measurements": [
+                {"dtype": dtype, "kind": kind, "rows": p.rows, "bytes": p.nbytes,
+                 "times": {k: float(v) for k, v in sorted(p.times.items())}, "failed": dict(sorted(p.failed.items()))}
+                for (dtype, kind), points in sorted(self.measurements.items()) for p in points
+            ],
+        }
+
+    def digest(self) -> str:
+        return digest(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> RoutingTable:
+        """Parse a document written by to_dict; TableError names the first thing that is wrong. The format and
+        tune versions are checked by the caller (they make a table stale, not corrupt)."""
+        if not isinstance(doc, Mapping):
+            raise TableError("the document is not a JSON object")
+        for field in ("key", "measured", "workload", "entries", "measurements"):
+            if field not in doc:
+                raise TableError(f"'{field}' is missing")
+        if not isinstance(doc["key"], Mapping) or not isinstance(doc["workload"], Mapping):
+            raise TableError("'key' and 'workload' must be objects")
+        entries: list[Entry] = []
+        for raw in _list(doc["entries"], "entries"):
+            try:
+                entry = Entry(str(raw["dtype"]), str(raw["kind"]), int(raw["low"]), int(raw["high"]),
+                              Route.parse(raw["route"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TableError(f"bad entry {raw!r}: {exc}") from None
+            if entry.kind not in KINDS or entry.dtype not in DTYPES or not 1 <= entry.low <= entry.high:
+                raise TableError(f"bad entry {raw!r}")
+            entries.append(entry)
+        for dtype in DTYPES:
+            for kind in KINDS:
+                mine = sorted((e for e in entries if e.dtype == dtype and e.kind == kind), key=lambda e: e.low)
+                if any(b.low <= a.high for a, b in zip(mine, mine[1:], strict=False)):
+                    raise TableError(f"overlapping {dtype} {kind} entries")
+        measurements: dict[tuple[str, str], list[Point]] = {}
+        for raw in _list(doc["measurements"], "measurements"):
+            try:
+                times = {str(k): float(v) for k, v in dict(raw["times"]).items()}
+                failed = {str(k): str(v) for k, v in dict(raw.get("failed") or {}).items()}
+                for cid in list(times) + list(failed):
+                    Route.parse(cid)
+                point = Point(int(raw["rows"]), int(raw["bytes"]), times, failed)
+                measurements.setdefault((str(raw["dtype"]), str(raw["kind"])), []).append(point)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TableError(f"bad measurement {raw!r}: {exc}") from None
+        return cls(
+            key=dict(doc["key"]),
+            measured=str(doc["measured"]),
+            workload=dict(doc["workload"]),
+            entries=entries,
+            measurements=measurements,
+            quick=bool(doc.get("quick", False)),
+            durations={str(k): float(v) for k, v in dict(doc.get("durations") or {}).items()},
+            incumbents={str(k): str(v) for k, v in dict(doc.get("incumbents") or {}).items()},
+            notes=[str(n) for n in doc.get("notes") or []],
+            rule=dict(doc.get("rule") or {"min_gain": MIN_GAIN, "sustain": SUSTAIN}),
+            tune_version=int(doc.get("tune_version", TUNE_VERSION)),
+        )
+
+    def coverage_gap(self, dtype: str, hidden: int, max_bytes: int, kinds: Iterable[str] = KINDS) -> str | None:
+        """Why this table cannot route a server with this dtype, hidden size and byte bound; None when it can."""
+        if int(self.workload.get("hidden") or 0) != int(hidden):
+            return f"measured at hidden {self.workload.get('hidden')}, this server has hidden {hidden}"
+        for kind in kinds:
+            largest = self.largest(dtype, kind)
+            if largest == 0:
+                return f"no {dtype} {kind} routes"
+            if largest < max_bytes:
+                return f"{dtype} {kind} routes go up to {largest} B, this server reduces up to {max_bytes} B"
+        return None
+
+
+def _list(value: Any, name: str) -> list:
+    if not isinstance(value, list):
+        raise TableError(f"'{name}' must be a list")
+    return value
+
+
+def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:
+    """The route of a message of `nbytes` bytes; None when the table does not cover that size (the caller then
+    uses NCCL). Pure; O(log entries) after the first call on a table."""
+    index = table._index
+    if index is None:
+        index = {}
+        for entry in sorted(table.entries, key=lambda e: e.low):
+            lows, entries = index.setdefault((entry.dtype, entry.kind), ([], []))
+            lows.append(entry.low)
+            entries.append(entry)
+        table._index = index
+    found = index.get((dtype, "fused" if fused else "plain"))
+    if found is None:
+        return None
+    lows, entries = found
+    at = bisect.bisect_right(lows, nbytes) - 1
+    if at < 0 or nbytes > entries[at].high:
+        return None
+    return entries[at].route
+
+
+def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = None) -> str:
+    """'ONESHOT/push/device up to 43008 B, NCCL up to 1835008 B' for one dtype and kind (cut at `up_to`)."""
+    parts = []
+    for entry in sorted(table.routes_for(dtype, kind), key=lambda e: e.low):
+        if up_to is not None and entry.low > up_to:
+            break
+        high = entry.high if up_to is None else min(entry.high, up_to)
+        parts.append(f"{entry.route.label} up to {high} B")
+    return ", ".join(parts) or "none"

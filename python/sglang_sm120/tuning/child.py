@@ -1,0 +1,132 @@
+"""One rank of a tune, as its own process: `python -m sglang_sm120.tuning.child --rank R --world W --device D
+--port P --spec FILE`, started by tuning/launch.py (one per rank, from `python -m sglang_sm120.tune` or from each
+rank of a starting server), so that a candidate that kills its CUDA context kills this process only.
+
+NOT YET RUN ON A GPU.
+
+It joins the other ranks' children over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every
+agreement), computes the table key as the server does (core/facts.key_facts, the P2P matrix, the islands, the
+workspace memory), runs the Tuner with the CUDA measurer, and reports on stdout, one JSON object per line after
+the marker `@@sm120-tune `: {"event": "begin", ...} before every candidate, then {"event": "done", "table": ...,
+"digest": ..., "child_s": ...} or {"event": "error", "error": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+MARKER = "@@sm120-tune "
+INIT_TIMEOUT_S = 300.0
+
+
+def emit(event: dict) -> None:
+    sys.stdout.write(MARKER + json.dumps(event, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def _gather(group, world):
+    import torch.distributed as dist
+
+    def gather(obj):
+        out: list = [None] * world
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
+def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | None, str, str]:
+    """(key, islands, link, memory) of this group, computed like the server does, agreed (rank 0's probe)."""
+    from ..core import config
+    from ..core.facts import group_facts, key_facts, p2p_row
+    from ..core.topology import kernel_islands, probe
+    from ..routing.table import make_key
+
+    local = key_facts(device)
+    everyone = gather({"key": local, "p2p": p2p_row(device.index), "uuid": local["uuid"]})
+    facts = group_facts([{"uuid": e["uuid"], "p2p": e["p2p"], "capability": [0, 0]} for e in everyone])
+    p2p = facts.p2p
+    memory = spec.memory
+    if memory is None:
+        connected = p2p is not None and all(all(row) for row in p2p)
+        if not connected and config.hostmem_from_env() == "off":
+            raise RuntimeError(f"CUDA P2P is missing between some GPUs and {config.HOSTMEM_ENV}=off refuses the "
+                               "host-memory workspace: nothing of ours to tune")
+        memory = "device" if connected else "host"
+    if spec.islands_given or memory == "host":
+        islands, link = (spec.islands if memory == "device" else None), spec.link or "auto"
+    else:
+        probed = None
+        if rank == 0:
+            topo = probe([e["uuid"] for e in everyone])
+            probed = {"islands": kernel_islands(topo.islands(), world), "link": topo.link}
+        agreed = gather(probed)[0]
+        islands, link = agreed["islands"], spec.link or agreed["link"]
+    key = make_key([e["key"] for e in everyone], islands=islands, p2p=p2p, memory=memory)
+    return key, islands, link, memory
+
+
+def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .measure import CudaMeasurer
+    from .tuner import Tuner, TuneSpec
+
+    started = time.monotonic()
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = TuneSpec.from_dict(json.load(handle))
+    torch.cuda.set_device(device_index)
+    device = torch.device("cuda", device_index)
+    # The incumbent needs NCCL; a debug run that injects its time (ranks sharing one GPU, where NCCL refuses to
+    # start) runs on gloo alone.
+    backend = "gloo" if spec.debug_nccl_us is not None else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    measurer = None
+    try:
+        gloo = dist.new_group(backend="gloo")
+        gather = _gather(gloo, world)
+        key, islands, link, memory = _setup(rank, world, gather, spec, device)
+        emit({"event": "setup", "memory": memory, "islands": islands, "link": link})
+        measurer = CudaMeasurer(rank=rank, world=world, device=device, cpu_group=gloo,
+                                nccl_group=None if backend == "gloo" else dist.group.WORLD, spec=spec,
+                                islands=islands, link=link, memory=memory)
+        table = Tuner(measurer, spec, rank=rank, world=world, gather=gather, key=key, progress=emit).run()
+        emit({"event": "done", "table": table.to_dict(), "digest": table.digest(),
+              "child_s": round(time.monotonic() - started, 3)})
+        return 0
+    finally:
+        if measurer is not None:
+            measurer.close()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_sm120.tuning.child")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--device", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--spec", required=True, help="JSON file of a TuneSpec")
+    args = parser.parse_args(argv)
+    try:
+        return run(args.rank, args.world, args.device, args.port, args.spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
+        emit({"event": "error", "error": f"{type(exc).__name__}: {exc}",
+              "trace": traceback.format_exc(limit=8)[-2000:]})
+        return 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

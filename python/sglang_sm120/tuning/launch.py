@@ -1,0 +1,259 @@
+"""The parent side of a tune: start the rank processes (tuning/child.py), follow them, and make one outcome of
+what they reported.
+
+A candidate can hang or fault on a fabric nobody has measured before, and a fault (or our kernels' trap) ends
+the CUDA context of the process that ran it. So candidates run in child processes, and the parent watches:
+- every child reports `begin` before each candidate; a child that dies, or a group that makes no progress for
+  `stall_s`, is attributed to the candidate its last `begin` named (`culprit`);
+- `tune_with_retries` (used by `python -m sglang_sm120.tune`) then excludes that candidate, from that size up,
+  with the reason, and starts the group again; the table records it as failed;
+- a starting server runs one child per rank (`run_rank_child`) once, without retries: any failure there means
+  seeds (runtime/tables.py).
+A child's own Python error (an `error` event) is not retried: it is not a candidate's fault.
+
+NOT YET RUN ON A GPU (the process handling is exercised on CPU by the tests with stand-in children).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .child import MARKER
+from .tuner import TuneSpec
+
+CHILD_MODULE = "sglang_sm120.tuning.child"
+EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def child_env(base: dict | None = None) -> dict:
+    """The environment of a child: ours, with both packages' parent folders first on PYTHONPATH (a server or a
+    checkout may have found them through sys.path alone)."""
+    import sgl_kernel_sm120
+
+    env = dict(os.environ if base is None else base)
+    ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../sglang_sm120/tuning
+    parents = [ours, os.path.dirname(os.path.dirname(os.path.abspath(sgl_kernel_sm120.__file__)))]
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parents + rest))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclasses.dataclass
+class ChildOutcome:
+    rank: int
+    returncode: int | None = None
+    table: dict | None = None
+    digest: str | None = None
+    child_s: float | None = None
+    error: str | None = None  # the child's own error event
+    last_begin: dict | None = None
+    begins: int = 0
+    killed: str = ""  # why the parent killed it ("" when it ended by itself)
+    tail: list[str] = dataclasses.field(default_factory=list)  # its last lines of output
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.table is not None and not self.killed
+
+
+@dataclasses.dataclass
+class Attempt:
+    table: dict | None
+    digest: str | None
+    error: str | None
+    culprit: dict | None  # {dtype, kind, candidate, from_bytes, reason} when a candidate is to blame
+    outcomes: list[ChildOutcome]
+
+
+def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
+    """One outcome of a group's children (pure)."""
+    if outcomes and all(o.ok for o in outcomes):
+        digests = {o.digest for o in outcomes}
+        if len(digests) == 1:
+            first = outcomes[0]
+            return Attempt(first.table, first.digest, None, None, list(outcomes))
+        return Attempt(None, None, "the ranks reported different tables", None, list(outcomes))
+    errors = [o for o in outcomes if o.error]
+    if errors:
+        detail = "; ".join(f"rank {o.rank}: {o.error}" for o in errors)
+        return Attempt(None, None, detail, None, list(outcomes))
+    bad = [o for o in outcomes if not o.ok]
+    first = min(bad, key=lambda o: (o.killed != "", o.rank))  # a child that died by itself comes first
+    if first.killed:
+        why = first.killed
+    else:
+        why = f"rank {first.rank} died (exit code {first.returncode})"
+        tail = " | ".join(line for line in first.tail[-3:] if line.strip())
+        if tail:
+            why += f": {tail[-300:]}"
+    begins = [o.last_begin for o in outcomes if o.last_begin]
+    culprit = None
+    if begins:
+        last = max(begins, key=lambda b: int(b.get("seq", 0)))
+        culprit = {"dtype": last["dtype"], "kind": last["kind"], "candidate": last["candidate"],
+                   "from_bytes": int(last["bytes"]), "reason": f"{why} while running it"}
+    return Attempt(None, None, why if culprit is None else f"{why} while running {culprit['candidate']}", culprit,
+                   list(outcomes))
+
+
+class _Child:
+    def __init__(self, rank: int, command: list[str], env: dict, on_event: Callable[[int, dict], None] | None):
+        self.outcome = ChildOutcome(rank)
+        self.on_event = on_event
+        self.last_event = time.monotonic()
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        # Its own session, so that killing it ends whatever it started too (by its process-group id).
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._read, name=f"sm120-tune-rank{rank}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if not line.startswith(MARKER):
+                self.tail.append(line)
+                continue
+            try:
+                event = json.loads(line[len(MARKER):])
+            except ValueError:
+                self.tail.append(line)
+                continue
+            self.last_event = time.monotonic()
+            kind = event.get("event")
+            if kind == "begin":
+                self.outcome.begins += 1
+                self.outcome.last_begin = {**event, "seq": self.outcome.begins}
+            elif kind == "done":
+                self.outcome.table, self.outcome.digest = event.get("table"), event.get("digest")
+                self.outcome.child_s = event.get("child_s")
+            elif kind == "error":
+                self.outcome.error = str(event.get("error"))
+                self.tail.extend(str(event.get("trace", "")).splitlines()[-5:])
+            if self.on_event is not None:
+                self.on_event(self.outcome.rank, event)
+
+    def kill(self, why: str) -> None:
+        if self.proc.poll() is None:
+            self.outcome.killed = why
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                self.proc.kill()
+
+    def finish(self) -> ChildOutcome:
+        self.proc.wait()
+        self.reader.join(timeout=5)
+        self.outcome.returncode = self.proc.returncode
+        self.outcome.tail = list(self.tail)
+        return self.outcome
+
+
+def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, timeout_s: float, stall_s: float,
+                 port: int | None = None, on_event: Callable[[int, dict], None] | None = None,
+                 command: Callable[..., list[str]] | None = None, env: dict | None = None) -> list[ChildOutcome]:
+    """Start one child per (rank, device) of `ranks` (all ranks, or this process's one), wait for them within
+    `timeout_s`, kill them all when none made progress for `stall_s` or when one ended badly and the others did
+    not follow within EXIT_GRACE_S. `command` replaces the child command line (tests)."""
+    port = free_port() if port is None else port
+    command = command or (lambda rank, device, spec_path: [
+        sys.executable, "-m", CHILD_MODULE, "--rank", str(rank), "--world", str(world), "--device", str(device),
+        "--port", str(port), "--spec", spec_path])
+    env = child_env() if env is None else env
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="sm120-tune-spec-", delete=False) as handle:
+        json.dump(spec.as_dict(), handle)
+        spec_path = handle.name
+    children: list[_Child] = []
+    try:
+        for rank, device in ranks:
+            children.append(_Child(rank, command(rank, device, spec_path), env, on_event))
+        deadline = time.monotonic() + timeout_s
+        bad_since = None
+        while any(c.proc.poll() is None for c in children):
+            time.sleep(0.05)
+            now = time.monotonic()
+            alive = [c for c in children if c.proc.poll() is None]
+            ended_badly = [c for c in children if c.proc.poll() not in (None, 0)]
+            if ended_badly and bad_since is None:
+                bad_since = now
+            if now > deadline:
+                for c in alive:
+                    c.kill(f"the tune did not finish within {timeout_s:.0f} s")
+            elif alive and now - max(c.last_event for c in children) > stall_s:
+                for c in alive:
+                    c.kill(f"no progress for {stall_s:.0f} s")
+            elif bad_since is not None and now - bad_since > EXIT_GRACE_S:
+                for c in alive:
+                    c.kill(f"another rank ended ({ended_badly[0].outcome.rank}: exit code "
+                           f"{ended_badly[0].proc.returncode}) and this one did not")
+        return [c.finish() for c in children]
+    finally:
+        for c in children:
+            c.kill("the parent is stopping")
+        os.unlink(spec_path)
+
+
+def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, retries: int, timeout_s: float,
+                      stall_s: float, on_event=None, on_retry: Callable[[Attempt], None] | None = None,
+                      command=None, env=None) -> Attempt:
+    """All ranks' children, again (at most `retries` times) after a candidate killed one, with that candidate
+    excluded from its size up. The last attempt's outcome; its table records every exclusion as a failure."""
+    attempt = None
+    for _ in range(retries + 1):
+        outcomes = run_children(list(zip(range(world), devices, strict=True)), world, spec, timeout_s=timeout_s,
+                                stall_s=stall_s, on_event=on_event, command=command, env=env)
+        attempt = summarize(outcomes)
+        if attempt.table is not None or attempt.culprit is None:
+            return attempt
+        if any(dict(rule, reason=None) == dict(attempt.culprit, reason=None) for rule in spec.exclude):
+            attempt.error = f"{attempt.error} (again, though excluded: giving up)"
+            return attempt
+        spec.exclude.append(attempt.culprit)
+        if on_retry is not None:
+            on_retry(attempt)
+    assert attempt is not None
+    attempt.error = f"{attempt.error}; gave up after {retries + 1} attempts"
+    return attempt
+
+
+def run_rank_child(rank: int, world: int, device: int, port: int, spec: TuneSpec, *, timeout_s: float,
+                   stall_s: float, command=None, env=None) -> ChildOutcome:
+    """This rank's child of a group tune (a starting server: every rank calls this with the same port)."""
+    return run_children([(rank, device)], world, spec, timeout_s=timeout_s, stall_s=stall_s, port=port,
+                        command=command, env=env)[0]
+
+
+def describe_failure(outcome: ChildOutcome) -> str:
+    """One line about a child that did not deliver a table."""
+    if outcome.error:
+        return outcome.error
+    if outcome.killed:
+        where = f" while running {outcome.last_begin['candidate']}" if outcome.last_begin else ""
+        return f"{outcome.killed}{where}"
+    tail = " | ".join(line for line in outcome.tail[-3:] if line.strip())
+    return f"exit code {outcome.returncode}" + (f": {tail[-300:]}" if tail else "")
+
+
+def outcome_payload(outcome: ChildOutcome) -> dict[str, Any]:
+    """What a server rank tells its peers about its child (JSON)."""
+    return {"ok": outcome.ok, "digest": outcome.digest, "why": None if outcome.ok else describe_failure(outcome)}

@@ -1,0 +1,293 @@
+"""The tune of one TP group, run on every rank in lockstep: verify -> time -> choose -> agree; the caller saves.
+
+For each dtype, kind (plain, fused) and size (rows x hidden) of the spec, every candidate of
+tuning/candidates.py and the incumbent NCCL are
+1. verified: a few calls on small-integer inputs checked exact on every rank, the verdicts gathered and reduced
+   (tuning/verify.py); a candidate failing anywhere fails everywhere;
+2. timed: CUDA-graph replays, per replay the slowest rank, the median (tuning/timing.py);
+and `routing.table.choose` turns the gathered times into routes. Every collective step is a gather over the
+group's CPU (gloo) group, so all ranks see the same lists and take the same branches. A candidate that fails
+(wrong bits, an exception, a kernel wait that timed out: the workspaces are built with on_timeout="exit", so a
+timeout poisons the workspace and returns instead of ending the CUDA context) is recorded with its reason, never
+routed to, skipped at every larger size of that dtype and kind, and the workspaces are rebuilt before the next
+candidate. A candidate that kills the process cannot be recorded here: the parent (tuning/launch.py) sees which
+one was running, excludes it (`TuneSpec.exclude`) and starts again.
+
+The GPU work sits behind the `Measurer` interface (tuning/measure.py has the CUDA one), so this module's
+control flow runs on CPU in the tests with a fake measurer and threads as ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ..routing.table import NCCL_ROUTE, Point, Route, RoutingTable
+from . import candidates as cand
+from .timing import aggregate_iteration_times, short_error
+from .verify import reduce_verdicts
+
+logger = logging.getLogger("sglang_sm120")
+
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2}
+# Full tune: every row count up to 16 (the decode/verify sizes that matter most, and the two consecutive sizes the
+# rule needs), then steps of about 25%; quick: the sizes below, each at most doubling.
+FULL_DENSE_ROWS = 16
+QUICK_ROWS = (1, 2, 3, 4, 6, 8)
+# A candidate slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES consecutive sizes is not timed at larger ones (NCCL
+# gains on our kernels as sizes grow, so such a candidate does not come back), and once no candidate of ours is
+# left, nothing is timed at the larger sizes of that dtype and kind: NCCL serves them. This keeps a full tune
+# at TP=8 near its 20 s budget. Pruning compares with NCCL only, never with another candidate of ours: one
+# that is slower than ONESHOT at a few rows may still win at many.
+PRUNE_FACTOR = 1.5
+PRUNE_SIZES = 2
+
+
+class TuneError(RuntimeError):
+    pass
+
+
+def rows_ladder(max_rows: int, quick: bool) -> list[int]:
+    """The row counts measured up to `max_rows` (which is always included)."""
+    if max_rows < 1:
+        raise ValueError("max_rows must be >= 1")
+    rows = {r for r in (QUICK_ROWS if quick else range(1, FULL_DENSE_ROWS + 1)) if r <= max_rows}
+    step = 2.0 if quick else 1.25
+    r = float(max(rows))
+    while r < max_rows:
+        r = max(r + 1, r * step)
+        rows.add(min(int(r), max_rows))
+    rows.add(max_rows)
+    return sorted(rows)
+
+
+@dataclasses.dataclass
+class TuneSpec:
+    hidden: int
+    max_rows: int
+    dtypes: list[str] = dataclasses.field(default_factory=lambda: ["bfloat16", "float16"])
+    kinds: list[str] = dataclasses.field(default_factory=lambda: ["plain", "fused"])
+    quick: bool = False
+    calls: int = 20  # calls captured per graph
+    iters: int = 20  # timed replays
+    warmup: int = 5  # untimed replays
+    verify_calls: int = 2  # eager calls checked per candidate (2: both halves of the double buffer)
+    kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
+    # Candidates the parent excluded after one killed the process: dtype, kind, candidate, from_bytes, reason.
+    exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Workspace set-up the runtime passes down (None: the child finds it out: P2P decides memory, NVML islands).
+    memory: str | None = None
+    islands: list[list[int]] | None = None
+    islands_given: bool = False
+    link: str | None = None
+    # Debug, for a plumbing run where NCCL cannot start (ranks sharing one GPU): the incumbent's time is this
+    # value instead of a measurement, and the table says so. Never set by the product.
+    debug_nccl_us: float | None = None
+
+    @property
+    def rows(self) -> list[int]:
+        return rows_ladder(self.max_rows, self.quick)
+
+    @classmethod
+    def make(cls, hidden: int, max_rows: int, *, quick: bool, **kwargs) -> TuneSpec:
+        timing = {"calls": 10, "iters": 10, "warmup": 3} if quick else {}
+        return cls(hidden=int(hidden), max_rows=int(max_rows), quick=quick, **{**timing, **kwargs})
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TuneSpec:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in fields})
+
+    def excluded(self, dtype: str, kind: str, candidate: str, nbytes: int) -> str | None:
+        for rule in self.exclude:
+            if (rule.get("dtype"), rule.get("kind"), rule.get("candidate")) == (dtype, kind, candidate) and \
+                    nbytes >= int(rule.get("from_bytes", 0)):
+                return str(rule.get("reason", "excluded"))
+        return None
+
+
+class Measurer(Protocol):
+    """The GPU side of one rank (tuning/measure.py). Every method that builds or frees a workspace is
+    collective: the Tuner calls them on every rank at the same point."""
+
+    offer: cand.KernelOffer
+
+    def shape(self) -> dict[str, Any]:
+        """This rank's view of the GroupShape fields (world_size, memory, num_islands, oneshot_max_bytes,
+        clusters); the Tuner agrees them."""
+
+    def incumbent(self, kind: str) -> str:
+        """What the NCCL route runs for `kind`, in words (e.g. 'NCCL + sgl_kernel.fused_add_rmsnorm')."""
+
+    def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
+        """Run the candidate eagerly on the verify inputs, check it exact; the digest of the outputs. Raises on
+        any failure (wrong values, a timed-out wait, an exception)."""
+
+    def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
+        """This rank's us per call, one value per timed replay. Raises on failure."""
+
+    def reset(self) -> None:
+        """After a failed candidate: close the workspaces (collective); the next use builds them anew."""
+
+
+class Tuner:
+    def __init__(self, measurer: Measurer, spec: TuneSpec, *, rank: int, world: int,
+                 gather: Callable[[Any], list], key: Mapping[str, Any],
+                 progress: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.measurer, self.spec, self.rank, self.world = measurer, spec, rank, world
+        self.gather, self.key = gather, dict(key)
+        self.progress = progress or (lambda event: None)
+        self.clock = clock
+        self.notes: list[str] = []
+
+    # ----------------------------------------------------------------------------------------------------
+    def _agreed(self, local: Any) -> list:
+        out = self.gather(local)
+        if len(out) != self.world:
+            raise TuneError(f"gather returned {len(out)} answers for {self.world} ranks")
+        return out
+
+    def _agree_setup(self) -> tuple[cand.GroupShape, cand.KernelOffer]:
+        views = self._agreed({"shape": self.measurer.shape(), "offer": self.measurer.offer.as_dict()})
+        shapes = [v["shape"] for v in views]
+        if any(s != shapes[0] for s in shapes):
+            raise TuneError(f"ranks see different workspaces: {shapes}")
+        s = shapes[0]
+        shape = cand.GroupShape(int(s["world_size"]), str(s["memory"]), int(s.get("num_islands", 1)),
+                                int(s.get("oneshot_max_bytes", 1 << 62)), tuple(s.get("clusters") or ()))
+        offer = cand.agree_offer(cand.KernelOffer.from_dict(v["offer"]) for v in views)
+        return shape, offer
+
+    def _verify_and_time(self, route: Route, kind: str, dtype: str, rows: int) -> tuple[float | None, str | None]:
+        """(median us of the slowest rank, None) or (None, why it failed): the same on every rank."""
+        if route.ours:
+            local: tuple[str | None, str | None] = (None, None)
+            try:
+                local = (None, self.measurer.verify(route, kind, dtype, rows))
+            except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
+                local = (f"verify: {short_error(exc)}", None)
+            verdict = reduce_verdicts(self._agreed(local))
+            if verdict is not None:
+                return None, verdict
+        times, err = None, None
+        try:
+            if not route.ours and self.spec.debug_nccl_us is not None:
+                times = [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)
+            else:
+                times = self.measurer.time(route, kind, dtype, rows)
+        except Exception as exc:  # noqa: BLE001
+            err = f"timing: {short_error(exc)}"
+        gathered = self._agreed((times, err))
+        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+        if errors:
+            return None, "; ".join(errors)
+        try:
+            return float(aggregate_iteration_times([g[0] for g in gathered])["median_us"]), None
+        except ValueError as exc:
+            return None, f"timing: {exc}"
+
+    def _measure(self, dtype: str, kind: str, shape: cand.GroupShape, offer: cand.KernelOffer) -> list[Point]:
+        points: list[Point] = []
+        sticky: dict[str, str] = {}  # candidate id -> why it is no longer tried at larger sizes
+        losing: dict[str, int] = {}  # candidate id -> consecutive sizes it was slower than PRUNE_FACTOR x NCCL
+        element = ELEMENT_BYTES[dtype]
+        for rows in self.spec.rows:
+            nbytes = rows * self.spec.hidden * element
+            ours, skipped = cand.candidates(kind, nbytes, self.spec.hidden, shape, offer, self.spec.quick)
+            times: dict[str, float] = {}
+            failed: dict[str, str] = dict(skipped)
+            left = [r for r in ours if not sticky.get(r.id) and not self.spec.excluded(dtype, kind, r.id, nbytes)]
+            if not left:
+                for route in ours:
+                    failed[route.id] = sticky.get(route.id) or self.spec.excluded(dtype, kind, route.id, nbytes)
+                if ours:
+                    failed.setdefault(NCCL_ROUTE.id, "not timed: no candidate of ours left to compare with")
+                points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
+                continue
+            for route in [NCCL_ROUTE] + ours:
+                cid = route.id
+                why = sticky.get(cid) or self.spec.excluded(dtype, kind, cid, nbytes)
+                if why:
+                    failed[cid] = why
+                    continue
+                self.progress({"event": "begin", "dtype": dtype, "kind": kind, "rows": rows, "bytes": nbytes,
+                               "candidate": cid})
+                us, why = self._verify_and_time(route, kind, dtype, rows)
+                if us is not None:
+                    times[cid] = us
+                    continue
+                failed[cid] = why
+                sticky[cid] = f"failed at {nbytes} B: {why}"
+                if route.ours:
+                    self.measurer.reset()
+                else:
+                    self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
+                                      "routed to our kernels, for want of an NCCL time to beat")
+            nccl = times.get(NCCL_ROUTE.id)
+            for cid, us in times.items():
+                if cid == NCCL_ROUTE.id or nccl is None:
+                    continue
+                losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
+                if losing[cid] >= PRUNE_SIZES:
+                    sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive sizes "
+                                   f"up to {nbytes} B")
+            points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
+        return points
+
+    def run(self) -> RoutingTable:
+        start = self.clock()
+        shape, offer = self._agree_setup()
+        measurements: dict[tuple[str, str], list[Point]] = {}
+        for dtype in self.spec.dtypes:
+            if dtype not in ELEMENT_BYTES:
+                raise TuneError(f"dtype {dtype!r} is not one the kernels take ({', '.join(ELEMENT_BYTES)})")
+            for kind in self.spec.kinds:
+                measurements[(dtype, kind)] = self._measure(dtype, kind, shape, offer)
+        measure_s = self.clock() - start
+        clocks = self._agreed((_utc_now(), measure_s))
+        stamp, slowest = clocks[0][0], max(seconds for _, seconds in clocks)  # one clock for the table: rank 0's
+        max_bytes = self.spec.max_rows * self.spec.hidden * max(ELEMENT_BYTES[d] for d in self.spec.dtypes)
+        notes = list(self.notes)
+        if self.spec.debug_nccl_us is not None:
+            notes.append(f"DEBUG: NCCL was not measured; its time was set to {self.spec.debug_nccl_us} us "
+                         "(plumbing run, these routes mean nothing)")
+        table = RoutingTable.from_points(
+            key=self.key,
+            measured=stamp,
+            workload={"hidden": self.spec.hidden, "rows": self.spec.rows, "dtypes": list(self.spec.dtypes),
+                      "kinds": list(self.spec.kinds), "max_bytes": max_bytes, "memory": shape.memory,
+                      "world_size": shape.world_size, "islands": shape.num_islands,
+                      "transports": list(offer.transports)},
+            measurements=measurements,
+            quick=self.spec.quick,
+            durations={"measure": round(slowest, 3)},
+            incumbents={kind: self.measurer.incumbent(kind) for kind in self.spec.kinds},
+            notes=notes,
+        )
+        digests = self._agreed(table.digest())
+        if any(d != digests[0] for d in digests):
+            raise TuneError("the ranks built different tables from the same measurements")
+        return table
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe_points(points: Sequence[Point]) -> str:
+    """For logs: 'rows 1: nccl 20.1, sm120/ONESHOT/push/device 9.8 us; ...'."""
+    out = []
+    for p in points:
+        times = ", ".join(f"{cid} {us:.1f}" for cid, us in sorted(p.times.items(), key=lambda kv: kv[1]))
+        out.append(f"rows {p.rows}: {times or 'nothing timed'} us")
+    return "; ".join(out)
+
+
+__all__ = ["Measurer", "TuneError", "TuneSpec", "Tuner", "rows_ladder"]

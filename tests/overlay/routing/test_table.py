@@ -1,0 +1,186 @@
+"""The routing table's rule, ranges, lookup and key, with injected timings (no GPU, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_sm120.routing import table as tbl
+from sglang_sm120.routing.table import NCCL, NCCL_ROUTE, Point, Route
+
+ONE = "sm120/ONESHOT/push/device"
+TWO = "sm120/TWOSHOT/push/device"
+ISL = "sm120/ISLAND/pull/device"
+
+
+def points(nccl, **ours):
+    """Points at rows 1..n of 7168 bf16 from per-candidate time lists (None: failed there)."""
+    n = len(nccl)
+    out = []
+    for i in range(n):
+        times = {NCCL: nccl[i]} if nccl[i] is not None else {}
+        failed = {}
+        for name, series in ours.items():
+            cid = {"one": ONE, "two": TWO, "isl": ISL}[name]
+            if series[i] is None:
+                failed[cid] = "timed out"
+            else:
+                times[cid] = series[i]
+        out.append(Point(rows=i + 1, nbytes=(i + 1) * 14336, times=times, failed=failed))
+    return out
+
+
+def ids(routes):
+    return [r.id for r in routes]
+
+
+def test_a_candidate_that_beats_nccl_by_more_than_two_percent_at_every_size_serves_every_size():
+    assert ids(tbl.choose(points([20, 21, 22, 23], one=[10, 11, 12, 13]))) == [ONE] * 4
+
+
+def test_a_gain_below_two_percent_leaves_the_size_on_nccl():
+    # 1.5% faster everywhere: never enough
+    assert ids(tbl.choose(points([100, 100, 100], one=[98.5, 98.5, 98.5]))) == [NCCL] * 3
+
+
+def test_exactly_two_percent_is_enough_and_a_tie_is_not():
+    assert ids(tbl.choose(points([100, 100], one=[98.0, 98.0]))) == [ONE, ONE]
+    assert ids(tbl.choose(points([100, 100], one=[100, 100]))) == [NCCL, NCCL]
+
+
+def test_a_win_at_one_size_only_is_not_sustained():
+    # wins only at rows 2: a run of one size
+    assert ids(tbl.choose(points([10, 10, 10], one=[11, 5, 11]))) == [NCCL] * 3
+    # and a win at the largest size only cannot be confirmed
+    assert ids(tbl.choose(points([10, 10, 10], one=[11, 11, 5]))) == [NCCL] * 3
+
+
+def test_ours_never_serves_a_measured_size_where_nccl_was_faster():
+    # ours wins at small sizes, loses from rows 4 on, wins again at 6-7: NCCL keeps 4 and 5
+    chosen = ids(tbl.choose(points([10, 10, 10, 10, 10, 10, 10], one=[5, 5, 5, 11, 12, 5, 5])))
+    assert chosen == [ONE, ONE, ONE, NCCL, NCCL, ONE, ONE]
+
+
+def test_a_failed_candidate_is_never_routed_to_and_breaks_its_run():
+    chosen = ids(tbl.choose(points([10, 10, 10, 10], one=[5, None, 5, 5])))
+    assert chosen == [NCCL, NCCL, ONE, ONE]
+
+
+def test_without_an_nccl_time_no_candidate_is_routed():
+    assert ids(tbl.choose(points([None, None], one=[1, 1]))) == [NCCL, NCCL]
+
+
+def test_an_incumbent_of_ours_is_displaced_only_by_a_sustained_gain():
+    # TWOSHOT is 5% faster than ONESHOT at rows 3 only: ONESHOT stays
+    chosen = ids(tbl.choose(points([20] * 4, one=[10, 10, 10, 10], two=[12, 12, 9.5, 10.5])))
+    assert chosen == [ONE] * 4
+    # from rows 3 on it is faster at two consecutive sizes: it takes over there
+    chosen = ids(tbl.choose(points([20] * 4, one=[10, 10, 10, 10], two=[12, 12, 9.5, 9.5])))
+    assert chosen == [ONE, ONE, TWO, TWO]
+
+
+def test_a_tie_between_two_of_ours_keeps_the_incumbent():
+    chosen = ids(tbl.choose(points([20] * 4, one=[10, 10, 10, 10], two=[11, 10, 10, 10])))
+    assert chosen == [ONE] * 4
+
+
+def test_the_fastest_contender_takes_over_when_the_incumbent_falls_out():
+    # ONESHOT fails from rows 3 on; ISLAND and TWOSHOT both beat NCCL there, ISLAND is faster
+    chosen = ids(tbl.choose(points([20] * 4, one=[10, 10, None, None], two=[15, 15, 14, 14], isl=[16, 16, 12, 12])))
+    assert chosen == [ONE, ONE, ISL, ISL]
+
+
+def test_points_out_of_order_are_refused():
+    with pytest.raises(ValueError, match="ascending"):
+        tbl.choose(list(reversed(points([1, 1], one=[1, 1]))))
+
+
+def test_ranges_cover_from_one_byte_to_the_largest_point_and_merge_equal_routes():
+    pts = points([10, 10, 10, 10], one=[5, 5, 11, 11])
+    entries = tbl.ranges(pts, tbl.choose(pts), "bfloat16", "plain")
+    assert [(e.low, e.high, e.route.id) for e in entries] == [(1, 2 * 14336, ONE), (2 * 14336 + 1, 4 * 14336, NCCL)]
+
+
+def test_sizes_between_an_nccl_point_and_one_of_ours_stay_on_nccl():
+    pts = points([10, 10, 10, 10], one=[11, 11, 5, 5])
+    entries = tbl.ranges(pts, tbl.choose(pts), "bfloat16", "plain")
+    assert [(e.low, e.high, e.route.id) for e in entries] == [(1, 3 * 14336 - 1, NCCL), (3 * 14336, 4 * 14336, ONE)]
+
+
+def _table(nccl, one, kind="plain", dtype="bfloat16"):
+    return tbl.RoutingTable.from_points(
+        key=key(), measured="2026-12-03T00:00:00Z", workload={"hidden": 7168, "max_bytes": len(nccl) * 14336},
+        measurements={(dtype, kind): points(nccl, one=one)},
+    )
+
+
+def test_lookup_routes_each_size_as_chosen_and_nothing_past_the_largest_point():
+    table = _table([10, 10, 10, 10], [5, 5, 11, 11])
+    assert tbl.lookup(table, 16, "bfloat16", False).id == ONE
+    assert tbl.lookup(table, 2 * 14336, "bfloat16", False).id == ONE
+    assert tbl.lookup(table, 2 * 14336 + 2, "bfloat16", False) == NCCL_ROUTE
+    assert tbl.lookup(table, 4 * 14336 + 2, "bfloat16", False) is None
+    assert tbl.lookup(table, 16, "float16", False) is None  # not measured
+    assert tbl.lookup(table, 16, "bfloat16", True) is None
+
+
+def test_the_table_survives_its_json_form():
+    table = _table([10, 10, 10], [5, 5, None], kind="fused")
+    again = tbl.RoutingTable.from_dict(table.to_dict())
+    assert again.to_dict() == table.to_dict() and again.digest() == table.digest()
+    assert again.measurements[("bfloat16", "fused")][2].failed == {ONE: "timed out"}
+
+
+@pytest.mark.parametrize("text", [
+    "sm120/ONESHOT/push", "sm120/FOURSHOT/push/device", "sm120/ONESHOT/carrier/device", "sm120/ONESHOT/push/gpu",
+    "sm120/TWOSHOT/push/device/c8", "sm120/ONESHOT/push/device/c3", "gloo",
+])
+def test_a_malformed_route_is_refused(text):
+    with pytest.raises(tbl.TableError):
+        Route.parse(text)
+
+
+def test_route_ids_round_trip():
+    routes = (NCCL_ROUTE, Route("sm120", "ISLAND", "staged", "device"), Route("sm120", "ONESHOT", "push", "host", 8))
+    for route in routes:
+        assert Route.parse(route.id) == route
+    assert Route("sm120", "ONESHOT", "push", "device", 4).label == "ONESHOT/push/device/c4"
+
+
+def key(**changes):
+    local = [{"uuid": f"GPU-{r}", "pci_bus_id": f"0000:0{r}:00.0", "name": "RTX PRO 6000", "driver": "580.1",
+              "cuda": "13.0", "torch": "2.14.1", "nccl": "2.27.3", "sglang_sm120": "0.1.0", "kernels": "lib:1:2"}
+             for r in range(2)]
+    made = tbl.make_key(local, islands=None, p2p=[[True, True], [True, True]], memory="device")
+    made.update(changes)
+    return made
+
+
+def test_keys_differing_in_a_version_are_other_versions_and_in_the_box_another_key():
+    assert tbl.compare_keys(key(), key()) is None
+    what, detail = tbl.compare_keys(key(), key(driver="570.9"))
+    assert what == "other versions" and "driver '570.9' -> '580.1'" in detail
+    what, detail = tbl.compare_keys(key(), key(memory="host"))
+    assert what == "another key" and "memory 'host' -> 'device'" in detail
+    other_gpu = key()
+    other_gpu["gpus"] = [dict(other_gpu["gpus"][0]), {**other_gpu["gpus"][1], "uuid": "GPU-x"}]
+    assert tbl.compare_keys(key(), other_gpu) == ("another key", "gpus of ranks [1] differ")
+
+
+def test_a_version_that_differs_between_ranks_is_kept_as_both():
+    local = [{"uuid": "a", "driver": "1"}, {"uuid": "b", "driver": "2"}]
+    assert tbl.make_key(local, islands=None, p2p=None, memory="host")["driver"] == "1 | 2"
+
+
+def test_coverage_needs_the_hidden_size_every_kind_and_the_largest_size():
+    table = _table([10, 10], [5, 5])
+    assert table.coverage_gap("bfloat16", 7168, 2 * 14336, kinds=("plain",)) is None
+    assert "hidden 7168, this server has hidden 4096" in table.coverage_gap("bfloat16", 4096, 16, kinds=("plain",))
+    assert "up to 28672 B, this server reduces up to 28673 B" in table.coverage_gap("bfloat16", 7168, 28673,
+                                                                                   kinds=("plain",))
+    assert table.coverage_gap("bfloat16", 7168, 16) == "no bfloat16 fused routes"
+
+
+def test_describe_lists_the_ranges_in_words():
+    table = _table([10, 10, 10, 10], [5, 5, 11, 11])
+    assert tbl.describe(table, "bfloat16", "plain") == "ONESHOT/push/device up to 28672 B, NCCL up to 57344 B"
+    assert tbl.describe(table, "bfloat16", "plain", up_to=20000) == "ONESHOT/push/device up to 20000 B"

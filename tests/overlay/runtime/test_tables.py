@@ -1,0 +1,201 @@
+"""Finding or making a group's routing table at build time, on CPU: ranks as threads agreeing over an in-memory
+store, the key facts and the tune's child processes replaced by stand-ins."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sglang_sm120.core import exchange
+from sglang_sm120.routing import cache
+from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
+from sglang_sm120.runtime import tables
+from sglang_sm120.tuning import launch
+from sglang_sm120.tuning.candidates import KernelOffer
+
+HIDDEN, ROW = 7168, 7168 * 2
+_names = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch):
+    monkeypatch.setattr(exchange, "VERDICT_GRACE_S", 0.5)
+
+
+def facts(rank):
+    return {"uuid": f"GPU-{rank}", "pci_bus_id": f"00000000:0{rank}:00.0", "name": "RTX PRO 6000",
+            "driver": "580.1", "cuda": "13.0", "torch": "2.14.1", "nccl": "2.27.3", "sglang_sm120": "0.1.0",
+            "kernels": "lib:1:2"}
+
+
+P2P = [[True, True], [True, True]]
+KEY = make_key([facts(0), facts(1)], islands=None, p2p=P2P, memory="device")
+
+
+def a_table(key=KEY, rows=4, dtype="bfloat16"):
+    measurements = {}
+    for kind in ("plain", "fused"):
+        measurements[(dtype, kind)] = [Point(r, r * ROW, {NCCL: 20.0, "sm120/ONESHOT/push/device": 10.0})
+                                       for r in range(1, rows + 1)]
+    return RoutingTable.from_points(key=key, measured="2026-12-03T10:00:00Z",
+                                    workload={"hidden": HIDDEN, "max_bytes": rows * ROW}, measurements=measurements)
+
+
+class Children:
+    """Stands in for launch.run_rank_child: records the calls, answers with `answer(rank, spec)`."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, []
+
+    def __call__(self, rank, world, device, port, spec, *, timeout_s, stall_s):
+        self.calls.append({"rank": rank, "world": world, "device": device, "port": port, "spec": spec})
+        return self.answer(rank, spec)
+
+
+def good_child(rank, spec):
+    table = a_table(rows=spec.max_rows)
+    return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
+
+
+def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW):
+    store, name, logs = dist.HashStore(), f"tables-{next(_names)}", []
+    out = {}
+
+    def body(rank):
+        counter = itertools.count()
+
+        def agree(step, payload, timeout_s=None):
+            return exchange.agree(store, f"{name}/{step}/{next(counter)}", rank, world, payload, timeout_s or 5.0)
+
+        out[rank] = tables.resolve_routes(
+            agree=agree, rank=rank, world=world, device=torch.device("cuda", rank), memory="device", islands=None,
+            link="pcie", p2p=P2P, offer=KernelOffer(), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
+            max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0,
+            log=lambda level, text, r=rank: logs.append((level, text)) if r == 0 else None,
+            facts=lambda device, r=rank: facts_fn(r), run_child=children)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out, logs
+
+
+def warnings(logs):
+    return [text for level, text in logs if level >= logging.WARNING]
+
+
+def test_a_table_of_this_box_is_used_by_every_rank_without_measuring():
+    path = cache.save(a_table())
+    children = Children(good_child)
+    books, logs = resolve_all("auto", children)
+    assert {b.source for b in books.values()} == {"table"} and {b.path for b in books.values()} == {path}
+    assert children.calls == [] and warnings(logs) == []
+
+
+def test_no_table_with_tuning_off_is_the_seeds_quietly():
+    books, logs = resolve_all("off", Children(good_child))
+    assert {b.source for b in books.values()} == {"seeds"} and warnings(logs) == []
+
+
+@pytest.mark.parametrize("damage, status", [
+    (lambda path: open(path, "w").write("{"), "corrupt (bad JSON"),
+    (lambda path: json.dump({**a_table(key={**KEY, "driver": "570.0"}).to_dict()}, open(path, "w")),
+     "other versions (driver '570.0' -> '580.1'"),
+    (lambda path: json.dump({**a_table(key={**KEY, "memory": "host"}).to_dict()}, open(path, "w")),
+     "another key (memory 'host' -> 'device'"),
+])
+def test_a_stale_or_corrupt_table_is_ignored_with_a_warning_saying_which(damage, status):
+    path = cache.table_path(KEY, HIDDEN)
+    cache.save(a_table(), path=path)
+    damage(path)
+    books, logs = resolve_all("off", Children(good_child))
+    assert {b.source for b in books.values()} == {"seeds"}
+    assert len(warnings(logs)) == 1 and f"routing table {path} ignored: {status}" in warnings(logs)[0], logs
+
+
+def test_a_table_that_does_not_reach_the_bound_is_measured_again_in_auto_mode():
+    cache.save(a_table(rows=2))
+    children = Children(good_child)
+    books, logs = resolve_all("auto", children, max_bytes=4 * ROW)
+    assert {b.source for b in books.values()} == {"table"}
+    assert "does not cover" in warnings(logs)[0]
+    assert cache.load(KEY, hidden=HIDDEN, dtype="bfloat16", max_bytes=4 * ROW).ok  # the new one was saved
+
+
+def test_without_a_table_auto_runs_one_quick_tune_child_per_rank_and_saves_its_table():
+    children = Children(good_child)
+    books, logs = resolve_all("auto", children, max_bytes=4 * ROW + 100)
+    assert sorted(c["rank"] for c in children.calls) == [0, 1]
+    assert len({c["port"] for c in children.calls}) == 1 and [c["device"] for c in children.calls] != [None]
+    spec = children.calls[0]["spec"]
+    assert spec.quick and spec.max_rows == 4 and spec.dtypes == ["bfloat16"] and spec.kinds == ["plain", "fused"]
+    assert spec.memory == "device" and spec.islands_given and spec.islands is None and spec.link == "pcie"
+    assert {b.source for b in books.values()} == {"table"}
+    path = cache.table_path(KEY, HIDDEN)
+    assert {b.path for b in books.values()} == {path} and cache.load_file(path).ok
+    assert any("measuring a quick one now" in w for w in warnings(logs))
+
+
+def test_force_measures_even_with_a_table():
+    cache.save(a_table())
+    children = Children(good_child)
+    books, _ = resolve_all("force", children)
+    assert len(children.calls) == 2 and {b.source for b in books.values()} == {"table"}
+
+
+def test_a_failed_child_on_one_rank_means_seeds_everywhere_with_the_reason():
+    def answer(rank, spec):
+        if rank == 1:
+            return launch.ChildOutcome(1, returncode=-9, killed="", tail=["Segmentation fault"])
+        return good_child(rank, spec)
+
+    books, logs = resolve_all("auto", Children(answer))
+    assert {b.source for b in books.values()} == {"seeds"}
+    assert "the quick tune at start-up failed (rank 1: exit code -9: Segmentation fault)" in warnings(logs)[-1]
+    assert not cache.load_file(cache.table_path(KEY, HIDDEN)).ok
+
+
+def test_a_tune_under_another_key_is_not_used():
+    def answer(rank, spec):
+        table = a_table(key={**KEY, "torch": "9.9"}, rows=spec.max_rows)
+        return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
+
+    books, logs = resolve_all("auto", Children(answer))
+    assert {b.source for b in books.values()} == {"seeds"}
+    assert "measured under another key" in warnings(logs)[-1]
+
+
+def test_a_rank_that_cannot_compute_its_key_means_seeds_everywhere():
+    def flaky(rank):
+        if rank == 1:
+            raise RuntimeError("no NVML")
+        return facts(rank)
+
+    books, logs = resolve_all("auto", Children(good_child), facts_fn=flaky)
+    assert {b.source for b in books.values()} == {"seeds"}
+    assert "the routing-table key could not be computed (rank 1: RuntimeError: no NVML)" in warnings(logs)[0]
+
+
+def test_a_failed_quick_tune_is_not_run_again_at_the_next_start_until_forced():
+    def crash(rank, spec):
+        return launch.ChildOutcome(rank, returncode=-11, tail=["Segmentation fault"])
+
+    resolve_all("auto", Children(crash))
+    note = cache.recorded_failure(KEY, HIDDEN)
+    assert note and "the quick tune at start-up failed (rank 0: exit code -11" in note["why"]
+    again = Children(good_child)
+    books, logs = resolve_all("auto", again)
+    assert again.calls == [] and {b.source for b in books.values()} == {"seeds"}
+    assert "is not run again" in warnings(logs)[-1] and "--sm120-allreduce-tune force retries it" in warnings(logs)[-1]
+    forced = Children(good_child)
+    books, _ = resolve_all("force", forced)
+    assert len(forced.calls) == 2 and {b.source for b in books.values()} == {"table"}
+    assert cache.recorded_failure(KEY, HIDDEN) is None  # the saved table cleared the note

@@ -1,0 +1,101 @@
+"""`python -m sglang_sm120.tune` on CPU: its arguments, the model's hidden size, the ranks it plans, and what it
+does with the group's outcome (the children are replaced by a canned outcome)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_sm120 import tune
+from sglang_sm120.routing import cache
+from sglang_sm120.tuning import launch
+
+from .routing.test_table import _table
+
+
+def test_the_hidden_size_is_read_at_the_top_or_in_the_text_model():
+    assert tune.hidden_from_config({"hidden_size": 4096}) == 4096
+    assert tune.hidden_from_config({"text_config": {"hidden_size": 7168}, "vision_config": {"hidden_size": 1}}) == 7168
+    assert tune.hidden_from_config({"vocab_size": 3}) is None
+
+
+def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 7168}}))
+    assert tune.hidden_from_model(str(tmp_path)) == 7168
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="names no hidden_size; pass --hidden"):
+        tune.hidden_from_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden", "7168", "--tp", "3"], "--tp 3: the kernels run 2, 4 or 8 ranks"),
+    (["--hidden", "7168", "--dtype", "fp32"], "unknown dtype 'fp32'"),
+    (["--hidden", "7168", "--kinds", "plain,mixed"], "a comma list of plain, fused"),
+    (["--hidden", "7168", "--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--tp", "2"], "one of the arguments --model-path --hidden is required"),
+    (["--hidden", "7168", "--model-path", "x"], "not allowed with argument"),
+])
+def test_bad_arguments_end_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tune.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_arguments_become_a_spec():
+    args = tune.parse_args(["--hidden", "7168", "--dtype", "fp16,bf16,fp16", "--kinds", "fused", "--quick"])
+    assert args.dtypes == ["float16", "bfloat16"] and args.kinds_list == ["fused"] and args.quick
+
+
+@pytest.mark.parametrize("tp, gpus, share, expected", [
+    (None, 8, False, (8, list(range(8)))),
+    (None, 6, False, (4, [0, 1, 2, 3])),
+    (2, 8, False, (2, [0, 1])),
+    (None, 1, True, (2, [0, 0])),
+    (8, 1, True, (8, [0] * 8)),
+])
+def test_ranks_go_one_per_gpu_or_share_when_asked(tp, gpus, share, expected):
+    assert tune.plan_ranks(tp, gpus, share) == expected
+
+
+@pytest.mark.parametrize("tp, gpus, message", [(None, 0, "no CUDA GPU"), (None, 1, "--share-gpu"), (4, 2, "needs 4")])
+def test_too_few_gpus_are_named(tp, gpus, message):
+    with pytest.raises(SystemExit, match=message):
+        tune.plan_ranks(tp, gpus, False)
+
+
+def _canned(monkeypatch, attempt):
+    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share: (2, [0, 1]))
+    seen = {}
+
+    def tune_with_retries(world, devices, spec, **kw):
+        seen.update(world=world, devices=devices, spec=spec)
+        return attempt
+
+    monkeypatch.setattr(launch, "tune_with_retries", tune_with_retries)
+    return seen
+
+
+def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    table = _table([10, 10], [5, 5])
+    seen = _canned(monkeypatch, launch.Attempt(table.to_dict(), table.digest(), None, None, []))
+    out_file = tmp_path / "copy.json"
+    assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--quick", "--out",
+                      str(out_file)]) == 0
+    assert seen["spec"].max_rows == 2 and seen["spec"].quick and seen["world"] == 2
+    path = cache.table_path(table.key, 7168)
+    saved = cache.load_file(path)
+    assert saved.ok and saved.table.durations["total"] >= 0 and out_file.exists()
+    out = capsys.readouterr().out
+    assert f"written to {path}" in out and "ONESHOT/push/device" in out
+
+
+def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    outcome = launch.ChildOutcome(1, returncode=-9, tail=["CUDA error: an illegal memory access"])
+    _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", None, [outcome]))
+    assert tune.main(["--hidden", "7168"]) == 1
+    err = capsys.readouterr().err
+    assert "tune failed: rank 1 died (exit code -9)" in err and "illegal memory access" in err
+    assert list(tmp_path.iterdir()) == []

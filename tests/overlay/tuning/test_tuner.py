@@ -1,0 +1,298 @@
+"""The tuner's control flow on CPU: ranks as threads (agreeing over an in-memory c10d store) or as gloo processes,
+a fake measurer with injected times and failures."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import socket
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from sglang_sm120.core import exchange
+from sglang_sm120.routing import table as tbl
+from sglang_sm120.tuning.candidates import KernelOffer
+from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, rows_ladder
+
+ONE, TWO = "sm120/ONESHOT/push/device", "sm120/TWOSHOT/push/device"
+KEY = {"world_size": 2, "gpus": [{"uuid": "GPU-0"}, {"uuid": "GPU-1"}], "memory": "device"}
+
+
+class FakeMeasurer:
+    """times(cid, kind, dtype, rows, rank) -> us; failures {(cid, rows): (ranks, why)} fail verification there."""
+
+    offer = KernelOffer(("push",))
+
+    def __init__(self, rank, times, failures=None, world=2, digests=None):
+        self.rank, self.times, self.failures = rank, times, failures or {}
+        self.world, self.digests = world, digests or {}
+        self.resets, self.verified, self.timed = 0, [], []
+
+    def shape(self):
+        return {"world_size": self.world, "memory": "device", "num_islands": 1, "oneshot_max_bytes": 1 << 62,
+                "clusters": []}
+
+    def incumbent(self, kind):
+        return "fake NCCL" if kind == "plain" else "fake NCCL + norm"
+
+    def verify(self, route, kind, dtype, rows):
+        self.verified.append((route.id, rows))
+        ranks, why = self.failures.get((route.id, rows), ((), ""))
+        if self.rank in ranks:
+            raise AssertionError(why)
+        return self.digests.get((route.id, rows, self.rank), "same bits")
+
+    def time(self, route, kind, dtype, rows):
+        self.timed.append((route.id, rows))
+        return [self.times(route.id, kind, dtype, rows, self.rank)] * 3
+
+    def reset(self):
+        self.resets += 1
+
+
+def thread_gathers(world):
+    store, name = dist.HashStore(), f"tune-test-{next(_groups)}"
+
+    def for_rank(rank):
+        counter = itertools.count()
+
+        def gather(obj):
+            return exchange.exchange(store, f"{name}/{next(counter)}", rank, world, obj, 10.0)
+
+        return gather
+
+    return for_rank
+
+
+_groups = itertools.count()
+
+
+def run_threads(world, make_measurer, spec, progress=None):
+    gathers = thread_gathers(world)
+    results, errors, measurers = {}, {}, {}
+
+    def body(rank):
+        try:
+            measurers[rank] = make_measurer(rank)
+            tuner = Tuner(measurers[rank], spec, rank=rank, world=world, gather=gathers(rank), key=KEY,
+                          progress=(lambda e, r=rank: progress(r, e)) if progress else None)
+            results[rank] = tuner.run()
+        except Exception as exc:  # surfaced below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results, errors, measurers
+
+
+def spec(**kw):
+    base = dict(hidden=7168, max_rows=4, dtypes=["bfloat16"], kinds=["plain"], quick=False)
+    return TuneSpec(**{**base, **kw})
+
+
+def crossover_times(cid, kind, dtype, rows, rank):
+    """ONESHOT halves NCCL up to 2 rows and loses from 3 rows on; TWOSHOT is always worse."""
+    nccl = 20.0
+    return {"nccl": nccl, ONE: 10.0 if rows <= 2 else 30.0, TWO: 25.0}[cid]
+
+
+def test_every_rank_builds_the_same_table_from_the_measurements():
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, crossover_times, world=2), spec())
+    assert not errors, errors
+    assert results[0].digest() == results[1].digest()
+    table = results[0]
+    assert tbl.describe(table, "bfloat16", "plain") == "ONESHOT/push/device up to 28672 B, NCCL up to 57344 B"
+    assert [p.times for p in table.measurements[("bfloat16", "plain")]][0] == {"nccl": 20.0, ONE: 10.0}
+    assert table.incumbents == {"plain": "fake NCCL"} and table.workload["rows"] == [1, 2, 3, 4]
+
+
+def test_the_slowest_rank_decides():
+    def times(cid, kind, dtype, rows, rank):
+        if cid == ONE:
+            return 10.0 if rank == 0 else 19.9  # rank 1 makes ONESHOT lose its 2% margin
+        return 20.0
+
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, times), spec(max_rows=2))
+    assert not errors, errors
+    points = results[0].measurements[("bfloat16", "plain")]
+    assert points[0].times[ONE] == 19.9
+    assert tbl.describe(results[1], "bfloat16", "plain") == "NCCL up to 28672 B"
+
+
+def test_a_candidate_failing_on_one_rank_fails_on_all_is_skipped_above_and_the_workspace_is_rebuilt():
+    failures = {(ONE, 2): ((1,), "call 1 sum: 3 of 14336 elements differ")}
+    results, errors, measurers = run_threads(2, lambda r: FakeMeasurer(r, crossover_times, failures), spec())
+    assert not errors, errors
+    points = results[0].measurements[("bfloat16", "plain")]
+    assert ONE in points[0].times
+    assert points[1].failed[ONE].startswith("rank 1: verify: AssertionError: call 1 sum")
+    assert points[2].failed[ONE].startswith("failed at 28672 B: rank 1:")
+    assert all(ONE not in p.times for p in points[1:])
+    assert [m.resets for m in measurers.values()] == [1, 1]
+    assert (ONE, 3) not in measurers[0].verified  # never tried again
+    assert tbl.describe(results[0], "bfloat16", "plain") == "NCCL up to 57344 B"  # a one-size run is not enough
+
+
+def test_outputs_that_differ_between_ranks_fail_the_candidate():
+    digests = {(ONE, 1, 1): "other bits"}
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, crossover_times, digests=digests), spec(max_rows=1))
+    assert not errors, errors
+    assert "outputs differ across ranks" in results[0].measurements[("bfloat16", "plain")][0].failed[ONE]
+
+
+def test_an_excluded_candidate_is_recorded_with_its_reason_and_never_started():
+    begun = []
+    rule = {"dtype": "bfloat16", "kind": "plain", "candidate": ONE, "from_bytes": 2 * 14336,
+            "reason": "rank 1 died (exit code -11) while running it"}
+    results, errors, measurers = run_threads(
+        2, lambda r: FakeMeasurer(r, crossover_times), spec(exclude=[rule]), progress=lambda r, e: begun.append(e))
+    assert not errors, errors
+    points = results[0].measurements[("bfloat16", "plain")]
+    assert points[1].failed[ONE] == rule["reason"] and ONE in points[0].times
+    assert {(e["candidate"], e["rows"]) for e in begun if e["candidate"] == ONE} == {(ONE, 1)}
+    assert (ONE, 2) not in measurers[0].verified
+
+
+def test_transports_the_build_lacks_are_recorded_as_such():
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, crossover_times), spec(max_rows=1))
+    assert not errors, errors
+    failed = results[0].measurements[("bfloat16", "plain")][0].failed
+    assert failed == {"sm120/ONESHOT/staged/device": "not available in this build",
+                      "sm120/ONESHOT/pull/device": "not available in this build"}
+
+
+def test_a_failing_nccl_routes_nothing_to_us_and_says_so():
+    def times(cid, kind, dtype, rows, rank):
+        if cid == "nccl":
+            raise RuntimeError("NCCL error: invalid usage (duplicate GPU)")
+        return 1.0
+
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, times), spec(max_rows=2))
+    assert not errors, errors
+    assert tbl.describe(results[0], "bfloat16", "plain") == "NCCL up to 28672 B"
+    assert any("NCCL failed at 14336 B" in n for n in results[0].notes)
+
+
+def test_the_debug_incumbent_time_is_used_and_labelled():
+    results, errors, measurers = run_threads(2, lambda r: FakeMeasurer(r, crossover_times), spec(debug_nccl_us=1e6))
+    assert not errors, errors
+    assert tbl.describe(results[0], "bfloat16", "plain") == "ONESHOT/push/device up to 57344 B"
+    assert any(n.startswith("DEBUG: NCCL was not measured") for n in results[0].notes)
+    assert not [t for t in measurers[0].timed if t[0] == "nccl"]
+
+
+def test_ranks_that_see_different_workspaces_refuse_to_tune():
+    def make(rank):
+        m = FakeMeasurer(rank, crossover_times)
+        if rank == 1:
+            m.shape = lambda: {**FakeMeasurer.shape(m), "memory": "host"}
+        return m
+
+    _, errors, _ = run_threads(2, make, spec(max_rows=1))
+    assert set(errors) == {0, 1} and all(isinstance(e, TuneError) for e in errors.values())
+
+
+@pytest.mark.parametrize("max_rows, quick, expected", [
+    (1, True, [1]),
+    (5, True, [1, 2, 3, 4, 5]),
+    (128, True, [1, 2, 3, 4, 6, 8, 16, 32, 64, 128]),
+    (20, False, list(range(1, 17)) + [20]),
+])
+def test_the_rows_ladder(max_rows, quick, expected):
+    assert rows_ladder(max_rows, quick) == expected
+
+
+def test_the_full_ladder_grows_by_a_quarter_at_most_and_ends_at_the_bound():
+    rows = rows_ladder(1000, quick=False)
+    assert rows[:16] == list(range(1, 17)) and rows[-1] == 1000
+    assert all(b <= max(a + 1, a * 1.25) + 1 for a, b in zip(rows, rows[1:], strict=False))
+
+
+def test_the_spec_survives_json():
+    s = spec(exclude=[{"dtype": "bfloat16"}], islands=[[0], [1]], islands_given=True)
+    assert TuneSpec.from_dict(s.as_dict()) == s
+    quick = TuneSpec.make(7168, 16, quick=True, dtypes=["float16"])
+    assert (quick.calls, quick.iters, quick.dtypes) == (10, 10, ["float16"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same agreement over gloo, one process per rank
+
+
+def _gloo_rank(rank, world, port, queue):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+    def gather(obj):
+        out = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def times(cid, kind, dtype, rows, r):
+        base = {"nccl": 20.0, ONE: 10.0, TWO: 15.0}[cid]
+        return base * (1.5 if (r == world - 1 and cid == ONE and rows >= 3) else 1.0)  # the last rank is slow there
+
+    failures = {(TWO, 2): ((0,), "scratch not clean")}
+    try:
+        table = Tuner(FakeMeasurer(rank, times, failures, world=world), spec(), rank=rank, world=world,
+                      gather=gather, key=KEY).run()
+        queue.put((rank, table.digest(), tbl.describe(table, "bfloat16", "plain")))
+    except Exception as exc:  # reported to the test
+        queue.put((rank, None, repr(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_over_gloo():
+    world = 3
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    answers = sorted(queue.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(timeout=30)
+    digests = {digest for _, digest, _ in answers}
+    assert len(digests) == 1 and None not in digests, answers
+    # ONESHOT wins everywhere (its slowest rank: 10, then 15 from rows 3, against NCCL's 20); TWOSHOT failed on
+    # rank 0 at rows 2, so on every rank, and is not tried again.
+    assert answers[0][2] == "ONESHOT/push/device up to 57344 B"
+
+
+def test_a_candidate_far_slower_than_nccl_is_pruned_and_once_none_is_left_nothing_is_timed():
+    def times(cid, kind, dtype, rows, rank):
+        return {"nccl": 10.0, ONE: 10.0 if rows == 1 else 16.0, TWO: 16.0}[cid]  # both > 1.5x NCCL from rows 2
+
+    results, errors, measurers = run_threads(2, lambda r: FakeMeasurer(r, times, world=4),
+                                             spec(max_rows=5))
+    assert not errors, errors
+    points = results[0].measurements[("bfloat16", "plain")]
+    assert points[2].failed[TWO].startswith("pruned: slower than 1.5x NCCL at 2 consecutive sizes up to 28672 B")
+    assert points[3].failed[ONE].startswith("pruned") and points[3].times == {}
+    assert points[3].failed["nccl"] == "not timed: no candidate of ours left to compare with"
+    assert {t[1] for t in measurers[0].timed} == {1, 2, 3}
+    assert tbl.describe(results[0], "bfloat16", "plain") == "NCCL up to 71680 B"
+
+
+def test_pruning_compares_with_nccl_only_never_with_another_candidate():
+    def times(cid, kind, dtype, rows, rank):
+        return {"nccl": 20.0, ONE: 5.0 if rows <= 2 else 25.0, TWO: 12.0 if rows <= 2 else 10.0}[cid]
+
+    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, times, world=4), spec())
+    assert not errors, errors
+    # TWOSHOT was 2.4x slower than ONESHOT at rows 1-2 but kept, and takes over where ONESHOT loses to NCCL
+    assert tbl.describe(results[0], "bfloat16", "plain") == \
+        "ONESHOT/push/device up to 28672 B, TWOSHOT/push/device up to 57344 B"

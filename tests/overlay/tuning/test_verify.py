@@ -1,0 +1,59 @@
+"""The exactness check: its inputs, its expected results (against the kernel package's reference), its verdict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kernel_sm120 import reference_all_reduce, reference_all_reduce_add_rmsnorm
+from sglang_sm120.tuning import verify
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_expected_results_are_the_references_exactly(dtype):
+    inputs, total = verify.plain_case(8, 3, 7168, dtype)
+    assert verify.mismatch("sum", reference_all_reduce(inputs), total) is None
+    inputs, residual, weight, eps, norm, res = verify.fused_case(4, 5, 7168, dtype)
+    ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, eps)
+    assert verify.mismatch("norm", ref_norm, norm) is None
+    assert verify.mismatch("residual", ref_res, res) is None
+
+
+def test_inputs_are_small_integers_with_negative_zeros_and_differ_by_rank():
+    x0, x1 = verify.rank_input(0, 4, 1024, "bfloat16"), verify.rank_input(1, 4, 1024, "bfloat16")
+    values = x0.float()
+    assert torch.equal(values, values.round()) and values.abs().max() <= 3
+    negative_zeros = int(((values == 0) & torch.signbit(values)).sum())
+    assert negative_zeros > 100
+    assert not torch.equal(x0, x1)
+    assert torch.equal(x0, verify.rank_input(0, 4, 1024, "bfloat16"))  # every rank can rebuild it
+
+
+def test_a_wrong_value_or_a_nan_is_named():
+    _, total = verify.plain_case(2, 2, 64, "bfloat16")
+    wrong = total.clone()
+    wrong[1, 5] += 1
+    assert "1 of 128 elements differ, first at [1, 5]" in verify.mismatch("sum", wrong, total)
+    wrong = total.clone()
+    wrong[0, 0] = float("nan")
+    assert "first at [0, 0]" in verify.mismatch("sum", wrong, total)
+    assert "shape/dtype" in verify.mismatch("sum", total.half(), total)
+
+
+def test_the_digest_sees_the_sign_of_zero():
+    a = torch.zeros(8, dtype=torch.bfloat16)
+    assert verify.output_digest(a) != verify.output_digest(-a)
+    assert verify.mismatch("zero", -a, a) is None  # as values they are equal
+
+
+def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
+    assert verify.reduce_verdicts([(None, "x"), (None, "x")]) is None
+    assert verify.reduce_verdicts([(None, "x"), ("verify: boom", None)]) == "rank 1: verify: boom"
+    assert verify.reduce_verdicts([(None, "x"), (None, "y")]).startswith("outputs differ across ranks")
+
+
+def test_the_fused_case_needs_a_hidden_size_in_fours():
+    with pytest.raises(ValueError):
+        verify.fused_case(2, 1, 6, "bfloat16")
+    with pytest.raises(ValueError):
+        verify.rank_input(0, 1, 8, "float32")
