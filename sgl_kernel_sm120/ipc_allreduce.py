@@ -480,7 +480,10 @@ class IpcAllReduce:
             # One rank at a time. In the GPU run of 2026-12-02 the construction of a 2-rank host-memory workspace
             # hung on the H200 (rank 0 never reached the unlink below) when every rank pinned the buffer at once;
             # every earlier run, which passed, had pinned one rank after the other. Which call hung was not seen,
-            # so this ordering is the suspected fix, not a proven one, until the next GPU run.
+            # so this ordering is the suspected fix, not a proven one, until the next GPU run. A possible mechanism:
+            # a long-term pin migrates pages out of movable memory (the GPU machines are VMs whose memory grows by
+            # hot-plug, which Linux puts in ZONE_MOVABLE), and two processes pinning the same pages at once can keep
+            # each other's migration from finishing.
             for turn in range(self.world_size):
                 error = None
                 if self.rank == turn:
