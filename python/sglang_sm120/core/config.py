@@ -66,21 +66,23 @@ class SettingError(ValueError):
     flag or variable, the value, and what is allowed, so launchers can print it without a traceback."""
 
 
-def parse_mode(value: object, source: str) -> str:
+def _parse_choice(value: object, source: str, choices, what: str, meaning: str = "") -> str:
+    """One of `choices` (case and spaces ignored), or a SettingError naming the setting, the value and the
+    choices (with what each means, when given)."""
     text = str(value).strip().lower()
-    if text not in MODES:
-        raise SettingError(f"{source}={value!r} is not a valid mode; allowed: {', '.join(MODES)}")
+    if text not in choices:
+        raise SettingError(f"{source}={value!r} is not a valid {what}; allowed: {', '.join(choices)}"
+                           + (f" ({meaning})" if meaning else ""))
     return text
+
+
+def parse_mode(value: object, source: str) -> str:
+    return _parse_choice(value, source, MODES, "mode")
 
 
 def parse_tune(value: object, source: str) -> str:
-    text = str(value).strip().lower()
-    if text not in TUNE_MODES:
-        raise SettingError(
-            f"{source}={value!r} is not a valid tune setting; allowed: {', '.join(TUNE_MODES)} (auto: measure at "
-            "start-up when no table of this box exists; off: the built-in seeds; force: measure at every start)"
-        )
-    return text
+    return _parse_choice(value, source, TUNE_MODES, "tune setting", "auto: measure at start-up when no table of this "
+                         "box exists; off: the built-in seeds; force: measure at every start")
 
 
 def parse_max_bytes(value: object, source: str) -> int | None:
@@ -108,13 +110,8 @@ def parse_max_bytes(value: object, source: str) -> int | None:
 
 
 def parse_hostmem(value: object, source: str) -> str:
-    text = str(value).strip().lower()
-    if text not in HOSTMEM_CHOICES:
-        raise SettingError(
-            f"{source}={value!r} is not a valid host-memory setting; allowed: {', '.join(HOSTMEM_CHOICES)} "
-            "(auto: use pinned host memory where CUDA P2P is missing; off: stay on NCCL there)"
-        )
-    return text
+    return _parse_choice(value, source, HOSTMEM_CHOICES, "host-memory setting",
+                         "auto: use pinned host memory where CUDA P2P is missing; off: stay on NCCL there")
 
 
 def hostmem_from_env(environ: Mapping[str, str] | None = None) -> str:
