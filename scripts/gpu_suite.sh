@@ -70,8 +70,11 @@ step() {  # step NAME COMMAND...: run, log, remember failure, go on
   local name=$1; shift
   echo ">>> [$(date +%T)] $name: $*" | tee -a "$OUT/summary.log"
   local t0=$SECONDS
-  "$@" > "$WORK/logs/$name.log" 2>&1
+  # Bounded (STAGE_TIMEOUT_S, default 900 s): a hung stage ends here, its process group killed, and the stages
+  # after it still run inside the device call's own limit.
+  timeout -k 15 "${STAGE_TIMEOUT_S:-900}" "$@" > "$WORK/logs/$name.log" 2>&1
   local rc=$?
+  [ $rc -eq 124 ] && echo ">>> $name: cut off after ${STAGE_TIMEOUT_S:-900} s (STAGE_TIMEOUT_S)" | tee -a "$OUT/summary.log"
   tail -n 15 "$WORK/logs/$name.log"
   grep -E "passed|failed|error" "$WORK/logs/$name.log" | tail -n 3 >> "$OUT/summary.log"
   echo ">>> $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.log"
