@@ -12,8 +12,8 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <string>
 
 #include "ar_launch.h"
@@ -112,16 +112,25 @@ constexpr const char* kShmAdvice =
     "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or "
     "point SGL_SM120_SHM_DIR at a larger tmpfs";
 
-// The NUMA node of the device's PCI function, from sysfs; -1 when unknown.
+// The NUMA node of the device's PCI function, from sysfs; -1 when unknown. Plain read(2) and strtol, no
+// iostreams: on the H200 machine (2026-12-02) `std::ifstream >> int` here died of SIGSEGV inside the library's
+// locale code (std::codecvt), killing rank 0 in every host-memory construction.
 int numa_node_of(int device) {
   char bus[32] = {};
   if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) return -1;
   std::string id(bus);
   for (char& c : id) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
-  int node = -1;
-  if (!(f >> node)) return -1;
-  return node;
+  const std::string path = "/sys/bus/pci/devices/" + id + "/numa_node";
+  const int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) return -1;
+  char text[16] = {};
+  const ssize_t got = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (got <= 0) return -1;
+  char* end = nullptr;
+  const long node = std::strtol(text, &end, 10);
+  if (end == text || node < -1 || node > 4095) return -1;
+  return static_cast<int>(node);
 }
 
 // Prefer `node` for the pages of [addr, addr + bytes) of a shared mapping: tmpfs keeps the policy with the file's
