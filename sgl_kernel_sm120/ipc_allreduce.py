@@ -86,19 +86,28 @@ ABORT_AFTER_ENV = "SGL_SM120_AR_ABORT_AFTER_S"
 DEFAULT_ABORT_AFTER_S = 30.0
 
 
-def probe_drop_target(rank: int, environ=None, round_index: int | None = None) -> int:
-    """The peer whose probe writes this rank drops (debug switch) in `round_index` (None: any round), else -1."""
+def probe_drop_target(rank: int, environ=None, round_index: int | None = None, memory: str = "device") -> int:
+    """The peer whose probe writes this rank drops (debug switch) in `round_index` (None: any round), else -1.
+
+    SRC:DST[:ROUND][@MEMORY]: the switch stands for what ACS redirection or a translating IOMMU do to P2P writes,
+    so by default it applies to device-memory workspaces only (MEMORY device); a host-memory workspace, which
+    crosses no P2P path, is probed untouched, as the overlay's retry in host memory needs. @host or @any make the
+    host-memory probe drop too (its own tests)."""
     raw = (os.environ if environ is None else environ).get(PROBE_DROP_ENV, "").strip()
     if not raw:
         return -1
+    spec, _, applies_to = raw.partition("@")
     try:
-        parts = [int(part) for part in raw.split(":")]
-        if len(parts) not in (2, 3):
+        parts = [int(part) for part in spec.split(":")]
+        if len(parts) not in (2, 3) or applies_to not in ("", "device", "host", "any"):
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST or SRC:DST:ROUND (rank and round numbers)"
+            f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST or SRC:DST:ROUND (rank and round numbers), optionally "
+            "followed by @device (the default), @host or @any"
         ) from None
+    if (applies_to or "device") not in (memory, "any"):
+        return -1
     src, dst = parts[0], parts[1]
     if src != rank:
         return -1
@@ -289,7 +298,14 @@ class IpcAllReduce:
         processes sharing a GPU never do (they time-slice): a race in a protocol can show here. Co-residency:
         each rank gets SMs // W of the SMs (and a W-th of the cluster capacity), so the W ranks' CTAs fit the
         GPU at once; the mode refuses a world the GPU cannot hold so. The results are the same bits as in
-        separate processes. Close the group with close_local_group(); a workspace of it alone is not closable."""
+        separate processes. Close the group with close_local_group(); a workspace of it alone is not closable.
+
+        Eager calls must be issued call-major: every rank's call k before any rank's call k + 1. With CUDA's lazy
+        module loading (the default), the first launch of a kernel may wait for the whole context: issued
+        rank-major, rank 0's second kernel, new to the process, then waits for rank 0's first, which waits for
+        rank 1's first, which the blocked host thread has not launched yet, until the timeout (seen on the H200,
+        2026-12-02: every rank-major sweep timed out at its first staged call). Graph replays are safe: a
+        graph's kernels are loaded when it is instantiated."""
         ops = _ext.ops()
         _require_cuda()
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -477,13 +493,9 @@ class IpcAllReduce:
                 self._release()
                 raise
         try:
-            # One rank at a time. In the GPU run of 2026-12-02 the construction of a 2-rank host-memory workspace
-            # hung on the H200 (rank 0 never reached the unlink below) when every rank pinned the buffer at once;
-            # every earlier run, which passed, had pinned one rank after the other. Which call hung was not seen,
-            # so this ordering is the suspected fix, not a proven one, until the next GPU run. A possible mechanism:
-            # a long-term pin migrates pages out of movable memory (the GPU machines are VMs whose memory grows by
-            # hot-plug, which Linux puts in ZONE_MOVABLE), and two processes pinning the same pages at once can keep
-            # each other's migration from finishing.
+            # One rank at a time, as every run that passed did. (The construction "hang" of 2026-12-02 first
+            # blamed on all ranks pinning at once was rank 0 dying in the NUMA lookup, csrc/workspace.cu
+            # numa_node_of; pinning in turn costs W small barriers at start-up and was kept.)
             for turn in range(self.world_size):
                 error = None
                 if self.rank == turn:
@@ -570,7 +582,7 @@ class IpcAllReduce:
         for round_index in range(self.probe_rounds):
             error, outcomes = None, None
             try:
-                drop = probe_drop_target(self.rank, round_index=round_index)
+                drop = probe_drop_target(self.rank, round_index=round_index, memory=self.memory)
                 outcomes = [int(o) for o in ops.ws_probe(self._handle, timeout, round_index, drop)]
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"

@@ -26,3 +26,16 @@ def test_unchecked_results_count_and_an_all_wrong_shape_is_left_out():
     records = [_rec("push", "TWOSHOT", 7.0, correct=None, mode="loopback"), _rec("pull", "ONESHOT", 1.0, correct=False)]
     out = summary(records)
     assert [r["best"] for r in out] == ["TWOSHOT push"]
+
+
+def test_readme_holds_the_table_rendered_from_the_committed_json():
+    import json
+    import pathlib
+
+    from benchmarks.bench_transports import readme_table
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    doc = json.loads((root / "benchmarks/results/transports_h200_loopback.json").read_text())
+    table = readme_table(doc["records"])
+    assert table.count("\n") >= 4, table
+    assert table in (root / "README.md").read_text(), f"README's transports table is not this rendering:\n{table}"

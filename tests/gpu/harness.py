@@ -54,7 +54,9 @@ def _child(rank: int, world: int, port: int, fn, args, queue, hang_report_s: flo
     import faulthandler
     import sys
 
-    # A rank that hangs prints where every thread is, shortly before the parent gives up and kills it.
+    # A rank that hangs prints where every thread is, shortly before the parent gives up and kills it; one that
+    # crashes (SIGSEGV, SIGBUS, SIGABRT) prints where it was first.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.dump_traceback_later(hang_report_s, exit=False, file=sys.stderr)
     verdict = None
     try:

@@ -142,7 +142,8 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
     failures = []
     try:
         cases = list(itertools.product(rows_list, hiddens, _variants(world, "device"), TRANSPORTS))
-        # Eager: each rank's call on its own stream, all launched before any is waited for.
+        # Eager: each rank's call on its own stream, all launched before any is waited for. Call-major (every
+        # rank's plain call, then every rank's fused one): see IpcAllReduce.local_group on lazy loading.
         for rows, hidden, variant, transport in cases:
             inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
                                                     _stable_seed("local", rows, hidden), dev)
@@ -151,6 +152,8 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
             for r, comm in enumerate(comms):
                 with torch.cuda.stream(streams[r]):
                     plain[r] = comm.all_reduce(inputs[r], variant=variant, transport=transport)
+            for r, comm in enumerate(comms):
+                with torch.cuda.stream(streams[r]):
                     fused[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, variant=variant,
                                                            transport=transport)
             torch.cuda.synchronize()
