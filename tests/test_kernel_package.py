@@ -362,6 +362,14 @@ def test_probe_outcomes_name_the_failing_pairs():
     assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=4) == 0
     with pytest.raises(ValueError, match="SRC:DST"):
         probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1-0"})
+    # it stands for a broken P2P path: device memory only, unless asked (the overlay's host-memory retry)
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, memory="host") == -1
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="host") == 0
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="device") == -1
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5@any"}, round_index=5, memory="host") == 0
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@device"}, memory="device") == 0
+    with pytest.raises(ValueError, match="@device"):
+        probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@p2p"})
     assert failed_probe_pairs([[1, 2], [1, 1]], "parity 1, the end of the region") == [
         (1, 0, "write never arrived (parity 1, the end of the region)")
     ]

@@ -46,6 +46,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -246,6 +247,12 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     """Bring this rank up the way a scheduler does, with the overlay active (SGLANG_SM120_ALLREDUCE=`mode`)."""
     os.environ["SGLANG_SM120_ALLREDUCE"] = mode
     os.environ.pop("SGLANG_SM120_ALLREDUCE_MAX_BYTES", None)
+    # Routes by the seeds, from a cache of this test alone. The start-up tune (the default, auto) would measure
+    # this harness: on ranks sharing a GPU that is time-slicing against gloo in NCCL's place, and the GPU run of
+    # 2026-12-02 saw small all-reduces routed to "NCCL" (gloo, in place) by it. These tests check the overlay's
+    # paths, not the tune's verdict (tests/gpu/test_tune_gpu.py does); a test may still set both through `env`.
+    os.environ["SGLANG_SM120_ALLREDUCE_TUNE"] = "off"
+    os.environ["SGLANG_SM120_CACHE"] = tempfile.mkdtemp(prefix=f"sgl_sm120_cache_r{rank}_")
     for key, value in (env or {}).items():
         os.environ[key] = value
     for path in (os.path.join(REPO, "python"), REPO):
@@ -448,7 +455,7 @@ class _DryRunIpcAllReduce:
         if drop and memory == "device":
             from sgl_kernel_sm120.errors import IpcAllReduceProbeError
 
-            src, dst = (int(part) for part in drop.split(":"))
+            src, dst = (int(part) for part in drop.partition("@")[0].split(":")[:2])
             raise IpcAllReduceProbeError([(src, dst, "write never arrived")])
         self.calls = 0
         self._closed = False

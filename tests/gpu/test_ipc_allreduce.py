@@ -592,8 +592,9 @@ def _scenario_probe_drop(rank, world):
     probe.close()
     assert rounds >= 6, f"only {rounds} probe rounds"
     cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{rounds - 1}", "parity 1, the flags"))
+    applies_to = f"@{_memory()}"  # the switch leaves host memory alone unless told (probe_drop_target)
     for spec, where in cases:
-        os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec
+        os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec + applies_to
         try:
             _make(world, rank, 64 * 7168)
         except IpcAllReduceProbeError as err:
