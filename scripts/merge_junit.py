@@ -55,7 +55,10 @@ def incomplete(root: ET.Element) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     strict = "--strict" in args
-    out, *inputs = [a for a in args if a != "--strict"]
+    files = [a for a in args if a != "--strict"]
+    if not files or any(a.startswith("-") for a in files):  # e.g. --help: never write a file named after it
+        sys.exit(__doc__)
+    out, *inputs = files
     merged = merge(inputs)
     ET.ElementTree(merged).write(out, encoding="utf-8", xml_declaration=True)
     print(out, {name: merged.get(name) for name in (*COUNTERS, "time")})
