@@ -11,7 +11,8 @@ the table to $SGLANG_SM120_CACHE (default ~/.cache/sglang_sm120). A candidate th
 excluded and the tune starts again (--retries). A server finds the table by its key (GPUs, driver, versions,
 TP size, islands, P2P, workspace memory); rerun after changing any of those, or GPU placement.
 
-NOT YET RUN ON A GPU.
+Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py. Never on
+several GPUs.
 """
 
 from __future__ import annotations

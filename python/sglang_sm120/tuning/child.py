@@ -2,7 +2,7 @@
 --port P --spec FILE`, started by tuning/launch.py (one per rank, from `python -m sglang_sm120.tune` or from each
 rank of a starting server), so that a candidate that kills its CUDA context kills this process only.
 
-NOT YET RUN ON A GPU.
+Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py.
 
 It joins the other ranks' children over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every
 agreement), computes the table key as the server does (core/facts.key_facts, the P2P matrix, the islands, the

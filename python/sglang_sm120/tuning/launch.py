@@ -11,7 +11,8 @@ the CUDA context of the process that ran it. So candidates run in child processe
   seeds (runtime/tables.py).
 A child's own Python error (an `error` event) is not retried: it is not a candidate's fault.
 
-NOT YET RUN ON A GPU (the process handling is exercised on CPU by the tests with stand-in children).
+Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py. (The process
+handling is also exercised on CPU by the tests with stand-in children.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The CUDA side of a tune, for one rank: the workspace the candidates run on, their inputs, one call of each
 candidate, and its verification and timing (the `Measurer` interface of tuning/tuner.py).
 
-NOT YET RUN ON A GPU. Written against sgl_kernel_sm120.IpcAllReduce as it is (push transport, per-call
+Ran on 1x H200 (ranks sharing it), 2026-12-02. Written against sgl_kernel_sm120.IpcAllReduce as it is (push
+transport, per-call
 `variant=`, the workspace attribute `fused_cluster`) and against the interface issue 17 adds (`transport=` on
 the constructor and the calls, `cluster=` on the fused call), which it detects (tuning/candidates.py) and uses
 only where present.
