@@ -91,6 +91,9 @@ def parse_args(argv: Sequence[str] | None):
                         help="let ranks share the visible GPUs (plumbing checks on a one-GPU machine; times are "
                              "meaningless)")
     parser.add_argument("--debug-nccl-us", type=float, default=None, help=argparse.SUPPRESS)
+    # Plumbing check on one GPU with the ranks running concurrently (tuning/measure_local.py); needs
+    # --debug-nccl-us, writes --out only (never the cache).
+    parser.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true", help="print every candidate as it starts")
     args = parser.parse_args(argv)
     try:
@@ -102,6 +105,8 @@ def parse_args(argv: Sequence[str] | None):
         parser.error(f"--kinds {args.kinds!r}: a comma list of plain, fused")
     if args.tp is not None and args.tp not in (2, 4, 8):
         parser.error(f"--tp {args.tp}: the kernels run 2, 4 or 8 ranks")
+    if args.one_process and args.debug_nccl_us is None:
+        parser.error("--one-process needs --debug-nccl-us US: NCCL cannot run a group inside one process")
     for name in ("max_batch", "draft_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -130,7 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     world, devices = plan_ranks(args.tp, torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                                args.share_gpu)
+                                args.share_gpu or args.one_process)
+    if args.one_process:
+        devices = [devices[0]] * world
     hidden = args.hidden if args.hidden is not None else hidden_from_model(args.model_path)
     max_rows = args.max_rows or args.max_batch * args.draft_tokens
     spec = TuneSpec.make(hidden, max_rows, quick=args.quick, dtypes=args.dtypes, kinds=args.kinds_list,
@@ -154,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{attempt.culprit['from_bytes']} B and starting again", flush=True)
 
     start = time.monotonic()
+    if args.one_process:
+        return _one_process(world, devices[0], spec, args.out, start)
     attempt = launch.tune_with_retries(world, devices, spec, retries=args.retries, timeout_s=args.timeout,
                                        stall_s=args.stall, on_event=on_event, on_retry=on_retry)
     if attempt.table is None:
@@ -171,6 +180,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     copies = f"{path}" + (f" and {args.out}" if args.out else "")
     print(f"\nwritten to {copies}; measuring took {table.durations.get('measure', 0):.1f} s, the whole tune "
           f"{table.durations['total']:.1f} s")
+    return 0
+
+
+def _one_process(world: int, device: int, spec: TuneSpec, out: str | None, start: float) -> int:
+    from .tuning.measure_local import run_one_process
+
+    table, _ = run_one_process(world, device, spec)
+    table.durations["total"] = round(time.monotonic() - start, 3)
+    if out:
+        cache.save(table, path=out)
+    print(render.table_markdown(table, path=out))
+    print(f"\none process, {world} ranks on cuda:{device}: a plumbing check, not put in the cache"
+          f"{f'; written to {out}' if out else ''}; measuring took {table.durations.get('measure', 0):.1f} s")
     return 0
 
 

@@ -125,3 +125,28 @@ def test_a_starting_group_without_a_table_measures_a_quick_one_and_caches_it(tmp
     # (and says why); with two GPUs it is a real measurement. Either way it is found, saved and named.
     run_ranks(WORLD, _group_worker, str(tmp_path), "auto", "any", timeout_s=TIMEOUT_S)
     load_only_table(str(tmp_path))
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("world", [2, 8])
+def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_out_file(tmp_path, world):
+    """--one-process: the whole group as local_group workspaces of one GPU (tuning/measure_local.py), every
+    candidate verified on every rank; the table goes to --out and never into the cache."""
+    from sglang_sm120.routing.table import RoutingTable, lookup
+
+    out = tmp_path / "one_process.json"
+    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", str(world),
+                           "--quick", "--max-batch", "4", "--draft-tokens", "1", "--one-process",
+                           "--debug-nccl-us", "1000000", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+    table = RoutingTable.from_dict(json.loads(out.read_text()))
+    assert table.key["world_size"] == world and any(n.startswith("one process") for n in table.notes)
+    assert any(e.route.ours for e in table.entries), table.to_dict()  # NCCL "took" a second
+    for (dtype, kind), points in table.measurements.items():
+        for point in points:
+            route = lookup(table, point.nbytes, dtype, kind == "fused")
+            assert route is not None and (not route.ours or route.id in point.times), (dtype, kind, point, route)

@@ -35,6 +35,7 @@ def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
     (["--hidden", "7168", "--max-batch", "0"], "--max-batch must be >= 1"),
     (["--tp", "2"], "one of the arguments --model-path --hidden is required"),
     (["--hidden", "7168", "--model-path", "x"], "not allowed with argument"),
+    (["--hidden", "7168", "--one-process"], "--one-process needs --debug-nccl-us"),
 ])
 def test_bad_arguments_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -99,3 +100,32 @@ def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys
     err = capsys.readouterr().err
     assert "tune failed: rank 1 died (exit code -9)" in err and "illegal memory access" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_one_process_tune_writes_its_out_file_only_never_the_cache(monkeypatch, tmp_path, capsys):
+    from sglang_sm120.tuning import measure_local
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share: (8, list(range(8))))
+    table = _table([10, 10], [5, 5])
+    seen = {}
+
+    def run_one_process(world, device, spec, **kw):
+        seen.update(world=world, device=device, spec=spec)
+        return table, table.key
+
+    monkeypatch.setattr(measure_local, "run_one_process", run_one_process)
+    out_file = tmp_path / "one.json"
+    assert tune.main(["--hidden", "7168", "--tp", "8", "--one-process", "--debug-nccl-us", "1000", "--quick",
+                      "--out", str(out_file)]) == 0
+    assert seen["world"] == 8 and seen["device"] == 0 and seen["spec"].debug_nccl_us == 1000
+    assert out_file.exists() and not (tmp_path / "cache").exists()
+    assert "not put in the cache" in capsys.readouterr().out
+
+
+def test_the_one_process_measurer_refuses_without_an_injected_nccl_time():
+    from sglang_sm120.tuning.measure_local import LocalGroupMeasurer
+    from sglang_sm120.tuning.tuner import TuneSpec
+
+    with pytest.raises(ValueError, match="debug_nccl_us"):
+        LocalGroupMeasurer(world=2, device="cpu", spec=TuneSpec.make(1024, 4, quick=True))
