@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
-#   OUT=/some/dir bash scripts/gpu_suite.sh [stage ...]
+#   OUT=/some/dir [STAGE_TIMEOUT_S=900] bash scripts/gpu_suite.sh [stage ...]
+#   (every stage is cut off after STAGE_TIMEOUT_S seconds, its processes killed; the stages after it still run)
 #   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
 #   transports: tests/gpu/test_transports.py (push / staged / pull, processes sharing the GPU and one process running
 #   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
