@@ -35,6 +35,17 @@ logger = logging.getLogger("sglang_sm120")
 CLOSE_BARRIER_S = 30.0
 
 
+def workspace_shape(ws, world: int) -> dict[str, Any]:
+    """A Measurer's `shape()`: the GroupShape fields as a built workspace of a `world`-rank group sees them."""
+    return {
+        "world_size": int(world),
+        "memory": ws.memory,
+        "num_islands": int(ws.num_islands),
+        "oneshot_max_bytes": int(ws.oneshot_max_numel) * 2,
+        "clusters": sorted(int(c) for c in ws.fused_clusters.get("clusters", [])),
+    }
+
+
 class CudaMeasurer:
     def __init__(self, *, rank: int, world: int, device, cpu_group, nccl_group, spec, islands=None,
                  link: str | None = None, memory: str = "device", seed: int = 0):
@@ -66,14 +77,7 @@ class CudaMeasurer:
         return self._ws
 
     def shape(self) -> dict[str, Any]:
-        ws = self._workspace()
-        return {
-            "world_size": self.world,
-            "memory": ws.memory,
-            "num_islands": int(ws.num_islands),
-            "oneshot_max_bytes": int(ws.oneshot_max_numel) * 2,
-            "clusters": sorted(int(c) for c in ws.fused_clusters.get("clusters", [])),
-        }
+        return workspace_shape(self._workspace(), self.world)
 
     def incumbent(self, kind: str) -> str:
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"

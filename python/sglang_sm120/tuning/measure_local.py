@@ -22,6 +22,7 @@ from typing import Any
 from ..routing.table import Route
 from . import candidates as cand
 from . import timing, verify
+from .measure import workspace_shape
 
 
 class LocalGroupMeasurer:
@@ -54,14 +55,7 @@ class LocalGroupMeasurer:
         return self._comms
 
     def shape(self) -> dict[str, Any]:
-        ws = self._group()[0]
-        return {
-            "world_size": self.world,
-            "memory": ws.memory,
-            "num_islands": int(ws.num_islands),
-            "oneshot_max_bytes": int(ws.oneshot_max_numel) * 2,
-            "clusters": sorted(int(c) for c in ws.fused_clusters.get("clusters", [])),
-        }
+        return workspace_shape(self._group()[0], self.world)
 
     def incumbent(self, kind: str) -> str:
         return "NCCL, not run (one process; its time injected)"
