@@ -2,7 +2,8 @@
 
 The kernel's debug switch SGL_SM120_DEBUG_PROBE_DROP=1:0 makes rank 1's construction probe skip its write to
 rank 0, which is what ACS redirection or a translating IOMMU does to real writes while cudaDeviceCanAccessPeer
-still says yes. Server-style init (SGLang's own init_distributed_environment + initialize_model_parallel, the
+still says yes; like such a fault it leaves the host-memory workspace alone (no `@host`), so the retry there
+builds. Server-style init (SGLang's own init_distributed_environment + initialize_model_parallel, the
 overlay's pre-capture seam; either supported release, one GPU per rank or ranks sharing one: see
 tests/gpu/sglang_harness.py), then:
 - SGLANG_SM120_HOSTMEM=off: the backend is off on every rank, the failing pair in the reason and in the
