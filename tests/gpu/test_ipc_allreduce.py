@@ -469,7 +469,10 @@ def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
     dev = torch.device("cuda", torch.cuda.current_device())
     skipper = world - 1
     ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout=on_timeout)
-    x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
+    # Forced one-shot must fit the workspace's one-shot region, which host memory sizes by what host mode uses
+    # (variants.HOST_ONESHOT_MAX_BYTES: 8 KiB at 8 ranks, less than one row of 7168).
+    cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024
+    x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
     ar.all_reduce(x, variant=Variant.ONESHOT)
     ar.synchronize()
     dist.barrier()

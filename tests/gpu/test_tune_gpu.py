@@ -132,6 +132,7 @@ def test_a_starting_group_without_a_table_measures_a_quick_one_and_caches_it(tmp
 def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_out_file(tmp_path, world):
     """--one-process: the whole group as local_group workspaces of one GPU (tuning/measure_local.py), every
     candidate verified on every rank; the table goes to --out and never into the cache."""
+    from sgl_kernel_sm120 import cluster_check
     from sglang_sm120.routing.table import RoutingTable, lookup
 
     out = tmp_path / "one_process.json"
@@ -142,7 +143,11 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
                            "--debug-nccl-us", "1000000", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+    print(done.stdout[-4000:])  # the rendered table, kept in the junit XML
+    # The workspaces' cluster-check verdict is cached per GPU and driver (sgl_kernel_sm120/cluster_check.py), as
+    # in any process that builds a workspace; no routing table may land there.
+    cached = set(os.listdir(tmp_path / "cache")) if (tmp_path / "cache").exists() else set()
+    assert cached <= {cluster_check.CACHE_FILE, cluster_check.CACHE_FILE + ".lock"}, sorted(cached)
     table = RoutingTable.from_dict(json.loads(out.read_text()))
     assert table.key["world_size"] == world and any(n.startswith("one process") for n in table.notes)
     assert any(e.route.ours for e in table.entries), table.to_dict()  # NCCL "took" a second
