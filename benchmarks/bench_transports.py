@@ -9,7 +9,10 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   each call a fill kernel marks every peer pack as arrived, every peer's pull copy as 1.0 and every flag as
   published, so the call never waits: what is timed is the kernel's own work (stores, loads, sums, norm, the
   staged passes' and pull's flag traffic). Measured in CUDA graphs of `calls` x (fill, call), minus a graph of
-  `calls` fills alone, per call. Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
+  `calls` fills alone, per call. Each (W, rows) gets its own workspace sized for exactly that call: the fill
+  writes whole slabs, and a slab sized for 64 rows made the fill 43 us per call at W = 8 against 1-10 us for the
+  call (2026-12-02), drowning the difference. Each record keeps its fill time (`fill_us`) to show the margin.
+  Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
   one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
   this rank does not own come from stand-in owners).
 - concurrent: one process runs the whole group (IpcAllReduce.local_group, each rank on a W-th of the SMs) as W
@@ -41,15 +44,16 @@ def _loopback(args, dev) -> tuple[list[dict], dict]:
 
     ops = _ext.ops()
     records, fill_us = [], {}
-    for world in WORLDS:
-        ws = ops.ws_create_loopback(dev.index, world, max(ROWS) * HIDDEN)
+    for world, rows in itertools.product(WORLDS, ROWS):
+        ws = ops.ws_create_loopback(dev.index, world, rows * HIDDEN)
         sm = int(ops.ws_sm_count(ws))
         try:
             fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
-            fill_us[world] = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
+            fill = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
+            fill_us[f"{world}x{rows}"] = fill
             variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
-            for rows, (vname, variant), (tname, tcode), op in itertools.product(
-                    ROWS, variants, TRANSPORTS.items(), ("all_reduce", "all_reduce_add_rmsnorm")):
+            for (vname, variant), (tname, tcode), op in itertools.product(
+                    variants, TRANSPORTS.items(), ("all_reduce", "all_reduce_add_rmsnorm")):
                 x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
                 t = {"out": torch.empty_like(x), "norm": torch.empty_like(x), "res": torch.ones_like(x),
                      "w": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
@@ -64,18 +68,18 @@ def _loopback(args, dev) -> tuple[list[dict], dict]:
                                                    True, 0, tcode)
 
                 graph, _ = timing.capture_graph(step, args.calls)
-                per_call = [v / args.calls - fill_us[world]
-                            for v in timing.replay_times(graph, args.iters, sync_each=True)]
+                per_call = [v / args.calls - fill for v in timing.replay_times(graph, args.iters, sync_each=True)]
                 correct = None
                 if variant == 0:  # one-shot: every source holds 1.0 (+ the residual 1.0 when fused)
                     correct = bool(torch.equal(t["out"], torch.full_like(x, world + (op != "all_reduce"))))
                 rec = {"mode": "loopback", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
                        "dtype": "bfloat16", "variant": vname, "transport": tname,
                        "us_per_call_median": statistics.median(per_call), "us_per_call_min": min(per_call),
-                       "result_correct": correct}
+                       "fill_us": fill, "result_correct": correct}
                 records.append(rec)
                 print(f"loopback W={world} {op:24s} [{rows:2d},{HIDDEN}] {vname:8s} {tname:6s} "
-                      f"{rec['us_per_call_median']:7.2f} us{'  WRONG RESULT' if correct is False else ''}", flush=True)
+                      f"{rec['us_per_call_median']:7.2f} us (fill {fill:5.2f} us)"
+                      f"{'  WRONG RESULT' if correct is False else ''}", flush=True)
         finally:
             ops.ws_destroy(ws)
     return records, fill_us
