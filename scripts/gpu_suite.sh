@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for the 2x H200 device machine (or any CUDA box):
 #   OUT=/some/dir [STAGE_TIMEOUT_S=900] bash scripts/gpu_suite.sh [stage ...]
-#   (every stage is cut off after STAGE_TIMEOUT_S seconds, its processes killed; the stages after it still run)
+#   (every stage is cut off after STAGE_TIMEOUT_S seconds, its processes killed; the stages after it still run;
+#   pytest writes a stage's junit XML only at its end, so a stage cut off leaves none)
+#   TEST_SELECT=EXPR: a pytest -k expression ANDed with each pytest stage's own selection, to split a long stage
+#   over device calls (e.g. TEST_SELECT="late_peer or probe" ... kernel). PYTEST_ADDOPTS="-k ..." cannot do
+#   this: a stage's own -k comes later on the command line and wins.
 #   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
 #   transports: tests/gpu/test_transports.py (push / staged / pull, processes sharing the GPU and one process running
 #   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
@@ -62,6 +66,10 @@ NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 GPU_TAG=$($PY -c "import torch; n=torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else n.split()[-1])")
 export SGL_SM120_NEGATIVE_BUILDS=${SGL_SM120_NEGATIVE_BUILDS:-$WORK/negative-builds}
 status=0
+kexpr() {  # kexpr [BASE]: the stage's -k expression, BASE and TEST_SELECT combined ("" selects everything)
+  local base=${1:-} extra=${TEST_SELECT:-}
+  if [ -n "$base" ] && [ -n "$extra" ]; then echo "($base) and ($extra)"; else echo "$base$extra"; fi
+}
 publish() {
   tar -czf "$OUT/gpu-suite.tar.gz" -C "$WORK" logs results 2>/dev/null
   cp "$WORK"/results/*.json "$WORK"/results/*.png "$OUT"/ 2>/dev/null
@@ -138,7 +146,7 @@ for stage in $stages; do
            $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" > "$WORK/logs/negative-builds.log" 2>&1 &
            echo ">>> negative-control builds started in the background (pid $!)" | tee -a "$OUT/summary.log" ;;
     probe) step probe torchrun --nproc-per-node "$NGPU" scripts/probe_latency.py ;;
-    kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "not oversubscribed" \
+    kernel) step kernel-tests $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py -k "$(kexpr "not oversubscribed")" \
               --junitxml="$WORK/results/junit-kernel.xml" ;;
     bench) PYTHONPATH="$FI_PATH$PYTHONPATH" BENCH_TIME_LIMIT_S=${BENCH_TIME_LIMIT_S:-170} step bench-allreduce torchrun --nproc-per-node "$NGPU" benchmarks/bench_allreduce.py --out "$WORK/results" ;;
     nop2p)
@@ -150,30 +158,30 @@ for stage in $stages; do
       BENCH_TIME_LIMIT_S=${VERIFY_TIME_LIMIT_S:-220} step bench-verify torchrun --nproc-per-node "$NGPU" \
         benchmarks/bench_verify.py --compute none,gemm --via-sglang --sglang-custom-ar on \
         --out "$WORK/results"
-      step verify-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_bench_verify_gpu.py ;;
-    hostmem) step hostmem-tests $PY -m pytest -m gpu -v tests/gpu/test_hostmem_allreduce.py \
+      step verify-gpu-test $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_bench_verify_gpu.py ;;
+    hostmem) step hostmem-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_hostmem_allreduce.py \
               --junitxml="$WORK/results/junit-hostmem.xml" ;;
     polling) step bench-polling $PY -m benchmarks.bench_polling --out "$WORK/results" ;;
     tune) if [ "$NGPU" -lt 2 ]; then tune_args=(--tp 2 --share-gpu --debug-nccl-us 1000000); tune_name=shared
           else tune_args=(); tune_name=tp$NGPU; fi
           SGLANG_SM120_CACHE="$WORK/tune-cache" step tune $PY -m sglang_sm120.tune --hidden 7168 --quick \
             --max-batch 8 --draft-tokens 4 ${tune_args[@]+"${tune_args[@]}"} --out "$WORK/results/tune_${GPU_TAG}_${tune_name}.json"
-          step tune-gpu-test $PY -m pytest -m gpu -v tests/gpu/test_tune_gpu.py \
+          step tune-gpu-test $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_tune_gpu.py \
             --junitxml="$WORK/results/junit-tune.xml" ;;
     oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
-              -k oversubscribed --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
+              -k "$(kexpr oversubscribed)" --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
     negative) [ -d "$SGL_SM120_NEGATIVE_BUILDS" ] || $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" \
                 > "$WORK/logs/negative-builds.log" 2>&1
               while pgrep -f "tests.gpu.test_negative_controls" > /dev/null; do sleep 2; done  # the background builds
-              step negative-controls $PY -m pytest -m gpu -v tests/gpu/test_negative_controls.py \
+              step negative-controls $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_negative_controls.py \
               --junitxml="$WORK/results/junit-negative.xml" ;;
-    transports) step transport-tests $PY -m pytest -m gpu -v tests/gpu/test_transports.py \
+    transports) step transport-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_transports.py \
               --junitxml="$WORK/results/junit-transports.xml" ;;
     bench-transports) step bench-transports $PY -m benchmarks.bench_transports --out "$WORK/results" ;;
     trapdiag) step trap-diagnosis $PY scripts/diagnose_trap_delivery.py --world 8 --abort-after 5 \
               --out "$WORK/results/trap_delivery_${GPU_TAG}_w8.json" ;;
     junit) step junit $PY scripts/merge_junit.py "$OUT/gpu_tests_${GPU_TAG}_tp${NGPU}.xml" $WORK/results/junit-*.xml ;;
-    overlay) step overlay-tests $PY -m pytest -m gpu -v tests/gpu/test_sglang_integration.py \
+    overlay) step overlay-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_sglang_integration.py \
               --junitxml="$WORK/results/junit-overlay.xml" ;;
     sglang-shared)
       gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
@@ -189,7 +197,7 @@ print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
                tests/gpu/test_bench_verify_gpu.py::test_verify_via_sglang_shared_gpu_is_exactly_ours)
         [ "$rel" = 0.5.23 ] && tests+=(tests/gpu/test_breakable_graph.py)
         PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_TEST_SHARE_GPUS=1 step "sglang-shared-$rel" \
-          $PY -m pytest -m gpu -v -rs -p no:cacheprovider "${tests[@]}" --junitxml="$xml"
+          $PY -m pytest -m gpu -v -rs -p no:cacheprovider -k "$(kexpr)" "${tests[@]}" --junitxml="$xml"
       done
       merge_junit "$WORK/results/gpu_tests_${gpu}_sglang_shared.xml" "${parts[@]}" | tee -a "$OUT/summary.log" \
         || { echo ">>> sglang-shared: a test failed, errored or was skipped (each must run here)" \
