@@ -3,9 +3,10 @@ workspace routing by it -> the activation line naming it; and the quick tune a s
 
 Ran on 1x H200, 2026-12-02: 4 of 4, then the one-process test at 2 and 8 ranks
 (benchmarks/results/gpu_tests_h200_tune_shared.xml). On one GPU the ranks share it (--share-gpu): NCCL refuses
-two ranks on one device, so the tool's debug switch --debug-nccl-us stands in for NCCL's time and the table says so; its
-timings mean nothing, only the plumbing is checked. With two GPUs the same tests run with the real NCCL where
-noted. Exactness is checked for real either way: every candidate routed to passed the tuner's verification.
+two ranks on one device, so the tool's debug switch --debug-nccl-us stands in for NCCL's time and the table
+says so; its timings mean nothing, only the plumbing is checked. With two GPUs the same tests run with the
+real NCCL where noted. Exactness is checked for real either way: every candidate routed to passed the
+tuner's verification.
 """
 
 from __future__ import annotations
