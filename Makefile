@@ -36,6 +36,21 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # this machine's pip config names local index folders that may not exist; pip warns once per package
 PIP_NOISE   := is ignored: it is neither a file nor a directory
 
+# torch and its nvidia-* wheels come from the package index over the network; one dropped download (pip does not
+# retry a read cut mid-wheel) failed a whole CI run. So a failed install is shown in full, then tried again, a few
+# times; the last failure still fails the target. The log is kept in build/ for the run's record.
+PIP_ATTEMPTS ?= 3
+define pip_install
+	@mkdir -p build; log=build/pip-$(STACK).log; \
+	for attempt in $$(seq 1 $(PIP_ATTEMPTS)); do \
+		echo "+ pip install $(1)  (attempt $$attempt of $(PIP_ATTEMPTS))"; \
+		if $(VENV_PY) -m pip install --quiet $(1) > $$log 2>&1; then grep -v "$(PIP_NOISE)" $$log || true; break; fi; \
+		grep -v "$(PIP_NOISE)" $$log || true; \
+		if [ "$$attempt" -ge $(PIP_ATTEMPTS) ]; then echo ">>> pip install failed $(PIP_ATTEMPTS) times ($$log)"; exit 1; fi; \
+		echo ">>> pip install failed (attempt $$attempt of $(PIP_ATTEMPTS), output above); trying again in 30 s"; sleep 30; \
+	done
+endef
+
 .PHONY: venv build lint pytest test test-stack test-gpu clean distclean venv-one build-one
 
 venv:
@@ -49,8 +64,8 @@ $(STAMP): $(REQS)
 	rm -rf $(VENV)
 	mkdir -p $(VENVS)
 	$(BOOT_PY) -m venv $(VENV)
-	$(VENV_PY) -m pip install --quiet -r requirements/$(STACK)/ci.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
-	$(VENV_PY) -m pip install --quiet --no-deps -r requirements/$(STACK)/sglang-nodeps.txt 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
+	$(call pip_install,-r requirements/$(STACK)/ci.txt)
+	$(call pip_install,--no-deps -r requirements/$(STACK)/sglang-nodeps.txt)
 	touch $@
 
 build:
