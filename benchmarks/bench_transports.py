@@ -12,6 +12,9 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   `calls` fills alone, per call. Each (W, rows) gets its own workspace sized for exactly that call: the fill
   writes whole slabs, and a slab sized for 64 rows made the fill 43 us per call at W = 8 against 1-10 us for the
   call (2026-12-02), drowning the difference. Each record keeps its fill time (`fill_us`) to show the margin.
+  Each record names its launch (`blocks`, `cluster`: "rule" for the kernels' own choice) and its `config`:
+  "default" is what the product launches; "sweep" (rows 3 and 16) forces other CTA counts and cluster sizes to
+  diagnose issue 17's misses (_loopback_configs); `sweep` in the JSON sets them beside the default.
   Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
   one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
   this rank does not own come from stand-in owners).
@@ -31,12 +34,35 @@ import statistics
 import torch
 
 from benchmarks.harness import microbench, timing
+from sgl_kernel_sm120.variants import STAGED_MAX_CTAS, Transport
 
 WORLDS = (2, 4, 8)
 HIDDEN = 7168
 ROWS = (1, 3, 4, 16, 64)
-TRANSPORTS = {"push": 0, "staged": 1, "pull": 2}
-STAGED_MAX_CTAS = 8  # sgl_kernel_sm120.variants.STAGED_MAX_CTAS: the CTAs a staged call gets
+TRANSPORTS = {t.value: t.code for t in Transport}
+OPS = ("all_reduce", "all_reduce_add_rmsnorm")
+SWEEP_ROWS = (3, 16)  # the diagnostic sweep's shapes (_loopback_configs): a decode step and a verify step
+SWEEP_CLUSTERS = (1, 2, 4, 8)  # the fused one-shot's CTAs per row the kernels build
+
+
+def _loopback_configs(world: int, rows: int, sm: int):
+    """(variant, transport, op, blocks, cluster, config) of every loopback call timed at (world, rows).
+
+    config "default" is what the product launches (staged capped at STAGED_MAX_CTAS, the fused one-shot's cluster
+    by the kernels' own rule: cluster 0); the README table and the summary use these only. config "sweep" is the
+    diagnosis of issue 17's two misses, at rows SWEEP_ROWS: staged on the whole grid (at W = 2 it has one pass,
+    the very stores push makes, so a gap to push there is its CTA cap or its one pacing barrier), and the fused
+    one-shot with every cluster size forced (is the W = 8 fused cost the cluster split or the row's work?)."""
+    variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
+    for (vname, variant), tname, op in itertools.product(variants, TRANSPORTS, OPS):
+        yield vname, variant, tname, op, min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm, 0, "default"
+    if rows not in SWEEP_ROWS:
+        return
+    for op in OPS:
+        yield "ONESHOT", 0, "staged", op, sm, 0, "sweep"
+    for tname, cluster in itertools.product(TRANSPORTS, SWEEP_CLUSTERS):
+        blocks = min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm
+        yield "ONESHOT", 0, tname, "all_reduce_add_rmsnorm", blocks, cluster, "sweep"
 
 
 def _loopback(args, dev) -> tuple[list[dict], dict]:
@@ -51,21 +77,19 @@ def _loopback(args, dev) -> tuple[list[dict], dict]:
             fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
             fill = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
             fill_us[f"{world}x{rows}"] = fill
-            variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
-            for (vname, variant), (tname, tcode), op in itertools.product(
-                    variants, TRANSPORTS.items(), ("all_reduce", "all_reduce_add_rmsnorm")):
+            for vname, variant, tname, op, blocks, cluster, config in _loopback_configs(world, rows, sm):
                 x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
                 t = {"out": torch.empty_like(x), "norm": torch.empty_like(x), "res": torch.ones_like(x),
                      "w": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
-                blocks = min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm
+                tcode = TRANSPORTS[tname]
 
-                def step(k, ws=ws, x=x, t=t, variant=variant, tcode=tcode, op=op, blocks=blocks):
+                def step(k, ws=ws, x=x, t=t, variant=variant, tcode=tcode, op=op, blocks=blocks, cluster=cluster):
                     ops.ws_loopback_refill(ws)
                     if op == "all_reduce":
                         ops.all_reduce(ws, x, t["out"], variant, 256, blocks, True, tcode)
                     else:
                         ops.all_reduce_add_rmsnorm(ws, x, t["res"], t["w"], 1e-6, t["norm"], t["out"], variant, blocks,
-                                                   True, 0, tcode)
+                                                   True, cluster, tcode)
 
                 graph, _ = timing.capture_graph(step, args.calls)
                 per_call = [v / args.calls - fill for v in timing.replay_times(graph, args.iters, sync_each=True)]
@@ -73,12 +97,14 @@ def _loopback(args, dev) -> tuple[list[dict], dict]:
                 if variant == 0:  # one-shot: every source holds 1.0 (+ the residual 1.0 when fused)
                     correct = bool(torch.equal(t["out"], torch.full_like(x, world + (op != "all_reduce"))))
                 rec = {"mode": "loopback", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
-                       "dtype": "bfloat16", "variant": vname, "transport": tname,
+                       "dtype": "bfloat16", "variant": vname, "transport": tname, "config": config,
+                       "blocks": blocks, "cluster": cluster or "rule",
                        "us_per_call_median": statistics.median(per_call), "us_per_call_min": min(per_call),
                        "fill_us": fill, "result_correct": correct}
                 records.append(rec)
+                shown = f"{config}: {blocks} CTAs" + (f", cluster {cluster}" if cluster else "")
                 print(f"loopback W={world} {op:24s} [{rows:2d},{HIDDEN}] {vname:8s} {tname:6s} "
-                      f"{rec['us_per_call_median']:7.2f} us (fill {fill:5.2f} us)"
+                      f"{rec['us_per_call_median']:7.2f} us (fill {fill:5.2f} us; {shown})"
                       f"{'  WRONG RESULT' if correct is False else ''}", flush=True)
         finally:
             ops.ws_destroy(ws)
@@ -96,8 +122,7 @@ def _concurrent(args, dev) -> list[dict]:
         streams = [torch.cuda.Stream() for _ in range(world)]
         variants = [Variant.ONESHOT] + ([Variant.TWOSHOT] if world > 2 else []) + ([Variant.ISLAND] if islands else [])
         try:
-            for rows, variant, transport, op in itertools.product(ROWS, variants, TRANSPORTS,
-                                                                    ("all_reduce", "all_reduce_add_rmsnorm")):
+            for rows, variant, transport, op in itertools.product(ROWS, variants, TRANSPORTS, OPS):
                 xs = [torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(world)]
                 res = torch.ones_like(xs[0])
                 w = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
@@ -148,13 +173,42 @@ def _concurrent(args, dev) -> list[dict]:
     return records
 
 
+def _is_default(record: dict) -> bool:
+    """What the product launches (records written before the sweep existed have no config: all default)."""
+    return record.get("config", "default") == "default"
+
+
+def sweep_summary(records: list[dict]) -> list[dict]:
+    """The diagnostic sweep beside the default launch, per (world, rows, op, transport) of the sweep: the one-shot's
+    median us per configuration ("default", "<N> CTAs", "cluster <c>"); a wrong result shows as None."""
+    def us(r):
+        return r["us_per_call_median"] if r["result_correct"] is not False else None
+
+    out = []
+    swept = sorted({(r["world"], r["rows"], r["op"], r["transport"]) for r in records if not _is_default(r)})
+    for world, rows, op, transport in swept:
+        same = [r for r in records if r["mode"] == "loopback" and r["variant"] == "ONESHOT"
+                and (r["world"], r["rows"], r["op"], r["transport"]) == (world, rows, op, transport)]
+        by_config = {}
+        for r in same:
+            if _is_default(r):
+                by_config["default"] = us(r)
+            elif r["cluster"] != "rule":
+                by_config[f"cluster {r['cluster']}"] = us(r)
+            else:
+                by_config[f"{r['blocks']} CTAs"] = us(r)
+        out.append({"world": world, "rows": rows, "op": op, "transport": transport, "us_by_config": by_config})
+    return out
+
+
 def summary(records: list[dict]) -> list[dict]:
-    """Per (mode, world, rows, op): the best transport x schedule, and push's one-shot for comparison."""
+    """Per (mode, world, rows, op): the best transport x schedule as launched by default (the sweep's forced
+    configurations are diagnosis, see sweep_summary), and push's one-shot for comparison."""
     out = []
     keys = sorted({(r["mode"], r["world"], r["rows"], r["op"]) for r in records})
     for mode, world, rows, op in keys:
         rs = [r for r in records if (r["mode"], r["world"], r["rows"], r["op"]) == (mode, world, rows, op)
-              and r["result_correct"] is not False]
+              and r["result_correct"] is not False and _is_default(r)]
         if not rs:
             continue
         best = min(rs, key=lambda r: r["us_per_call_median"])
@@ -171,7 +225,8 @@ def readme_table(records: list[dict], rows: int = 3, worlds=(2, 8)) -> str:
     this rendering of the committed JSON)."""
     def cell(mode, world, transport):
         found = {r["op"]: r for r in records if (r["mode"], r["world"], r["rows"], r["variant"], r["transport"])
-                 == (mode, world, rows, "ONESHOT", transport) and r["result_correct"] is not False}
+                 == (mode, world, rows, "ONESHOT", transport) and r["result_correct"] is not False
+                 and _is_default(r)}
         if "all_reduce" not in found or "all_reduce_add_rmsnorm" not in found:
             return "-"
         return (f"{found['all_reduce']['us_per_call_median']:.2f} / "
@@ -191,7 +246,8 @@ def run(args) -> dict:
     records += _concurrent(args, dev)
     return microbench.document(
         "bench_transports", __doc__, "loopback and one-process concurrent groups", args, fill_us, records,
-        summary=summary(records), note="one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
+        summary=summary(records), sweep=sweep_summary(records),
+        note="one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
     )
 
 
