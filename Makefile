@@ -9,7 +9,7 @@
 #   make lint      ruff check
 #   make test-gpu  pytest -m gpu on an existing environment (e.g. `make test-gpu PY=python`)
 #   make clean     build outputs;  make distclean  also the venvs
-#   STACKS=sglang-0.5.13.post1 make test   one stack only
+#   STACKS=sglang-0.5.13.post1 make test   one stack only;  PIP_ATTEMPTS=1 make venv   no retry of a failed pip install
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
