@@ -45,6 +45,36 @@ SWEEP_ROWS = (3, 16)  # the diagnostic sweep's shapes (_loopback_configs): a dec
 SWEEP_CLUSTERS = (1, 2, 4, 8)  # the fused one-shot's CTAs per row the kernels build
 
 
+def default_blocks(transport: str, sm: int) -> int:
+    """The CTAs the product gives a call: staged push is capped (STAGED_MAX_CTAS), the others take the grid."""
+    return min(sm, STAGED_MAX_CTAS) if transport == "staged" else sm
+
+
+class LoopbackCall:
+    """One loopback call's tensors and launch (also benchmarks/profile_transports.py): every source and the residual
+    hold 1.0, so a one-shot's residual/sum output must be W (+ 1 when fused)."""
+
+    def __init__(self, ops, ws, world: int, rows: int, dev, variant: int, transport: str, op: str, blocks: int,
+                 cluster: int = 0):
+        self.ops, self.ws, self.world, self.op = ops, ws, world, op
+        self.variant, self.code, self.blocks, self.cluster = variant, TRANSPORTS[transport], blocks, cluster
+        self.x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
+        self.out, self.norm, self.res = torch.empty_like(self.x), torch.empty_like(self.x), torch.ones_like(self.x)
+        self.weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, k=None) -> None:
+        """Refill the stand-in peers, then the call (k: timing.capture_graph's call index, unused)."""
+        self.ops.ws_loopback_refill(self.ws)
+        if self.op == "all_reduce":
+            self.ops.all_reduce(self.ws, self.x, self.out, self.variant, 256, self.blocks, True, self.code)
+        else:
+            self.ops.all_reduce_add_rmsnorm(self.ws, self.x, self.res, self.weight, 1e-6, self.norm, self.out,
+                                            self.variant, self.blocks, True, self.cluster, self.code)
+
+    def one_shot_correct(self) -> bool:
+        return bool(torch.equal(self.out, torch.full_like(self.x, self.world + (self.op != "all_reduce"))))
+
+
 def _loopback_configs(world: int, rows: int, sm: int):
     """(variant, transport, op, blocks, cluster, config) of every loopback call timed at (world, rows).
 
@@ -55,14 +85,13 @@ def _loopback_configs(world: int, rows: int, sm: int):
     one-shot with every cluster size forced (is the W = 8 fused cost the cluster split or the row's work?)."""
     variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
     for (vname, variant), tname, op in itertools.product(variants, TRANSPORTS, OPS):
-        yield vname, variant, tname, op, min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm, 0, "default"
+        yield vname, variant, tname, op, default_blocks(tname, sm), 0, "default"
     if rows not in SWEEP_ROWS:
         return
     for op in OPS:
         yield "ONESHOT", 0, "staged", op, sm, 0, "sweep"
     for tname, cluster in itertools.product(TRANSPORTS, SWEEP_CLUSTERS):
-        blocks = min(sm, STAGED_MAX_CTAS) if tname == "staged" else sm
-        yield "ONESHOT", 0, tname, "all_reduce_add_rmsnorm", blocks, cluster, "sweep"
+        yield "ONESHOT", 0, tname, "all_reduce_add_rmsnorm", default_blocks(tname, sm), cluster, "sweep"
 
 
 def _loopback(args, dev) -> tuple[list[dict], dict]:
@@ -78,24 +107,10 @@ def _loopback(args, dev) -> tuple[list[dict], dict]:
             fill = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
             fill_us[f"{world}x{rows}"] = fill
             for vname, variant, tname, op, blocks, cluster, config in _loopback_configs(world, rows, sm):
-                x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
-                t = {"out": torch.empty_like(x), "norm": torch.empty_like(x), "res": torch.ones_like(x),
-                     "w": torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)}
-                tcode = TRANSPORTS[tname]
-
-                def step(k, ws=ws, x=x, t=t, variant=variant, tcode=tcode, op=op, blocks=blocks, cluster=cluster):
-                    ops.ws_loopback_refill(ws)
-                    if op == "all_reduce":
-                        ops.all_reduce(ws, x, t["out"], variant, 256, blocks, True, tcode)
-                    else:
-                        ops.all_reduce_add_rmsnorm(ws, x, t["res"], t["w"], 1e-6, t["norm"], t["out"], variant, blocks,
-                                                   True, cluster, tcode)
-
-                graph, _ = timing.capture_graph(step, args.calls)
+                call = LoopbackCall(ops, ws, world, rows, dev, variant, tname, op, blocks, cluster)
+                graph, _ = timing.capture_graph(call, args.calls)
                 per_call = [v / args.calls - fill for v in timing.replay_times(graph, args.iters, sync_each=True)]
-                correct = None
-                if variant == 0:  # one-shot: every source holds 1.0 (+ the residual 1.0 when fused)
-                    correct = bool(torch.equal(t["out"], torch.full_like(x, world + (op != "all_reduce"))))
+                correct = call.one_shot_correct() if variant == 0 else None  # two-shot: stand-in owners (above)
                 rec = {"mode": "loopback", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
                        "dtype": "bfloat16", "variant": vname, "transport": tname, "config": config,
                        "blocks": blocks, "cluster": cluster or "rule",

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-WARMUP = 5
-HIDDEN = 7168
+WARMUP = 5  # scripts/gpu_suite.sh's ncu --launch-skip
+HIDDEN = 7168  # benchmarks.bench_transports.HIDDEN
 ROWS = 3
 # name: (world, op, transport)
 CASES = {
@@ -41,29 +41,20 @@ CASES = {
 def run_case(name: str) -> bool:
     import torch
 
+    from benchmarks.bench_transports import LoopbackCall, default_blocks
     from sgl_kernel_sm120 import _ext
-    from sgl_kernel_sm120.variants import STAGED_MAX_CTAS, Transport
 
     world, op, transport = CASES[name]
     ops = _ext.ops()
     dev = torch.device("cuda", torch.cuda.current_device())
     ws = ops.ws_create_loopback(dev.index, world, ROWS * HIDDEN)
     try:
-        sm = int(ops.ws_sm_count(ws))
-        blocks = min(sm, STAGED_MAX_CTAS) if transport == "staged" else sm
-        code = Transport(transport).code
-        x = torch.ones(ROWS, HIDDEN, dtype=torch.bfloat16, device=dev)
-        out, norm, res = torch.empty_like(x), torch.empty_like(x), torch.ones_like(x)
-        weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
+        blocks = default_blocks(transport, int(ops.ws_sm_count(ws)))
+        call = LoopbackCall(ops, ws, world, ROWS, dev, 0, transport, op, blocks)
         for _ in range(WARMUP + 1):
-            ops.ws_loopback_refill(ws)
-            if op == "all_reduce":
-                ops.all_reduce(ws, x, out, 0, 256, blocks, True, code)
-            else:
-                ops.all_reduce_add_rmsnorm(ws, x, res, weight, 1e-6, norm, out, 0, blocks, True, 0, code)
+            call()
         torch.cuda.synchronize()
-        expected = world + (op != "all_reduce")
-        correct = bool(torch.equal(out, torch.full_like(x, expected)))
+        correct = call.one_shot_correct()
         print(f"{name}: W={world} {op} [{ROWS},{HIDDEN}] {transport} on {blocks} CTAs: "
               f"{'correct' if correct else 'WRONG RESULT'}", flush=True)
         return correct

@@ -85,3 +85,36 @@ def test_the_profile_cases_are_the_issue_17_misses_and_list_one_per_line(capsys)
     cases = set(profile_transports.CASES.values())
     assert (8, "all_reduce_add_rmsnorm", "push") in cases  # the W = 8 fused target
     assert {(2, op, t) for op in ("all_reduce", "all_reduce_add_rmsnorm") for t in ("push", "staged", "pull")} <= cases
+
+
+def test_a_loopback_call_passes_each_tensor_and_setting_where_the_ops_schema_wants_it():
+    """LoopbackCall against the built library's own op schemas (CPU tensors: nothing launches; a recorder stands
+    in for torch.ops and binds the positional arguments to the schema's names)."""
+    import torch
+
+    from benchmarks.bench_transports import TRANSPORTS, LoopbackCall
+    from sgl_kernel_sm120 import _ext
+
+    real = _ext.ops()
+    seen = {}
+
+    class Recorder:
+        def ws_loopback_refill(self, ws):
+            seen.setdefault("refills", []).append(ws)
+
+        def __getattr__(self, name):
+            names = [a.name for a in getattr(real, name).default._schema.arguments]
+            return lambda *args: seen.update({name: dict(zip(names, args, strict=True))})
+
+    for op in ("all_reduce", "all_reduce_add_rmsnorm"):
+        call = LoopbackCall(Recorder(), 7, 8, 3, torch.device("cpu"), 0, "pull", op, blocks=132, cluster=4)
+        call(0)
+        got = seen[op]
+        assert got["ws"] == 7 and got["inp"] is call.x and got["variant"] == 0 and got["max_blocks"] == 132
+        assert got["transport"] == TRANSPORTS["pull"] == 2
+        if op == "all_reduce":
+            assert got["out"] is call.out
+        else:  # the checked output is the residual/sum one
+            assert got["residual_out"] is call.out and got["norm_out"] is call.norm and got["residual"] is call.res
+            assert got["weight"] is call.weight and got["cluster"] == 4
+    assert seen["refills"] == [7, 7]
