@@ -215,6 +215,33 @@ print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
              | tee -a "$OUT/summary.log"; status=1; }
       cp "$WORK/results/gpu_tests_${gpu}_sglang_shared.xml" "$OUT/" 2>/dev/null
       publish ;;
+    sglang-server)
+      # A real `sglang.launch_server` (SGLang 0.5.13.post1, TP=2 on one GPU, EAGLE-3, on/off): the .sgls carry
+      # of scripts/pack_sglang_server.py (SGLang with its JIT sources, sglang-kernel 0.4.3 trimmed to sm90, the
+      # server's wheels), installed into $WORK/sgls-site
+      gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
+print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
+      site=$WORK/sgls-site rel=0.5.13.post1
+      if [ ! -f ".sgls/$rel/sglang.tar.xz" ]; then
+        echo ">>> no .sgls/$rel: run python3 scripts/pack_sglang_server.py on the dev machine and carry .sgls" \
+          | tee -a "$OUT/summary.log"; status=1; continue
+      fi
+      rm -rf "$site" && mkdir -p "$site"
+      if ! { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+               ".sgls/$rel"/wheels/*.whl &&
+             for a in sglang sgl_kernel; do
+               $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+                 ".sgls/$rel/$a.tar.xz" "$site" || exit 1
+             done; } > "$WORK/logs/sgls-install.log" 2>&1; then
+        echo ">>> sglang-server: install failed (logs/sgls-install.log)" | tee -a "$OUT/summary.log"; status=1; continue
+      fi
+      mkdir -p "$WORK/logs/server"
+      PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_SERVER_TEST_OUT="$WORK/logs/server" step sglang-server \
+        $PY -m pytest -m gpu -v -rs -p no:cacheprovider tests/gpu/test_sglang_server.py \
+        --junitxml="$WORK/results/gpu_tests_${gpu}_server_shared.xml"
+      cp "$WORK/logs/server/server_test.json" "$WORK/results/server_test_${gpu}_shared.json" 2>/dev/null
+      cp "$WORK/results/gpu_tests_${gpu}_server_shared.xml" "$OUT/" 2>/dev/null
+      publish ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -169,8 +169,9 @@ def _say(rank: int, text: str) -> None:
     print(f"[sglang-harness rank {rank}] {text}", file=sys.stderr, flush=True)
 
 
-def patch_groups_for_shared_gpus(ps, rank: int) -> list[str]:
-    """The shared-mode patches (see the module docstring). Returns one line per patch applied."""
+def patch_groups_for_shared_gpus(ps, rank: int, log: bool = True) -> list[str]:
+    """The shared-mode patches (see the module docstring). Returns one line per patch applied (logged unless
+    `log` is false: a caller with its own log says them itself)."""
     import functools
     import inspect
 
@@ -191,8 +192,9 @@ def patch_groups_for_shared_gpus(ps, rank: int) -> list[str]:
         applied.append("parallel_state.init_model_parallel_group: " + ", ".join(f"{k}=False" for k in forced))
     ps.set_custom_all_reduce(False)
     applied.append("parallel_state.set_custom_all_reduce(False)")
-    for line in applied:
-        _say(rank, f"harness patch (shared GPUs, not the overlay): {line}")
+    if log:
+        for line in applied:
+            _say(rank, f"harness patch (shared GPUs, not the overlay): {line}")
     return applied
 
 

@@ -33,8 +33,8 @@ def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
-def _excluded(fullname: str) -> bool:
-    return any(fullname == name or fullname.startswith(name + ".") for name in NOT_FOUND)
+def _excluded(fullname: str, not_found: tuple[str, ...] = NOT_FOUND) -> bool:
+    return any(fullname == name or fullname.startswith(name + ".") for name in not_found)
 
 
 class _StandInMeta(type):
@@ -66,9 +66,9 @@ def _make_standin(qualname: str, module: str) -> type:
     return standin
 
 
-def _module_getattr_for(module: types.ModuleType):
+def _module_getattr_for(module: types.ModuleType, not_found: tuple[str, ...] = NOT_FOUND):
     def __getattr__(name: str):
-        if _is_dunder(name) or _excluded(f"{module.__name__}.{name}"):
+        if _is_dunder(name) or _excluded(f"{module.__name__}.{name}", not_found):
             raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
         standin = _make_standin(name, module.__name__)
         setattr(module, name, standin)
@@ -78,8 +78,9 @@ def _module_getattr_for(module: types.ModuleType):
 
 
 class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: tuple[str, ...]):
+    def __init__(self, roots: tuple[str, ...], not_found: tuple[str, ...] = NOT_FOUND):
         self.roots = roots
+        self.not_found = not_found
 
     def _covers(self, fullname: str) -> bool:
         return any(fullname == root or fullname.startswith(root + ".") for root in self.roots)
@@ -87,7 +88,7 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if not self._covers(fullname):
             return None
-        if _excluded(fullname):
+        if _excluded(fullname, self.not_found):
             # Not found: the parent stand-in's __path__ is empty, so no other finder finds it either.
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
@@ -98,10 +99,11 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         module.__path__ = []  # a package, so submodule imports come back to this finder
         module.__file__ = f"<stand-in {module.__name__}>"
-        module.__getattr__ = _module_getattr_for(module)
+        module.__getattr__ = _module_getattr_for(module, self.not_found)
 
 
 _installed: StandInFinder | None = None
+
 
 
 def missing_roots() -> tuple[str, ...]:
