@@ -437,6 +437,42 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
   finish_call(ws, step.seq);
 }
 
+// The RMSNorm of row `row` of a hierarchical fused kernel, packs j = threadIdx.x + k * blockDim.x: final(k, g)
+// returns pack g's residual_out (and stores it there when it came from its owner). kHoldRow: the row's packs and
+// weights stay in registers from the sum of squares to the scaling (kPacks <= kHeldPacks); otherwise the scaling
+// reads residual_out back (this thread stored every pack of it that it reads) and the weight again.
+template <typename T, int kPacks, bool kHoldRow, typename Final>
+__device__ __forceinline__ void hier_norm_row(const CallArgs& a, int row, float* s_red, Final final) {
+  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
+  constexpr int kHeld = kHoldRow ? kPacks : 1;
+  const int ppr = a.packs_per_row;
+  uint4 r[kHeld], w[kHeld];
+  float squares = 0.f;
+#pragma unroll kUnroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < ppr) {
+      const uint4 v = final(k, static_cast<long long>(row) * ppr + j);
+      if (kHoldRow) {
+        r[k % kHeld] = v;
+        w[k % kHeld] = a.weight[j];  // loaded after the waits, as in the one-shot kernel
+      }
+      squares += sum_of_squares<T>(v);
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
+#pragma unroll kUnroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < ppr) {
+      const long long g = static_cast<long long>(row) * ppr + j;
+      const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
+      const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
+      a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+    }
+  }
+}
+
 // Registers as in oneshot_add_rmsnorm_kernel, at 512 threads: a row is held in registers up to kHeldPacks packs
 // per thread; with more, the norm pass reads residual_out back (this thread wrote every pack of it it reads) and
 // the weight. Staged: the all-gather passes run once every row's owned packs are reduced, so the owned results
@@ -480,7 +516,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
     });
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    uint4 r[kHeld], w[kHeld];
+    uint4 r[kHeld];
     if constexpr (kT == kTransportPush) {
 #pragma unroll kUnroll
       for (int k = 0; k < kPacks; ++k) {
@@ -497,37 +533,18 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
         }
       }
     }
-    float squares = 0.f;
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        uint4 v;
-        if (step.owner(g) != t.my_index) {
-          v = step.gather_receive(g);
-          a.out[g] = v;
-        } else {
-          v = kHoldRow ? r[k % kHeld] : a.out[g];
-        }
-        if (kHoldRow) {
-          r[k % kHeld] = v;
-          w[k % kHeld] = a.weight[j];  // loaded after the waits, as in the one-shot kernel
-        }
-        squares += sum_of_squares<T>(v);
+    hier_norm_row<T, kPacks, kHoldRow>(a, row, s_red, [&](int k, long long g) {
+      if (step.owner(g) != t.my_index) {
+        const uint4 v = step.gather_receive(g);
+        a.out[g] = v;
+        return v;
       }
-    }
-    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
-        const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
-        a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+      if constexpr (kHoldRow) {
+        return r[k % kHeld];
+      } else {
+        return a.out[g];
       }
-    }
+    });
   }
   finish_call(ws, step.seq);
 }
@@ -561,12 +578,8 @@ struct PullHierSteps {
   }
 
   __device__ __forceinline__ void store_partial(long long g, const Acc8& part) const {
-    const uint4 lo = make_uint4(remap_word(__float_as_uint(part.v[0])), remap_word(__float_as_uint(part.v[1])),
-                                remap_word(__float_as_uint(part.v[2])), remap_word(__float_as_uint(part.v[3])));
-    const uint4 hi = make_uint4(remap_word(__float_as_uint(part.v[4])), remap_word(__float_as_uint(part.v[5])),
-                                remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
-    store_volatile(pull.partial(ws, ws.rank, 0, step.offset(g)), lo);
-    store_volatile(pull.partial(ws, ws.rank, 1, step.offset(g)), hi);
+    store_volatile(pull.partial(ws, ws.rank, 0, step.offset(g)), remap_word_pack(partial_low(part)));
+    store_volatile(pull.partial(ws, ws.rank, 1, step.offset(g)), remap_word_pack(partial_high(part)));
   }
 
   template <typename Stores>
@@ -687,31 +700,14 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(
     pull.gather([&]() { owned([&](long long g) { finish(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    float squares = 0.f;
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        uint4 v;
-        if (step.owner(g) != t.my_index) {
-          v = pull.load_result(g);
-          a.out[g] = v;
-        } else {
-          v = a.out[g];  // this thread's own store
-        }
-        squares += sum_of_squares<T>(v);
+    hier_norm_row<T, kPacks, false>(a, row, s_red, [&](int, long long g) {
+      if (step.owner(g) != t.my_index) {
+        const uint4 v = pull.load_result(g);
+        a.out[g] = v;
+        return v;
       }
-    }
-    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        a.norm_out[g] = scale_pack<T>(a.out[g], a.weight[j], inv_rms);
-      }
-    }
+      return a.out[g];  // this thread's own store
+    });
   }
   finish_call(ws, step.seq);
 }
