@@ -116,10 +116,11 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial
 }
 
 // The RMSNorm of row `row` of a fused kernel whose thread holds packs j = threadIdx.x + k * blockDim.x: final(k, g)
-// returns pack g's residual_out, stored there by this thread (in final or before it). kHoldRow: the row's packs and weights stay in registers from
-// the sum of squares to the scaling; otherwise the scaling reads residual_out back (this thread stored every pack
-// of it that it reads) and the weight again. The weight is loaded only after final(): held across a wait it would
-// push the 8-rank one-shot kernel past its 64 registers; issued there its latency hides behind the row sum.
+// returns pack g's residual_out, stored there by this thread (in final or before it). kHoldRow: the row's packs
+// and weights stay in registers from the sum of squares to the scaling; otherwise the scaling reads residual_out
+// back (this thread stored every pack of it that it reads) and the weight again. The weight is loaded only after
+// final(): held across a wait it would push the 8-rank one-shot kernel past its 64 registers; issued there its
+// latency hides behind the row sum.
 template <typename T, int kPacks, bool kHoldRow, typename Final>
 __device__ __forceinline__ void norm_row(const CallArgs& a, int row, float* s_red, Final final) {
   constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;

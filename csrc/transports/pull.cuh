@@ -31,10 +31,11 @@
 //      published only after its call s, and with it every read of call s, had ended: when the producer stores
 //      into the same parity again in call s + 2 (I5), nobody reads it any more.
 //  P7  A consumer issues its loads of a pack from every peer of a batch before it uses any (I10's reason), each
-//      into registers of its own, in rotated order (from rank + 1 on, within the batch) so the consumers do not all start on
-//      one slab; only then does it undo the rotation (fixed moves of registers, load_rotated) and sum in rank order
-//      (add_in_source_order, push's loop): bit for bit what push gives (the same operands, P1, in the same order).
-//      tests/test_pull_peer_loads.py checks in the built SASS that a batch's loads are issued before any use.
+//      into registers of its own, in rotated order (from rank + 1 on, within the batch) so the consumers do not
+//      all start on one slab; only then does it undo the rotation (fixed moves of registers, load_rotated) and
+//      sum in rank order (add_in_source_order, push's loop): bit for bit what push gives (the same operands, P1,
+//      in the same order). tests/test_pull_peer_loads.py checks in the built SASS that a batch's loads are all
+//      issued before any is used.
 #pragma once
 
 #include "../ar_protocol.cuh"
