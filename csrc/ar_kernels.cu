@@ -115,6 +115,44 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial
   finish_call(ws, seq);
 }
 
+// The RMSNorm of row `row` of a fused kernel whose thread holds packs j = threadIdx.x + k * blockDim.x: final(k, g)
+// returns pack g's residual_out, stored there by this thread (in final or before it). kHoldRow: the row's packs
+// and weights stay in registers from the sum of squares to the scaling; otherwise the scaling reads residual_out
+// back (this thread stored every pack of it that it reads) and the weight again. The weight is loaded only after
+// final(): held across a wait it would push the 8-rank one-shot kernel past its 64 registers; issued there its
+// latency hides behind the row sum.
+template <typename T, int kPacks, bool kHoldRow, typename Final>
+__device__ __forceinline__ void norm_row(const CallArgs& a, int row, float* s_red, Final final) {
+  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
+  constexpr int kHeld = kHoldRow ? kPacks : 1;
+  const int ppr = a.packs_per_row;
+  uint4 r[kHeld], w[kHeld];
+  float squares = 0.f;
+#pragma unroll kUnroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < ppr) {
+      const uint4 v = final(k, static_cast<long long>(row) * ppr + j);
+      if (kHoldRow) {
+        r[k % kHeld] = v;
+        w[k % kHeld] = a.weight[j];
+      }
+      squares += sum_of_squares<T>(v);  // the norm starts from the rounded residual, as SGLang's
+    }
+  }
+  const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
+#pragma unroll kUnroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < ppr) {
+      const long long g = static_cast<long long>(row) * ppr + j;
+      const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
+      const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
+      a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+    }
+  }
+}
+
 // Fused: a CTA per row (rows few, hidden large), so the RMSNorm row sum is a block reduction; a thread's
 // packs j = threadIdx.x + k * blockDim.x, k < kPacks.
 // Registers: __launch_bounds__(1024) leaves 64 per thread, and one-shot's wait holds W packs (32 registers at
@@ -151,7 +189,7 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   });
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     constexpr int kHeld = kHoldRow ? kPacks : 1;
-    uint4 r[kHeld], w[kHeld], res[kHeld], own[kHeld];
+    uint4 res[kHeld], own[kHeld];
     if (kHoldRow) {
 #pragma unroll
       for (int k = 0; k < kHeld; ++k) {  // loads that do not depend on the peers go first
@@ -163,40 +201,20 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
         }
       }
     }
-    float squares = 0.f;
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        const int h = kHoldRow ? k : 0;
-        if (!kHoldRow) own[0] = remap_half_pack(a.inp[g]);
-        Acc8 acc;
-        if constexpr (kSerialPoll) {
-          acc = path.slots.template reduce<T, true>(ws, seq, g, own[h]);
-        } else {
-          acc = path.template reduce<T, kBatch>(ws, g, own[h]);
-        }
-        accumulate<T>(acc, kHoldRow ? res[h] : a.residual[g]);  // unheld: loaded after the wait
-        r[h] = round_pack<T>(acc);  // residual_out, rounded once
-        a.out[g] = r[h];
-        // The weight is loaded only now: held across the wait it would push the 8-rank kernel past 64
-        // registers; issued here its latency hides behind the row sum.
-        if (kHoldRow) w[h] = a.weight[j];
-        squares += sum_of_squares<T>(r[h]);  // the norm starts from the rounded residual, as SGLang's
+    norm_row<T, kPacks, kHoldRow>(a, row, s_red, [&](int k, long long g) {
+      const int h = kHoldRow ? k : 0;
+      if (!kHoldRow) own[0] = remap_half_pack(a.inp[g]);
+      Acc8 acc;
+      if constexpr (kSerialPoll) {
+        acc = path.slots.template reduce<T, true>(ws, seq, g, own[h]);
+      } else {
+        acc = path.template reduce<T, kBatch>(ws, g, own[h]);
       }
-    }
-    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
-        const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
-        a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
-      }
-    }
+      accumulate<T>(acc, kHoldRow ? res[h] : a.residual[g]);  // unheld: loaded after the wait
+      const uint4 r = round_pack<T>(acc);  // residual_out, rounded once
+      a.out[g] = r;
+      return r;
+    });
   }
   finish_call(ws, seq);
 }
@@ -437,6 +455,20 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
   finish_call(ws, step.seq);
 }
 
+// Every pack of this thread in a hierarchical fused kernel, row by row: f(g, j), j the pack's index in its row.
+template <int kPacks, typename F>
+__device__ __forceinline__ void for_each_row_pack(const CallArgs& a, F f) {
+  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
+  const int ppr = a.packs_per_row;
+  for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+#pragma unroll kUnroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < ppr) f(static_cast<long long>(row) * ppr + j, j);
+    }
+  }
+}
+
 // Registers as in oneshot_add_rmsnorm_kernel, at 512 threads: a row is held in registers up to kHeldPacks packs
 // per thread; with more, the norm pass reads residual_out back (this thread wrote every pack of it it reads) and
 // the weight. Staged: the all-gather passes run once every row's owned packs are reduced, so the owned results
@@ -452,16 +484,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   const Topology& t = use_islands ? ws.islands : ws.flat;
   const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const int ppr = a.packs_per_row;
-  // Every pack of this thread, row by row: f(g, j).
-  auto each_pack = [&](auto f) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-#pragma unroll kUnroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < ppr) f(static_cast<long long>(row) * ppr + j, j);
-      }
-    }
-  };
+  auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
 
   hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
     each_pack([&](long long g, int) { emit(g, remap_half_pack(a.inp[g])); });
@@ -480,7 +503,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
     });
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    uint4 r[kHeld], w[kHeld];
+    uint4 r[kHeld];
     if constexpr (kT == kTransportPush) {
 #pragma unroll kUnroll
       for (int k = 0; k < kPacks; ++k) {
@@ -497,37 +520,18 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
         }
       }
     }
-    float squares = 0.f;
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        uint4 v;
-        if (step.owner(g) != t.my_index) {
-          v = step.gather_receive(g);
-          a.out[g] = v;
-        } else {
-          v = kHoldRow ? r[k % kHeld] : a.out[g];
-        }
-        if (kHoldRow) {
-          r[k % kHeld] = v;
-          w[k % kHeld] = a.weight[j];  // loaded after the waits, as in the one-shot kernel
-        }
-        squares += sum_of_squares<T>(v);
+    norm_row<T, kPacks, kHoldRow>(a, row, s_red, [&](int k, long long g) {
+      if (step.owner(g) != t.my_index) {
+        const uint4 v = step.gather_receive(g);
+        a.out[g] = v;
+        return v;
       }
-    }
-    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        const uint4 x = kHoldRow ? r[k % kHeld] : a.out[g];
-        const uint4 wt = kHoldRow ? w[k % kHeld] : a.weight[j];
-        a.norm_out[g] = scale_pack<T>(x, wt, inv_rms);
+      if constexpr (kHoldRow) {
+        return r[k % kHeld];
+      } else {
+        return a.out[g];
       }
-    }
+    });
   }
   finish_call(ws, step.seq);
 }
@@ -561,12 +565,8 @@ struct PullHierSteps {
   }
 
   __device__ __forceinline__ void store_partial(long long g, const Acc8& part) const {
-    const uint4 lo = make_uint4(remap_word(__float_as_uint(part.v[0])), remap_word(__float_as_uint(part.v[1])),
-                                remap_word(__float_as_uint(part.v[2])), remap_word(__float_as_uint(part.v[3])));
-    const uint4 hi = make_uint4(remap_word(__float_as_uint(part.v[4])), remap_word(__float_as_uint(part.v[5])),
-                                remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
-    store_volatile(pull.partial(ws, ws.rank, 0, step.offset(g)), lo);
-    store_volatile(pull.partial(ws, ws.rank, 1, step.offset(g)), hi);
+    store_volatile(pull.partial(ws, ws.rank, 0, step.offset(g)), remap_word_pack(partial_low(part)));
+    store_volatile(pull.partial(ws, ws.rank, 1, step.offset(g)), remap_word_pack(partial_high(part)));
   }
 
   template <typename Stores>
@@ -650,24 +650,14 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_pull_all_reduce_kern
 template <typename T, int kIsland, int kPacks>
 __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
   __shared__ float s_red[33];
   if (begin_call(ws)) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
   const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
   const PullHierSteps<T, kIsland> pull(ws, t, step);
-  const int ppr = a.packs_per_row;
-  auto each_pack = [&](auto f) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-#pragma unroll kUnroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < ppr) f(static_cast<long long>(row) * ppr + j);
-      }
-    }
-  };
+  auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
   auto owned = [&](auto f) {
-    each_pack([&](long long g) {
+    each_pack([&](long long g, int) {
       if (step.owner(g) == t.my_index) f(g);
     });
   };
@@ -679,7 +669,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(
     pull.store_result(g, v);
   };
 
-  pull.scatter([&](auto emit) { each_pack([&](long long g) { emit(g, remap_half_pack(a.inp[g])); }); });
+  pull.scatter([&](auto emit) { each_pack([&](long long g, int) { emit(g, remap_half_pack(a.inp[g])); }); });
   if (t.num_islands > 1) {
     pull.exchange_partials([&]() { owned([&](long long g) { pull.store_partial(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
     pull.gather([&]() { owned([&](long long g) { finish(g, pull.total(g)); }); });
@@ -687,31 +677,14 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(
     pull.gather([&]() { owned([&](long long g) { finish(g, pull.island_part(g, remap_half_pack(a.inp[g]))); }); });
   }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    float squares = 0.f;
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        uint4 v;
-        if (step.owner(g) != t.my_index) {
-          v = pull.load_result(g);
-          a.out[g] = v;
-        } else {
-          v = a.out[g];  // this thread's own store
-        }
-        squares += sum_of_squares<T>(v);
+    norm_row<T, kPacks, false>(a, row, s_red, [&](int, long long g) {
+      if (step.owner(g) != t.my_index) {
+        const uint4 v = pull.load_result(g);
+        a.out[g] = v;
+        return v;
       }
-    }
-    const float inv_rms = rsqrtf(block_sum(squares, s_red) * a.inv_hidden + a.eps);
-#pragma unroll kUnroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < ppr) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        a.norm_out[g] = scale_pack<T>(a.out[g], a.weight[j], inv_rms);
-      }
-    }
+      return a.out[g];  // this thread's own store
+    });
   }
   finish_call(ws, step.seq);
 }

@@ -129,6 +129,11 @@ __device__ __forceinline__ uint4 remap_half_pack(uint4 v) {
 
 __device__ __forceinline__ uint32_t remap_word(uint32_t w) { return w == kEmptyWord ? 0x80000000u : w; }
 
+// I2 for a pack of fp32 words (a plane of a partial, pack_math.cuh partial_low / partial_high).
+__device__ __forceinline__ uint4 remap_word_pack(uint4 v) {
+  return make_uint4(remap_word(v.x), remap_word(v.y), remap_word(v.z), remap_word(v.w));
+}
+
 __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kEmptyWord, kEmptyWord, kEmptyWord); }
 
 // I7: record the first timeout of this rank where the host can read it and poison the workspace, then trap or
@@ -315,11 +320,10 @@ __device__ __forceinline__ void store_flag_relaxed(unsigned long long* flag, uns
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long load_flag_acquire(const unsigned long long* flag) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-  return v;
-}
+// With a relaxed load before it that saw a release, the acquire pattern: what the releasing thread ordered before
+// its release is visible to this thread after the fence. One fence ends a whole spin-wait, where an acquire load
+// would invalidate L1 at every poll.
+__device__ __forceinline__ void fence_acquire_system() { asm volatile("fence.acquire.sys;" ::: "memory"); }
 
 __device__ __forceinline__ unsigned long long load_flag_relaxed(const unsigned long long* flag) {
   unsigned long long v;
@@ -328,21 +332,24 @@ __device__ __forceinline__ unsigned long long load_flag_relaxed(const unsigned l
 }
 
 // Spin until our own flag from `peer` holds at least `target` (the call counter the peer publishes, transports/
-// pull.cuh P3), bounded by I7 and reported by I9 like every wait. kAcquire: the load that sees it is an acquire, so
-// the data the peer released before it is visible to this thread, and after a CTA barrier to the whole CTA.
-// Returns false when the wait gave up (I7, exit mode).
+// pull.cuh P3), bounded by I7 and reported by I9 like every wait. The polls are relaxed loads; kAcquire: the one
+// that sees the target is followed by an acquire fence, so the data the peer released before it is visible to this
+// thread, and after a CTA barrier to the whole CTA. Returns false when the wait gave up (I7, exit mode).
 template <bool kAcquire>
 __device__ __forceinline__ bool wait_for_flag(const WorkspaceView& ws, const unsigned long long* flag,
                                               unsigned long long target, int peer, int phase, unsigned long long seq) {
-  auto load = [&]() { return kAcquire ? load_flag_acquire(flag) : load_flag_relaxed(flag); };
-  if (load() >= target) return true;
-  const long long start = static_cast<long long>(global_timer_ns());
-  unsigned int spins = 0;
-  while (true) {
-    poll_backoff(ws, spins + 1u);
-    if (load() >= target) return true;
-    if ((++spins & 255u) == 0u && wait_must_end(ws, start, peer, phase, seq)) return false;
+  bool seen = load_flag_relaxed(flag) >= target;
+  if (!seen) {
+    const long long start = static_cast<long long>(global_timer_ns());
+    unsigned int spins = 0;
+    while (!seen) {
+      poll_backoff(ws, spins + 1u);
+      seen = load_flag_relaxed(flag) >= target;
+      if (!seen && (++spins & 255u) == 0u && wait_must_end(ws, start, peer, phase, seq)) return false;
+    }
   }
+  if (kAcquire) fence_acquire_system();
+  return true;
 }
 
 // Every thread reads its CTA's seq slot itself at entry (I5): no shared memory and no barrier before the

@@ -63,6 +63,21 @@ __device__ __forceinline__ void accumulate(Acc8& a, uint4 p) {
   for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
 }
 
+// Adds the packs of sources base .. base + kBatch - 1 (v[i] is source base + i) to `acc` in source order, source 0
+// starting the sum. Every transport reduces through this one loop, batch after batch, so their sums agree bit for
+// bit whatever their batch size.
+template <typename T, int kBatch>
+__device__ __forceinline__ void add_in_source_order(Acc8& acc, const uint4 (&v)[kBatch], int base) {
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) {
+    if (base + i == 0) {
+      acc = unpack<T>(v[i]);
+    } else {
+      accumulate<T>(acc, v[i]);
+    }
+  }
+}
+
 // Round once to the element type.
 template <typename T>
 __device__ __forceinline__ uint4 round_pack(const Acc8& a) {

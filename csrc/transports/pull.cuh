@@ -9,15 +9,20 @@
 //  P1  A producer stores its packs, remapped as push remaps them (I2), into its own pull area of the call's
 //      parity (I5), each where every consumer computes it to be: at the pack index g for inputs, at offset(g) in
 //      the owner's chunk for partials and results.
-//  P2  Publication follows the data: every thread fences (system scope) after its own stores, the CTA passes a
-//      barrier, then one thread per consumer stores the call counter seq + 1, with release semantics, into that
-//      consumer's flag for (phase, this rank, this CTA index). SGL_SM120_DEBUG_FLAG_BEFORE_DATA breaks this on
-//      purpose (the flags go out before the stores): consumers then read stale packs, and the tests must see it.
+//  P2  Publication follows the data: the CTA passes a barrier after its stores, then one thread per consumer stores
+//      the call counter seq + 1, with release semantics at system scope, into that consumer's flag for (phase,
+//      this rank, this CTA index). No thread fences on its own: a release is cumulative, it orders before the flag
+//      every store that precedes it in causality order, and the barrier puts every store of the CTA there (the PTX
+//      memory model; the pattern of a grid barrier). SGL_SM120_DEBUG_FLAG_BEFORE_DATA breaks this on purpose (the
+//      flags go out before the stores): consumers then read stale packs, and the tests must see it.
 //  P3  Flags are counters: a flag holds the latest call its source published in that phase, only grows (as the
 //      call counter does, I5) and means "call s is there" when it is >= s + 1. No flag is ever reset, and the
 //      transports of different calls of one workspace can share a phase's flags.
-//  P4  A consumer loads a producer's packs only after one of its threads saw the producer's flag with an acquire
-//      load and the CTA passed a barrier since. Its waits are bounded and reported like every wait (I7, I9).
+//  P4  A consumer loads a producer's packs only after one of its threads saw the producer's flag and then issued an
+//      acquire fence (system scope), and the CTA passed a barrier since. The polls themselves are relaxed loads:
+//      a relaxed load that reads the released value followed by an acquire fence is an acquire (PTX memory model),
+//      and the fence runs once per wait rather than at every poll. The waits are bounded and reported like every
+//      wait (I7, I9).
 //  P5  Pack g is produced and consumed by the same CTA index on every rank: the grid and the pack -> CTA mapping
 //      are the same everywhere (the group agrees the launch limits, Workspace::limits), so one flag per CTA
 //      says that every pack that CTA's consumers need is there.
@@ -25,9 +30,12 @@
 //      for that peer. So in call s + 1 a producer has seen each consumer's flag of call s + 1, which the consumer
 //      published only after its call s, and with it every read of call s, had ended: when the producer stores
 //      into the same parity again in call s + 2 (I5), nobody reads it any more.
-//  P7  A consumer issues its loads from every peer before it uses any (I10's reason), in rotated order (rank + 1,
-//      rank + 2, ...) so the consumers do not all start on one slab, and sums in rank order: bit for bit what
-//      push gives (the same operands, P1, in the same order).
+//  P7  A consumer issues its loads of a pack from every peer of a batch before it uses any (I10's reason), each
+//      into registers of its own, in rotated order (from rank + 1 on, within the batch) so the consumers do not
+//      all start on one slab; only then does it undo the rotation (fixed moves of registers, load_rotated) and
+//      sum in rank order (add_in_source_order, push's loop): bit for bit what push gives (the same operands, P1,
+//      in the same order). tests/test_pull_peer_loads.py checks in the built SASS that a batch's loads are all
+//      issued before any is used.
 #pragma once
 
 #include "../ar_protocol.cuh"
@@ -43,8 +51,7 @@ struct PullSignals {
   template <typename PeerOf>
   __device__ __forceinline__ void publish(const WorkspaceView& ws, int flag_phase, int count, PeerOf peer_of) const {
 #ifndef SGL_SM120_DEBUG_FLAG_BEFORE_DATA
-    __threadfence_system();  // P2: this thread's stores first
-    __syncthreads();
+    __syncthreads();  // P2: every store of the CTA before the releases below
 #endif
     const int i = static_cast<int>(threadIdx.x);
     if (i < count) {
@@ -67,24 +74,40 @@ struct PullSignals {
   }
 };
 
-// Loads the kBatch packs of sources base .. base + kBatch - 1 (the peers' copies at `addr(i)`; ours, index `self`,
-// is `own`), issued in rotated order (self + 1, self + 2, ...) before any is used (P7). The register array is
-// indexed by compile-time constants only (a run-time index would put it in local memory): each load is placed by
-// predicated selects.
+// The packs of sources base .. base + kBatch - 1 into v[i] = source base + i, ours (index `self`) being `own` (P7).
+// Every load is issued before any is used, each into registers of its own: x[s], s a compile-time index, is
+// source base + ((self + 1 + s) mod kBatch), so the consumers do not all start on one slab and ours, where it is
+// in this batch, comes last. A run-time index into x[] would put it in local memory, and choosing each load's
+// place as it returns makes every load wait for the one before it. So the rotation is undone only once all are
+// issued, by log2(kBatch) fixed rotations of the array, each taken or not by one bit of the shift (the same on
+// every thread). kBatch is a power of two (the world and island sizes are).
 template <int kCount, int kBatch, typename Addr>
 __device__ __forceinline__ void load_rotated(uint4 (&v)[kBatch], int base, int self, uint4 own, Addr addr) {
+  static_assert(kBatch > 0 && (kBatch & (kBatch - 1)) == 0 && kCount % kBatch == 0, "batches of 2^k tile sources");
+  constexpr int kMask = kBatch - 1;
+  const int shift = (self + 1) & kMask;
+  const bool own_batch = kBatch == kCount || (self & ~kMask) == base;  // a single batch always holds ours
+  uint4 x[kBatch];
 #pragma unroll
-  for (int i = 0; i < kBatch; ++i) v[i] = own;
-#pragma unroll
-  for (int step = 1; step < kCount; ++step) {
-    const int source = (self + step) % kCount;
-    if (source >= base && source < base + kBatch) {
-      const uint4 x = load_volatile(addr(source));
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i)
-        if (base + i == source) v[i] = x;
+  for (int s = 0; s < kBatch; ++s) {
+    if (s == kMask && own_batch) {
+      x[s] = own;
+    } else {
+      x[s] = load_volatile(addr(base + ((s + shift) & kMask)));
     }
   }
+#pragma unroll
+  for (int bit = 1; bit < kBatch; bit <<= 1) {
+    if (shift & bit) {
+      uint4 y[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) y[i] = x[(i - bit) & kMask];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) x[i] = y[i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) v[i] = x[i];
 }
 
 // The fp32 sum over sources 0 .. kCount - 1 in order (P7), loaded in batches of kBatch: one more round trip per
@@ -92,20 +115,12 @@ __device__ __forceinline__ void load_rotated(uint4 (&v)[kBatch], int base, int s
 // does not depend on kBatch (as OneShotSlots::reduce_pack).
 template <typename T, int kCount, int kBatch, typename Addr>
 __device__ __forceinline__ Acc8 sum_rotated(int self, uint4 own, Addr addr) {
-  static_assert(kCount % kBatch == 0, "batches must tile the sources");
   Acc8 acc;
 #pragma unroll
   for (int base = 0; base < kCount; base += kBatch) {
     uint4 v[kBatch];
     load_rotated<kCount, kBatch>(v, base, self, own, addr);
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      if (base + i == 0) {
-        acc = unpack<T>(v[i]);
-      } else {
-        accumulate<T>(acc, v[i]);
-      }
-    }
+    add_in_source_order<T>(acc, v, base);
   }
   return acc;
 }

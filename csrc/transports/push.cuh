@@ -58,14 +58,7 @@ struct OneShotSlots {
       auto addr = [&](int i) { return poll(ws, base + i, g); };
       wait_for_packs<kBatch, false>(ws, v, wanted, addr, [&](int i) { return base + i; }, kPhaseOneShot, seq);
       empty_packs<kBatch>(wanted, addr);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (base + i == 0) {
-          acc = unpack<T>(v[i]);
-        } else {
-          accumulate<T>(acc, v[i]);
-        }
-      }
+      add_in_source_order<T>(acc, v, base);
     }
     return acc;
   }
@@ -202,21 +195,12 @@ struct HierStep {
       wait_for_packs<kBatch, false>(ws, v, wanted, rs, [&](int i) { return t.island_ranks[base + i]; },
                                     kPhaseReduceScatter, seq);
       empty_packs<kBatch>(wanted, rs);
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (base + i == 0) {
-          part = unpack<T>(v[i]);
-        } else {
-          accumulate<T>(part, v[i]);
-        }
-      }
+      add_in_source_order<T>(part, v, base);
     }
     if (t.num_islands == 1) return part;
     // I2 for fp32 words: use the remapped partial ourselves too.
-    const uint4 lo = make_uint4(remap_word(__float_as_uint(part.v[0])), remap_word(__float_as_uint(part.v[1])),
-                                remap_word(__float_as_uint(part.v[2])), remap_word(__float_as_uint(part.v[3])));
-    const uint4 hi = make_uint4(remap_word(__float_as_uint(part.v[4])), remap_word(__float_as_uint(part.v[5])),
-                                remap_word(__float_as_uint(part.v[6])), remap_word(__float_as_uint(part.v[7])));
+    const uint4 lo = remap_word_pack(partial_low(part));
+    const uint4 hi = remap_word_pack(partial_high(part));
     for (int step = 1; step < t.num_islands; ++step) {
       const int island = (t.my_island + step) % t.num_islands;
       store_volatile(xs_slot(t.twin_ranks[island], t.my_island, 0, g), lo);
