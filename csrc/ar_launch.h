@@ -136,11 +136,13 @@ std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handle
 // peer still maps (freeing an exported allocation that is still imported elsewhere is undefined in CUDA).
 std::string workspace_close_peers(Workspace* ws);
 std::string workspace_destroy(Workspace* ws);
-// The data-path probe (probe.cu), run in rounds after the peers are open: in each round every rank writes
-// pattern packs at the round's places in every peer's scratch, and waits for every peer's packs in its own;
-// outcomes[p] (kMaxWorld entries) is what this rank received from peer p. The host separates rounds by a group
-// barrier (a round's places may repeat in a later round). Synchronizes the device; run before the first call.
+// The data-path probe (probe.cu), run in rounds after the peers are open: in each write round every rank writes
+// pattern packs at the round's places in every peer's scratch, and waits for every peer's packs in its own; in
+// each read round (they follow the write rounds) every rank stages packs in its own pull area and loads every
+// peer's. outcomes[p] (kMaxWorld entries) is what this rank received from peer p. The host separates rounds by a
+// group barrier (a round's places may repeat in a later round). Synchronizes the device; run before the first call.
 int probe_round_count(const WorkspaceView& view);
+bool probe_round_reads(const WorkspaceView& view, int round);
 std::string probe_round_name(const WorkspaceView& view, int round);
 std::string workspace_probe(Workspace* ws, long long timeout_ns, int round, int drop_peer, int* outcomes);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).

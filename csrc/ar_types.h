@@ -78,8 +78,16 @@ struct HostRecords {
   SlowRecord slow;
 };
 
-// Outcome of the data-path probe (probe.cu) for one peer, as the receiving rank saw it.
-enum ProbeOutcome : int { kProbeOk = 1, kProbeMissing = 2, kProbeWrong = 3 };
+// Outcome of the data-path probe (probe.cu) for one peer, as the receiving rank saw it: in a write round what
+// arrived from that peer, in a read round what this rank's loads from that peer returned. Worse is larger (a
+// round keeps the worst of its places); sgl_kernel_sm120/ipc_allreduce.py names each.
+enum ProbeOutcome : int {
+  kProbeOk = 1,
+  kProbeMissing = 2,
+  kProbeWrong = 3,
+  kProbeReadMissing = 4,
+  kProbeReadWrong = 5
+};
 
 enum Phase : int { kPhaseOneShot = 1, kPhaseReduceScatter = 2, kPhaseCrossIsland = 3, kPhaseAllGather = 4 };
 

@@ -191,6 +191,10 @@ std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t round, i
 
 int64_t ws_probe_rounds(int64_t handle) { return probe_round_count(as_workspace(handle)->view); }
 
+bool ws_probe_round_reads(int64_t handle, int64_t round) {
+  return probe_round_reads(as_workspace(handle)->view, static_cast<int>(round));
+}
+
 std::string ws_probe_round_name(int64_t handle, int64_t round) {
   return probe_round_name(as_workspace(handle)->view, static_cast<int>(round));
 }
@@ -350,6 +354,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_launch_limits(int ws) -> int[]", &ws_launch_limits);
   m.def("ws_probe_rounds(int ws) -> int", &ws_probe_rounds);
   m.def("ws_probe_round_name(int ws, int round) -> str", &ws_probe_round_name);
+  m.def("ws_probe_round_reads(int ws, int round) -> bool", &ws_probe_round_reads);
   m.def("debug_trap(int device) -> ()", &debug_trap);
   m.def("ws_create_loopback(int device, int world, int max_numel) -> int", &ws_create_loopback);
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);

@@ -10,8 +10,9 @@ class IpcAllReduceError(RuntimeError):
 
 
 class IpcAllReduceProbeError(IpcAllReduceError):
-    """The data-path probe at construction found peer pairs whose writes did not arrive (or arrived wrong),
-    although the driver allows P2P between them. Raised on every rank; `pairs` lists (sender, receiver, what)."""
+    """The data-path probe at construction found peer pairs whose writes did not arrive (or arrived wrong), or
+    whose peer loads returned wrong data, although the driver allows P2P between them. Raised on every rank;
+    `pairs` lists (sender, receiver, what): data goes from sender to receiver (in a read, the receiver loads)."""
 
     def __init__(self, pairs: list[tuple[int, int, str]]):
         self.pairs = list(pairs)
@@ -19,8 +20,9 @@ class IpcAllReduceProbeError(IpcAllReduceError):
         more = f" (+{len(self.pairs) - 16} more)" if len(self.pairs) > 16 else ""
         super().__init__(
             f"CUDA P2P data path probe failed for {len(self.pairs)} pair(s): {shown}{more}. The driver allows P2P "
-            "between these GPUs, but writes do not arrive: typical causes are PCIe ACS redirection on a switch or "
-            "root port, or an IOMMU in translated mode (use iommu=pt); `python -m sglang_sm120.doctor` checks both"
+            "between these GPUs, but the data does not arrive intact: typical causes are PCIe ACS redirection on a "
+            "switch or root port, or an IOMMU in translated mode (use iommu=pt); `python -m sglang_sm120.doctor` "
+            "checks both"
         )
 
 

@@ -63,10 +63,19 @@ CLOSE_BARRIER_TIMEOUT_S = 60.0
 # The probe runs right after a gloo collective, so every rank's pushes land within milliseconds on a healthy
 # fabric; a few seconds also covers ranks time-slicing one GPU in the tests.
 PROBE_TIMEOUT_S = 5.0
-# Debug switch for the tests: "SRC:DST" makes rank SRC's probe skip its writes to rank DST in every round,
-# "SRC:DST:ROUND" in that round only (a mapping broken for part of a slab).
+# Debug switch for the tests (probe_drop_target): rank SRC's probe skips its writes to rank DST and corrupts its
+# loads from DST, in every round, in one round, or in the read rounds only (a read path that returns garbage).
 PROBE_DROP_ENV = "SGL_SM120_DEBUG_PROBE_DROP"
-_PROBE_OUTCOMES = {1: "ok", 2: "write never arrived", 3: "wrong data arrived"}
+PROBE_DROP_READS = "read"
+# csrc/ar_types.h ProbeOutcome, per (sender, receiver): in a read round the sender is the rank whose slab the
+# receiver loaded from.
+_PROBE_OUTCOMES = {
+    1: "ok",
+    2: "write never arrived",
+    3: "wrong data arrived",
+    4: "rank {receiver}'s loads from rank {sender} never returned the pattern",
+    5: "rank {receiver}'s loads from rank {sender} returned wrong data",
+}
 WARN_ENV = "SGL_SM120_AR_WARN_S"
 # Where the host-memory workspace's shared file lives: a tmpfs (/dev/shm by default).
 SHM_DIR_ENV = "SGL_SM120_SHM_DIR"
@@ -86,41 +95,54 @@ ABORT_AFTER_ENV = "SGL_SM120_AR_ABORT_AFTER_S"
 DEFAULT_ABORT_AFTER_S = 30.0
 
 
-def probe_drop_target(rank: int, environ=None, round_index: int | None = None, memory: str = "device") -> int:
-    """The peer whose probe writes this rank drops (debug switch) in `round_index` (None: any round), else -1.
+def probe_drop_target(rank: int, environ=None, round_index: int | None = None, memory: str = "device",
+                      reads: bool | None = None) -> int:
+    """The peer this rank's probe fails with (debug switch) in `round_index` (None: any round), else -1.
 
-    SRC:DST[:ROUND][@MEMORY]: the switch stands for what ACS redirection or a translating IOMMU do to P2P writes,
-    so by default it applies to device-memory workspaces only (MEMORY device); a host-memory workspace, which
-    crosses no P2P path, is probed untouched, as the overlay's retry in host memory needs. @host or @any make the
-    host-memory probe drop too (its own tests)."""
+    SRC:DST[:ROUND|:read][@MEMORY]: in a write round rank SRC skips its probe writes to DST; in a read round
+    (`reads`: whether `round_index` is one; None: unknown, any) rank SRC's loads from DST see a wrong pattern
+    (csrc/probe.cu). ROUND is a round number, or `read` for every read round (the write rounds come first, so
+    without it a drop fails a write round). The switch stands for what ACS redirection or a translating IOMMU do
+    to P2P traffic, so by default it applies to device-memory workspaces only (MEMORY device); a host-memory
+    workspace, which crosses no P2P path, is probed untouched, as the overlay's retry in host memory needs. @host
+    or @any make the host-memory probe fail too (its own tests)."""
     raw = (os.environ if environ is None else environ).get(PROBE_DROP_ENV, "").strip()
     if not raw:
         return -1
     spec, _, applies_to = raw.partition("@")
+    parts = spec.split(":")
     try:
-        parts = [int(part) for part in spec.split(":")]
         if len(parts) not in (2, 3) or applies_to not in ("", "device", "host", "any"):
             raise ValueError
+        src, dst = int(parts[0]), int(parts[1])
+        when = parts[2] if len(parts) == 3 else None
+        if when is not None and when != PROBE_DROP_READS:
+            int(when)
     except ValueError:
         raise ValueError(
-            f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST or SRC:DST:ROUND (rank and round numbers), optionally "
-            "followed by @device (the default), @host or @any"
+            f"{PROBE_DROP_ENV}={raw!r} must be SRC:DST, SRC:DST:ROUND or SRC:DST:{PROBE_DROP_READS} (rank and round "
+            "numbers), optionally followed by @device (the default), @host or @any"
         ) from None
     if (applies_to or "device") not in (memory, "any"):
         return -1
-    src, dst = parts[0], parts[1]
     if src != rank:
         return -1
-    if len(parts) == 3 and round_index is not None and parts[2] != round_index:
+    if when == PROBE_DROP_READS:
+        if reads is False:
+            return -1
+    elif when is not None and round_index is not None and int(when) != round_index:
         return -1
     return dst
 
 
 def failed_probe_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list[tuple[int, int, str]]:
-    """(sender, receiver, what) for every pair whose probe pack did not arrive intact (`where`: the round)."""
+    """(sender, receiver, what) for every pair whose probe pack did not arrive intact (`where`: the round); in a
+    read round the receiver loaded from the sender's slab."""
     suffix = f" ({where})" if where else ""
     return [
-        (sender, receiver, _PROBE_OUTCOMES.get(outcome, f"outcome {outcome}") + suffix)
+        (sender, receiver,
+         _PROBE_OUTCOMES.get(outcome, "outcome {outcome}").format(sender=sender, receiver=receiver, outcome=outcome)
+         + suffix)
         for receiver, row in enumerate(outcomes_by_receiver)
         for sender, outcome in enumerate(row)
         if sender != receiver and outcome != 1
@@ -382,6 +404,7 @@ class IpcAllReduce:
         self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
         self.sm_budget = 0
         self.probe_rounds = 0
+        self.probe_read_rounds: tuple[int, ...] = ()  # which of them load from the peers (csrc/probe.cu)
         self._handle = 0
         self._record = None
         self._slow = None
@@ -574,15 +597,19 @@ class IpcAllReduce:
 
     def _probe_data_path(self, ops) -> None:
         """Step 5: in rounds (csrc/probe.cu), every rank writes pattern packs at the edges of every area the
-        kernels write in every peer's scratch, through the kernels' own path, and reports what arrived; all ranks
-        agree after each round (which is also the barrier between rounds); the first failed round raises
-        IpcAllReduceProbeError on every rank, naming the pairs and the area."""
+        kernels write in every peer's scratch, then loads pattern packs from the edges of every peer's pull area,
+        through the kernels' own paths, and reports what arrived; all ranks agree after each round (which is also
+        the barrier between rounds); the first failed round raises IpcAllReduceProbeError on every rank, naming
+        the pairs and the area."""
         timeout = min(PROBE_TIMEOUT_S, self.timeout_s)
         self.probe_rounds = int(ops.ws_probe_rounds(self._handle))
+        self.probe_read_rounds = tuple(r for r in range(self.probe_rounds)
+                                       if bool(ops.ws_probe_round_reads(self._handle, r)))
         for round_index in range(self.probe_rounds):
             error, outcomes = None, None
             try:
-                drop = probe_drop_target(self.rank, round_index=round_index, memory=self.memory)
+                drop = probe_drop_target(self.rank, round_index=round_index, memory=self.memory,
+                                         reads=round_index in self.probe_read_rounds)
                 outcomes = [int(o) for o in ops.ws_probe(self._handle, timeout, round_index, drop)]
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"

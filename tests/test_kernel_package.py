@@ -378,9 +378,49 @@ def test_probe_outcomes_name_the_failing_pairs():
     assert "rank 1 -> rank 0: write never arrived" in str(err) and "iommu=pt" in str(err)
 
 
+def test_probe_drop_switch_reaches_the_read_rounds():
+    from sgl_kernel_sm120.ipc_allreduce import probe_drop_target
+
+    env = {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:read"}
+    # `read`: the read rounds only, so the write rounds pass and the reads are what fails
+    assert probe_drop_target(1, env, round_index=3, reads=False) == -1
+    assert probe_drop_target(1, env, round_index=12, reads=True) == 0
+    assert probe_drop_target(0, env, round_index=12, reads=True) == -1
+    assert probe_drop_target(1, env) == 0  # the construction's early check: any round
+    # no round: every round, reads included; a round number picks that round whatever its kind
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=12, reads=True) == 0
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=12, reads=True) == 0
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=13, reads=True) == -1
+    # device memory only unless asked, as for the writes
+    assert probe_drop_target(1, env, round_index=12, memory="host", reads=True) == -1
+    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:read@host"}, round_index=12, memory="host",
+                             reads=True) == 0
+    for bad in ("1:0:reads", "1:0:read:2", "1:read", "1:0:"):
+        with pytest.raises(ValueError, match="SRC:DST:read"):
+            probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": bad})
+
+
+def test_probe_names_a_failed_read_by_reader_and_owner():
+    from sgl_kernel_sm120.ipc_allreduce import failed_probe_pairs
+
+    # row = the reader: rank 1's loads from rank 0 returned garbage; rank 2's loads from rank 1 saw only the fill
+    where = "parity 0, peer loads from the pull area"
+    pairs = failed_probe_pairs([[1, 1, 1], [5, 1, 1], [1, 4, 1]], where)
+    assert pairs == [
+        (0, 1, f"rank 1's loads from rank 0 returned wrong data ({where})"),
+        (1, 2, f"rank 2's loads from rank 1 never returned the pattern ({where})"),
+    ]
+    err = k.IpcAllReduceProbeError(pairs)
+    assert f"rank 0 -> rank 1: rank 1's loads from rank 0 returned wrong data ({where})" in str(err), str(err)
+    assert "ACS" in str(err) and "iommu=pt" in str(err)
+    # an outcome the library may add later is still named, not dropped
+    assert failed_probe_pairs([[1, 9], [1, 1]]) == [(1, 0, "outcome 9")]
+
+
 def test_extension_registers_the_probe_and_close_ops():
     ops = _ext.ops()
-    for name in ("ws_probe", "ws_probe_rounds", "ws_probe_round_name", "ws_close_peers", "ws_slow_record_address",
+    for name in ("ws_probe", "ws_probe_rounds", "ws_probe_round_name", "ws_probe_round_reads", "ws_close_peers",
+                 "ws_slow_record_address",
                  "ws_register_shared", "host_shared_bytes_for", "ws_cluster_capacity", "ws_set_launch_limits",
                  "ws_launch_limits", "cluster_capacity_for", "debug_trap", "ws_link_local"):
         assert hasattr(ops, name), name

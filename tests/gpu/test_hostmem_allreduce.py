@@ -5,9 +5,9 @@ IpcAllReduceHostMemoryError on every rank, no SIGBUS, nothing left in the folder
 
 The same scenarios as tests/gpu/test_ipc_allreduce.py (exact integer sums and bitwise agreement across ranks,
 special values, graph replays, back-to-back calls, create/close, a rank that skips a call, a dropped probe
-write), run with the host-memory workspace: `SGL_SM120_TEST_MEMORY=host` in the environment the spawned ranks
-inherit. On one GPU the ranks share it (SGL_SM120_TEST_SHARE_GPUS=1); the data path through host memory is
-the same as on two GPUs.
+write, a corrupted probe read), run with the host-memory workspace: `SGL_SM120_TEST_MEMORY=host` in the
+environment the spawned ranks inherit. On one GPU the ranks share it (SGL_SM120_TEST_SHARE_GPUS=1); the data
+path through host memory is the same as on two GPUs.
 """
 
 from __future__ import annotations
@@ -141,3 +141,10 @@ def test_hostmem_on_a_full_tmpfs_is_a_named_error_not_sigbus(monkeypatch):
 @need_ranks(2)
 def test_hostmem_probe_names_a_dropped_pair():
     run_ranks(2, scenarios._scenario_probe_drop, timeout_s=120)
+
+
+@need_ranks(2)
+def test_hostmem_probe_names_a_corrupted_peer_read():
+    # Pull runs over host memory too; its loads of a peer's slab there cross the GPU's PCIe read path to host
+    # memory through the IOMMU, so the read rounds run, and must name a corrupted read, there as well.
+    run_ranks(2, scenarios._scenario_probe_read_drop, timeout_s=120)

@@ -591,10 +591,10 @@ def _scenario_probe_drop(rank, world):
 
     dev = torch.device("cuda", torch.cuda.current_device())
     probe = _make(world, rank, 64 * 7168)
-    rounds = probe.probe_rounds
+    last_write = max(r for r in range(probe.probe_rounds) if r not in probe.probe_read_rounds)
     probe.close()
-    assert rounds >= 6, f"only {rounds} probe rounds"
-    cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{rounds - 1}", "parity 1, the flags"))
+    assert last_write >= 5, f"only {last_write + 1} probe write rounds"
+    cases = (("1:0", "parity 0, the one-shot slots"), (f"1:0:{last_write}", "parity 1, the flags"))
     applies_to = f"@{_memory()}"  # the switch leaves host memory alone unless told (probe_drop_target)
     for spec, where in cases:
         os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec + applies_to
@@ -622,6 +622,51 @@ def _scenario_probe_drop(rank, world):
 @need_ranks(2)
 def test_probe_names_a_dropped_pair_on_every_rank():
     run_ranks(2, _scenario_probe_drop, timeout_s=120)
+
+
+def _scenario_probe_read_drop(rank, world):
+    # Pull's data path is peer loads, which carry no sentinels: a read path that returns garbage must end at
+    # construction, named, not as wrong sums later. The debug switch corrupts rank 1's probe loads from rank 0: in
+    # every read round (`read`: the write rounds pass untouched), then in the last read round only (parity 1).
+    # Construction must fail on every rank naming the one pair, which way the data went and the area; a workspace
+    # built afterwards without the switch must sum right through pull and leave its scratch clean.
+    import os
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    probe = _make(world, rank, 64 * 7168)
+    reads = probe.probe_read_rounds
+    probe.close()
+    assert len(reads) == 2, f"expected one read round per parity, got rounds {reads}"
+    cases = (("1:0:read", "parity 0, peer loads from the pull area"),
+             (f"1:0:{reads[-1]}", "parity 1, peer loads from the pull area"))
+    applies_to = f"@{_memory()}"
+    for spec, where in cases:
+        os.environ["SGL_SM120_DEBUG_PROBE_DROP"] = spec + applies_to
+        try:
+            _make(world, rank, 64 * 7168)
+        except IpcAllReduceProbeError as err:
+            assert len(err.pairs) == 1 and err.pairs[0][:2] == (0, 1), err.pairs
+            what = err.pairs[0][2]
+            assert "rank 1's loads from rank 0 returned wrong data" in what and where in what, err.pairs
+            assert "rank 0 -> rank 1" in str(err) and "ACS" in str(err), str(err)
+        else:
+            raise AssertionError(f"the probe did not notice corrupted peer loads ({spec})")
+        finally:
+            del os.environ["SGL_SM120_DEBUG_PROBE_DROP"]
+    ar = _make(world, rank, 64 * 7168)
+    try:
+        x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
+        out = ar.all_reduce(x, transport="pull")
+        ar.synchronize()
+        assert torch.equal(out, torch.full_like(x, world)), "wrong pull sum after a failed read probe"
+        assert ar.scratch_dirty_count() == 0, "the probe left scratch dirty"
+    finally:
+        ar.close()
+
+
+@need_ranks(2)
+def test_probe_names_a_corrupted_peer_read_on_every_rank():
+    run_ranks(2, _scenario_probe_read_drop, timeout_s=120)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Life cycle (each step collective over the TP group, each bounded in time, each a
    on first use could land inside a capture. Reductions before it (weight loading, profiling) use NCCL.
    The workspace lives where the gate said (`GateDecision.memory`): device memory reached over CUDA P2P, or
    pinned host memory when P2P is missing. A device build whose data-path probe fails on the ranks
-   (`IpcAllReduceProbeError`: the driver allows P2P but writes do not arrive) is retried once in host memory,
+   (`IpcAllReduceProbeError`: the driver allows P2P but peer writes or loads lose data) is retried once in host memory,
    unless SGLANG_SM120_HOSTMEM=off; the retry is decided from the agreed outcomes, so every rank takes it.
    Then the routes (runtime/tables.py): the tuned table of this box, a quick tune at start-up, or the seeds;
    every size goes to our kernels only where the table says they beat NCCL (`RouteBook`, runtime/routes.py).
