@@ -104,7 +104,6 @@ def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(b
 
 
 def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
-    from sglang.srt.distributed import parallel_state
 
     from sglang_sm120.core import config
 
@@ -112,7 +111,7 @@ def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
     backend.comm = None
     seen = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(kw["tune"]) or False)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     monkeypatch.setenv(config.TUNE_ENV, "force")
     server_args = SimpleNamespace(cuda_graph_max_bs=8, sm120_allreduce="on", sm120_allreduce_max_bytes=None)
     hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
@@ -349,7 +348,6 @@ def test_pre_capture_seam_builds_with_derived_bound(overlay, monkeypatch):
 
 @pytest.mark.parametrize("explicit,expected", [(None, 8 * 4 * 7168 * 2), (123456, 123456)])
 def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expected):
-    from sglang.srt.distributed import parallel_state
 
     backend = fake_backend()
     backend.comm = None
@@ -357,7 +355,7 @@ def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expect
     monkeypatch.setattr(
         backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False
     )
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     server_args = SimpleNamespace(
         cuda_graph_max_bs=8, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="EAGLE3",
         speculative_num_draft_tokens=4, sm120_allreduce="on", sm120_allreduce_max_bytes=explicit,
