@@ -14,6 +14,7 @@ from sglang_sm120.core.gate import GateDecision  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
 from sglang_sm120.runtime.communicator import Sm120Communicator  # noqa: E402
+from sglang_sm120.runtime.routes import RouteBook  # noqa: E402
 from sglang_sm120.testing.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
@@ -43,6 +44,9 @@ def fake_backend(max_tokens=8, world=WORLD):
     backend.max_fused_tokens = max_tokens
     backend.hidden_size = HIDDEN
     backend.fusion_groups_ok = True
+    # Built, and routed by the seeds (every size within the bound ours): until its routes are resolved a
+    # backend sends every size to NCCL.
+    backend.routes = RouteBook.seeds()
     backend._test_group = group  # keep the weakly referenced coordinator alive
     return backend
 

@@ -639,3 +639,12 @@ def test_a_failed_quick_tune_leaves_the_backend_attached_with_every_size_on_nccl
     assert routes["source"] == "nccl" and routes["routes"] == "all sizes: NCCL" and "exit code -9" in routes["why"]
     for b in backends.values():
         b.close()
+
+
+def test_a_backend_whose_routes_were_never_resolved_sends_every_size_to_nccl():
+    backend = make_backend(0, 2, None, timeout_s=1.0, name="tp:unrouted")
+    backend.decision = GateDecision(True, "test")
+    backend.comm = FakeIpcAllReduce(max_numel=8 * 7168)
+    backend.max_bytes, backend.max_fused_tokens, backend.hidden_size = 8 * 7168 * 2, 8, 7168
+    x = torch.ones(2, 7168, dtype=torch.bfloat16)
+    assert backend.routes.source == "nccl" and not backend.takes(x) and not backend.fuses_rows(2)
