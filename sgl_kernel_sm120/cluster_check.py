@@ -12,8 +12,12 @@ a wrong bit) the caller only reads a verdict; a failed or unknown verdict means 
 (one CTA per row) and never changes a result.
 
 The verdict is cached in `$SGLANG_SM120_CACHE` (default `~/.cache/sglang_sm120`), keyed by the GPU's UUID, the
-driver, and the library file (its path, size and mtime), under a file lock, so ranks sharing a GPU run one check
-and a server start after the first pays nothing. Switches:
+driver, and the library file (its path, size and mtime), so a server start after the first pays nothing. The
+check of one GPU runs under that GPU's own file lock, so ranks sharing a GPU run one check while the ranks of
+other GPUs check theirs at the same time; the shared cache file is rewritten under a short lock of its own. A
+verdict that says nothing about the GPU (the child did not finish within its bound, or could not start: a busy
+or starting machine) is `transient`: it means "no clusters" for this process and is not cached, so the next
+start checks again. Switches:
   SGL_SM120_FUSED_CLUSTERS=off          never launch clusters (no check runs)
   SGL_SM120_DEBUG_CLUSTER_CHECK=trap    the child runs a trapping kernel first (the negative control: the caller
                                         must survive, report it and fall back); the cache is neither read nor written
@@ -44,6 +48,7 @@ class ClusterVerdict:
     ok: bool  # every cluster size the device reports capacity for ran and matched the one-CTA kernel
     reason: str  # why not, or how it was found out
     source: str  # "checked" | "cache" | "off" | "debug"
+    transient: bool = False  # the check did not get to an answer (timeout, no start): not cached
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,9 +101,9 @@ def verdict_for(device_index: int, uuid: str, library_path: str, environ=None) -
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, CACHE_FILE)
     key = cache_key(uuid, library_path)
-    with open(path + ".lock", "w") as lock:
+    with open(gpu_lock_path(folder, uuid), "w") as lock:
         # Ranks sharing a GPU: one check at a time, the others read its verdict. The debug check runs under the
-        # lock too, so its trapping kernels never run in several processes at once (issue 22 item 7).
+        # lock too, so its trapping kernels never run in several processes on one GPU at once.
         fcntl.flock(lock, fcntl.LOCK_EX)
         if debug:
             return _run_child(device_index, debug)
@@ -106,13 +111,28 @@ def verdict_for(device_index: int, uuid: str, library_path: str, environ=None) -
         if isinstance(cached, dict) and {"ok", "reason"} <= cached.keys():
             return ClusterVerdict(bool(cached["ok"]), str(cached["reason"]), "cache")
         verdict = _run_child(device_index, "")
+        if not verdict.transient:
+            _store(path, key, {"ok": verdict.ok, "reason": verdict.reason, "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return verdict
+
+
+def gpu_lock_path(folder: str, uuid: str) -> str:
+    """The lock one GPU's check runs under (its UUID in the name, made safe for a file name)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid) or "unknown"
+    return os.path.join(folder, f"{CACHE_FILE}.{safe}.lock")
+
+
+def _store(path: str, key: str, entry: dict) -> None:
+    """Add one verdict to the shared cache file: read, update and replace under the file's own lock, held only
+    for that, so checks of other GPUs finishing at the same time keep theirs."""
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         table = _read_cache(path)
-        table[key] = {"ok": verdict.ok, "reason": verdict.reason, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        table[key] = entry
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    return verdict
 
 
 def _run_child(device_index: int, debug: str) -> ClusterVerdict:
@@ -124,9 +144,10 @@ def _run_child(device_index: int, debug: str) -> ClusterVerdict:
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return ClusterVerdict(False, f"the cluster check did not finish within {CHILD_TIMEOUT_S:.0f} s", source)
+        return ClusterVerdict(False, f"the cluster check did not finish within {CHILD_TIMEOUT_S:.0f} s (not cached: "
+                                     "checked again at the next start)", source, transient=True)
     except OSError as exc:
-        return ClusterVerdict(False, f"the cluster check could not start ({exc})", source)
+        return ClusterVerdict(False, f"the cluster check could not start ({exc})", source, transient=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -91,3 +93,53 @@ def test_a_child_that_hangs_is_no_clusters(monkeypatch):
     monkeypatch.setattr(subprocess, "run", hang)
     verdict = cluster_check._run_child(0, "")
     assert not verdict.ok and "did not finish" in verdict.reason
+
+
+def test_a_check_that_timed_out_is_not_cached_and_runs_again(tmp_path, children):
+    runs, answer = children
+    env = {cluster_check.CACHE_ENV: str(tmp_path)}
+    answer["verdict"] = ClusterVerdict(False, "the cluster check did not finish within 120 s", "checked",
+                                       transient=True)
+    assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
+    assert not (tmp_path / cluster_check.CACHE_FILE).exists()
+    answer["verdict"] = ClusterVerdict(True, "clusters of 2, 4, 8 CTAs ran", "checked")
+    again = cluster_check.verdict_for(0, "GPU-a", "/lib.so", env)
+    assert again.ok and again.source == "checked" and len(runs) == 2
+
+
+def test_a_child_that_hangs_or_cannot_start_gives_a_transient_verdict(monkeypatch):
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout"))
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    assert cluster_check._run_child(0, "").transient
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no python")))
+    assert cluster_check._run_child(0, "").transient
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: _Done(-6))
+    assert not cluster_check._run_child(0, "").transient  # a crash is an answer about the GPU
+
+
+def test_two_gpus_check_at_once_and_both_verdicts_are_kept(tmp_path, monkeypatch):
+    started, release = {}, threading.Event()
+
+    def slow(device_index, debug):
+        started[device_index] = True
+        assert release.wait(10)
+        return ClusterVerdict(True, f"gpu {device_index} ok", "checked")
+
+    monkeypatch.setattr(cluster_check, "_run_child", slow)
+    env = {cluster_check.CACHE_ENV: str(tmp_path)}
+    threads = [threading.Thread(target=cluster_check.verdict_for, args=(i, f"GPU-{i}", "/lib.so", env))
+               for i in (0, 1)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    both_running = len(started) == 2  # with one lock for every GPU, the second would wait for the first
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert both_running
+    table = json.loads((tmp_path / cluster_check.CACHE_FILE).read_text())
+    assert sorted(entry["reason"] for entry in table.values()) == ["gpu 0 ok", "gpu 1 ok"]

@@ -186,14 +186,25 @@ def iommu_acs_hints() -> list[str]:
     return hints
 
 
-def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2) -> None:
+NO_GPU_FIX = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_VISIBLE_DEVICES"
+BOUND_FLAGS = ("--max-bs and --draft-tokens here (a server: --cuda-graph-max-bs and --speculative-num-draft-tokens), "
+               f"or --max-bytes (a server: --sm120-allreduce-max-bytes, ${config.MAX_BYTES_ENV})")
+
+
+def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, *, assumed: str = "") -> None:
+    """The byte bound and which sizes it sends to the kernels. `assumed`: the batch and draft tokens the bound was
+    derived from, when they are this tool's defaults rather than a server's settings."""
     print(f"bound: {bound.max_bytes} B ({bound.explanation})")
+    if assumed:
+        print(f"  {assumed}: this tool's defaults, not your server's; {BOUND_FLAGS} change them")
     max_tokens = bound.max_bytes // (hidden * element_size)
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         nbytes = tokens * hidden * element_size
         backend = "sm120 / sm120 fused" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
         print(f"{tokens:>8} {nbytes:>10}  {backend}")
+    print("within the bound, the routing table (below) decides each size: the sizes NCCL won stay on NCCL, and "
+          "so does every size when no measured table can be used")
 
 
 PATHS = {
@@ -276,15 +287,23 @@ def report_routing_table(world: int, memory: str, matrix: list[list[bool]], uuid
     except Exception as exc:
         print(f"the table key could not be computed: {type(exc).__name__}: {exc}")
         return
+    # The key's launch facts (cluster sizes, SM budget, PDL) are a built workspace's, which the doctor does not
+    # build: it takes the table's own and says that a server uses it only when its workspace launches alike.
+    stored = cache.load_file(cache.table_path(key, hidden))
+    launch = stored.table.key.get("launch") if stored.ok else None
+    key = {**key, "launch": launch}
     rows = max(1, bound.max_bytes // (hidden * 2))
     loaded = cache.load(key, hidden=hidden, dtype="bfloat16", max_bytes=rows * hidden * 2)
     if loaded.ok:
         print(f"TP={world}, hidden {hidden}, bf16: tuned table {loaded.path}, measured {loaded.table.measured}")
+        print(f"  measured with the workspace launching {launch}; a server whose workspace launches otherwise "
+              "does not use it")
         print(render.ranges_markdown(loaded.table))
     elif loaded.status == cache.MISSING:
-        print(f"TP={world}, hidden {hidden}: no table ({loaded.path}); servers route by the seeds until "
-              f"`python -m sglang_sm120.tune --hidden {hidden} --tp {world}` has measured this box "
-              f"(or, with --sm120-allreduce-tune auto, measure a quick one at start)")
+        print(f"TP={world}, hidden {hidden}: no table ({loaded.path}); a server measures a quick one at start "
+              f"(--sm120-allreduce-tune auto) and, if that fails, sends every size to NCCL; "
+              f"`python -m sglang_sm120.tune --hidden {hidden} --tp {world}` measures this box fully; "
+              "--sm120-allreduce-tune off runs the unmeasured seeds")
     else:
         print(f"TP={world}, hidden {hidden}: {loaded.warning()}")
     others = [t for t in cache.find_tables() if t.path != loaded.path]
@@ -403,14 +422,21 @@ def _int_tensor(shape, seed: int):
     return torch.randint(-8, 9, shape, generator=generator).to(torch.bfloat16)
 
 
+# What the doctor assumes of a server when not told: a CUDA-graph batch of 32 with 4 EAGLE draft tokens.
+DEFAULT_MAX_BS = 32
+DEFAULT_DRAFT_TOKENS = 4
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.doctor", description=__doc__)
     parser.add_argument("--mode", action=config.SettingAction, parse=config.parse_mode,
                         metavar="{" + ",".join(config.MODES) + "}", default=None,
                         help=f"gate mode to evaluate (default: ${config.MODE_ENV} or auto)")
     parser.add_argument("--hidden", type=int, default=7168, help="hidden size for the dispatch table (Kimi-K2.5: 7168)")
-    parser.add_argument("--max-bs", type=int, default=32, help="largest CUDA-graph batch assumed for the bound")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="EAGLE draft tokens assumed for the bound")
+    parser.add_argument("--max-bs", type=int, default=DEFAULT_MAX_BS,
+                        help="largest CUDA-graph batch assumed for the bound (a server's --cuda-graph-max-bs)")
+    parser.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS,
+                        help="EAGLE draft tokens assumed for the bound (a server's --speculative-num-draft-tokens)")
     parser.add_argument("--max-bytes", action=config.SettingAction, parse=config.parse_max_bytes, default=None,
                         help="explicit bound (overrides the derived one)")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
@@ -437,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     section("GPUs")
     found = gpus()
     if not found:
-        print("no CUDA GPUs")
+        print(f"no CUDA GPUs visible to torch: {NO_GPU_FIX}")
     for gpu in found:
         cap = gpu["capability"]
         print(f"cuda:{gpu['index']} {gpu['name']} capability {cap[0]}.{cap[1]} {gpu['memory_gib']:.0f} GiB "
@@ -460,10 +486,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                            speculative_num_draft_tokens=args.draft_tokens, speculative_algorithm="EAGLE3"),
         args.hidden, 2,
     )
-    dispatch_table(args.hidden, bound)
+    defaults = [f"{name} {value}" for name, value, given in (
+        ("--max-bs", args.max_bs, args.max_bs != DEFAULT_MAX_BS),
+        ("--draft-tokens", args.draft_tokens, args.draft_tokens != DEFAULT_DRAFT_TOKENS)) if not given]
+    assumed = ""
+    if explicit is None and defaults:
+        assumed = f"assumed {args.max_bs} x {args.draft_tokens} rows ({', '.join(defaults)})"
+    dispatch_table(args.hidden, bound, assumed=assumed)
 
     if not found:
-        problems.append("no CUDA GPUs")
+        problems.append(f"no CUDA GPUs: {NO_GPU_FIX}")
         return _finish(problems)
 
     count = len(found)

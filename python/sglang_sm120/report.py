@@ -1,29 +1,36 @@
 """`python -m sglang_sm120.report`: one markdown file (JSON attached) about this box to paste into an issue:
 the environment, the doctor's output, the routing tables the tuner measured, and any benchmark results named.
 
-    python -m sglang_sm120.report                          # writes sglang_sm120_report.md here
-    python -m sglang_sm120.report --results benchmarks/results/allreduce_rtx-pro-6000_tp8.json --out r.md
+    python -m sglang_sm120.report                          # writes ./sglang_sm120_report.md (--out elsewhere)
+    python -m sglang_sm120.report --results benchmarks/results --out r.md
 
 Offline and without torch: the doctor, which needs torch and the GPUs, runs as its own process (--no-doctor
-skips it, --doctor-output FILE uses a saved run). The host name is replaced by "<host>".
+skips it, --doctor-output FILE uses a saved run). The host name is replaced by "<host>" where it is a word of its
+own. Every result document this repository writes is taken (reporting/document.py RESULT_KINDS); the files named
+that are not one are listed at the end of the report and on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from .reporting import document
 from .routing import cache
 
+DEFAULT_OUT = "sglang_sm120_report.md"
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="sglang_sm120_report.md", help="markdown file to write ('-': stdout)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"markdown file to write (default ./{DEFAULT_OUT}; '-': "
+                                                           "stdout)")
     parser.add_argument("--results", nargs="*", default=[], metavar="PATH",
-                        help="bench_allreduce / bench_verify result files or folders to include")
+                        help="result files or folders to include (benchmarks/results: bench_allreduce, bench_verify, "
+                             "bench_transports, bench_polling, trap delivery, tune tables)")
     parser.add_argument("--tables", nargs="*", default=None, metavar="FILE",
                         help=f"routing tables to include (default: every one in ${cache.CACHE_ENV}, "
                              "default ~/.cache/sglang_sm120)")
@@ -46,15 +53,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = document.read_results(args.results)
     report = document.build(env=env, doctor=doctor, tables=tables, results=results)
     text = document.redact_host(document.markdown(report, tables=tables, results=results))
+    for entry in results:
+        if "doc" not in entry:
+            print(f"skipped {entry['path']}: {entry.get('error')}", file=sys.stderr)
     if args.out == "-":
         sys.stdout.write(text)
     else:
-        with open(args.out, "w", encoding="utf-8") as handle:
+        path = os.path.abspath(args.out)
+        with open(path, "w", encoding="utf-8") as handle:
             handle.write(text)
         size = len(text)
         note = "" if size <= document.ISSUE_LIMIT_CHARS else (
             f"; longer than an issue takes ({document.ISSUE_LIMIT_CHARS} characters): attach the file instead")
-        print(f"wrote {args.out} ({size} characters{note}); please send it with your issue", file=sys.stderr)
+        where = " (--out FILE writes it elsewhere)" if args.out == DEFAULT_OUT else ""
+        print(f"wrote the report to {path}{where}: {size} characters{note}; please send it with your issue")
     return 0
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from .reporting import render
 from .routing import cache
-from .routing.table import RoutingTable
+from .routing.table import NCCL, RoutingTable
 from .tuning import launch
 from .tuning.tuner import TuneSpec
 
@@ -165,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _one_process(world, devices[0], spec, args.out, start)
     attempt = launch.tune_with_retries(world, devices, spec, retries=args.retries, timeout_s=args.timeout,
                                        stall_s=args.stall, on_event=on_event, on_retry=on_retry)
+    remember_blames(attempt, spec)
     if attempt.table is None:
         print(f"tune failed: {attempt.error}", file=sys.stderr)
         for outcome in attempt.outcomes:
@@ -181,6 +182,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwritten to {copies}; measuring took {table.durations.get('measure', 0):.1f} s, the whole tune "
           f"{table.durations['total']:.1f} s")
     return 0
+
+
+def remember_blames(attempt: launch.Attempt, spec: TuneSpec) -> str | None:
+    """Keep the candidates this tune blamed for a crash or hang (its exclusions, and the last attempt's culprit)
+    in the cache under the key the children measured, so that no later tune runs them and no server routes to
+    them (routing/cache.py). Returns the file written, or None."""
+    culprits = [c for c in list(spec.exclude) + [attempt.culprit] if c and c.get("candidate") != NCCL]
+    key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
+    if not culprits or not key:
+        return None
+    path = cache.record_blames(key, culprits, time.strftime("%Y-%m-%d %H:%M:%S"))
+    print(f"blamed for a crash or hang, never tuned or routed again on this box: "
+          f"{', '.join(sorted({c['candidate'] for c in culprits}))} ({path})", flush=True)
+    return path
 
 
 def _one_process(world: int, device: int, spec: TuneSpec, out: str | None, start: float) -> int:

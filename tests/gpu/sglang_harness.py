@@ -308,7 +308,9 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
 
         initialize_dp_attention(get_global_server_args(),
                                 SimpleNamespace(hidden_size=1, dtype=torch.bfloat16))
-    tp = ps.get_tp_group()
+    from sglang_sm120.hooks.distributed import sglang_group
+
+    tp = sglang_group("tp_group")  # not 0.5.23's deprecated getter
     if the_plan.dry_run:
         _attach_dry_run_backend(tp, mode)
     if rank == 0:

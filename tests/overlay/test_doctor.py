@@ -214,3 +214,49 @@ def test_the_fingerprints_come_from_a_child_and_a_failing_child_is_not_measured(
     monkeypatch.setattr(doctor.subprocess, "run", hang)
     doctor.report_fingerprints(2, 10.0)
     assert "not measured: the probe did not finish within 10 s" in capsys.readouterr().out
+
+
+def test_without_gpus_the_doctor_names_the_fix(monkeypatch, capsys):
+    _quiet_machine(monkeypatch)
+    doctor.main(["--no-self-test"])
+    out = capsys.readouterr().out
+    fix = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_VISIBLE_DEVICES"
+    assert f"no CUDA GPUs visible to torch: {fix}" in out and f"cannot run: no CUDA GPUs: {fix}" in out
+
+
+def test_the_bound_says_which_rows_are_assumed_defaults_and_which_flags_change_them(monkeypatch, capsys):
+    _quiet_machine(monkeypatch)
+    doctor.main(["--no-self-test"])
+    out = capsys.readouterr().out
+    assert "bound: 1835008 B" in out
+    assert "assumed 32 x 4 rows (--max-bs 32, --draft-tokens 4): this tool's defaults, not your server's; " \
+           "--max-bs and --draft-tokens here (a server: --cuda-graph-max-bs and --speculative-num-draft-tokens), " \
+           "or --max-bytes (a server: --sm120-allreduce-max-bytes, $SGLANG_SM120_ALLREDUCE_MAX_BYTES) change them" \
+           in out, out
+    doctor.main(["--no-self-test", "--max-bs", "8"])
+    out = capsys.readouterr().out
+    assert "assumed 8 x 4 rows (--draft-tokens 4)" in out
+    doctor.main(["--no-self-test", "--max-bs", "8", "--draft-tokens", "2"])
+    assert "assumed" not in capsys.readouterr().out
+
+
+def test_the_routing_table_section_finds_a_table_whatever_its_launch_facts(monkeypatch, capsys, tmp_path):
+    from sglang_sm120.core.config import ByteBound
+    from sglang_sm120.routing import cache
+    from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    local = [{"uuid": f"GPU-{i}", "driver": "580"} for i in range(2)]
+    monkeypatch.setattr(doctor, "key_facts", lambda device: local[device.index])
+    matrix = [[True, True], [True, True]]
+    doctor.report_routing_table(2, "host", matrix, ["GPU-0", "GPU-1"], 7168, ByteBound(2 * 14336, "t"))
+    out = capsys.readouterr().out
+    assert "no table" in out and "if that fails, sends every size to NCCL" in out and "seeds" in out
+    launch = {"clusters": [2], "sm_budget": 188, "pdl": True, "switches": {}}
+    key = make_key(local, islands=None, p2p=matrix, memory="host", launch=launch)
+    points = [Point(r, r * 14336, {NCCL: 20.0, "sm120/ONESHOT/push/host": 10.0}) for r in (1, 2)]
+    cache.save(RoutingTable.from_points(key, "2026-12-03T10:00:00Z", {"hidden": 7168},
+                                        {("bfloat16", k): points for k in ("plain", "fused")}))
+    doctor.report_routing_table(2, "host", matrix, ["GPU-0", "GPU-1"], 7168, ByteBound(2 * 14336, "t"))
+    out = capsys.readouterr().out
+    assert "tuned table" in out and "measured with the workspace launching {'clusters': [2]" in out, out

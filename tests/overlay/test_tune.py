@@ -102,6 +102,27 @@ def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_for_the_next_tunes(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    table = _table([10, 10], [5, 5])
+    culprit = {"dtype": "bfloat16", "kind": "fused", "candidate": "sm120/ONESHOT/pull/device", "from_bytes": 14336,
+               "reason": "rank 1 died (exit code -9) while running it"}
+    outcome = launch.ChildOutcome(1, returncode=-9, key=table.key)
+    _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", culprit, [outcome]))
+    assert tune.main(["--hidden", "7168"]) == 1
+    assert [b["candidate"] for b in cache.blames(table.key)] == ["sm120/ONESHOT/pull/device"]
+    assert "blamed for a crash or hang, never tuned or routed again on this box: sm120/ONESHOT/pull/device" in \
+        capsys.readouterr().out
+    # a later successful tune that excluded one more keeps both
+    seen = _canned(monkeypatch, launch.Attempt(table.to_dict(), table.digest(), None, None, []))
+    monkeypatch.setattr(launch, "tune_with_retries", lambda world, devices, spec, **kw: (
+        spec.exclude.append(dict(culprit, candidate="sm120/TWOSHOT/push/device")), seen.update(spec=spec),
+        launch.Attempt(table.to_dict(), table.digest(), None, None, []))[-1])
+    assert tune.main(["--hidden", "7168"]) == 0
+    assert sorted(b["candidate"] for b in cache.blames(table.key)) == [
+        "sm120/ONESHOT/pull/device", "sm120/TWOSHOT/push/device"]
+
+
 def test_a_one_process_tune_writes_its_out_file_only_never_the_cache(monkeypatch, tmp_path, capsys):
     from sglang_sm120.tuning import measure_local
 

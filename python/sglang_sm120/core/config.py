@@ -33,12 +33,12 @@ DEFAULT_HOSTMEM = "auto"
 MODES = ("auto", "on", "off")
 DEFAULT_MODE = "auto"
 # What a server does when no routing table of this box covers it (a table that does is always used, unless
-# "force"): "auto" runs the quick tune before CUDA-graph capture and caches it, "off" routes by the seeds,
-# "force" tunes again even when a table exists.
+# "force"): "auto" runs the quick tune before CUDA-graph capture and caches it, "off" routes by the unmeasured
+# seeds, "force" tunes again even when a table exists. A tune that fails sends every size to NCCL.
 TUNE_ENV = "SGLANG_SM120_ALLREDUCE_TUNE"
 TUNE_MODES = ("auto", "off", "force")
 DEFAULT_TUNE = "auto"
-# Bound, in seconds, of the quick tune at server start (its child processes are killed after it: seeds then).
+# Bound, in seconds, of the quick tune at server start (its child processes are killed after it: NCCL then).
 TUNE_TIMEOUT_ENV = "SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S"
 DEFAULT_TUNE_TIMEOUT_S = 180.0
 DEFAULT_AGREEMENT_TIMEOUT_S = 60.0
@@ -255,9 +255,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             "Which sizes the sm120 kernels serve is decided by a routing table measured on this box (python -m "
             "sglang_sm120.tune), found in $SGLANG_SM120_CACHE by GPUs, driver, versions and topology; each size goes "
             "to the kernels only where they beat NCCL. Without a table: 'auto' (default) measures a quick one "
-            "before CUDA-graph capture and caches it (any failure: the seeds, with a warning); 'off' uses the "
-            "built-in seeds; 'force' measures at every start even when a table exists. Environment equivalent: "
-            f"{TUNE_ENV}."
+            "before CUDA-graph capture and caches it (any failure: every size on NCCL, with a warning naming the "
+            "cause); 'off' measures nothing and runs the built-in seeds, unmeasured (every size within the bound "
+            "to the kernels); 'force' measures at every start even when a table exists (a failure keeps that "
+            f"table). Environment equivalent: {TUNE_ENV}."
         ),
     )
 

@@ -72,14 +72,24 @@ def default_store():
             return None
 
 
-def tp_communicator() -> Sm120Communicator | None:
-    # The getter, not the module global: in 0.5.23 groups live in the runtime context, which a model-owned
-    # context (`runtime_context.use_context`) can swap; 0.5.13.post1's getter also honours PD-multiplexing's
-    # prefill group. Both raise before init.
+def sglang_group(name: str):
+    """SGLang's group coordinator `name` ("tp_group", "attn_tp_group", "moe_ep_group", "moe_tp_group") of this
+    process, where SGLang looks it up itself: 0.5.23 keeps the groups in its runtime context (`get_parallel()`,
+    which a model-owned context can swap, and which its parallel_state getters, deprecated for callers outside
+    SGLang, only forward to); 0.5.13.post1 has the getters alone (its `get_tp_group` also honours
+    PD-multiplexing's prefill group). Never the module globals. Raises before the groups exist."""
     try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
         from sglang.srt.distributed import parallel_state
 
-        tp = parallel_state.get_tp_group()
+        return getattr(parallel_state, f"get_{name}")()
+    return getattr(get_parallel(), name)
+
+
+def tp_communicator() -> Sm120Communicator | None:
+    try:
+        tp = sglang_group("tp_group")
     except Exception:
         return None
     return group_communicator(tp) if tp is not None else None
@@ -224,9 +234,7 @@ def wrap_group_destroy(original):
 def fusion_groups_are(group) -> bool:
     """True when a fused call, whichever group it names (attention TP, or MoE EP/TP), reduces over `group`."""
     try:
-        from sglang.srt.distributed import parallel_state as ps
-
-        attn = ps.get_attn_tp_group()
+        attn = sglang_group("attn_tp_group")
         try:
             # 0.5.23 names the group a deferred MoE sum is completed over (TP when EP x MoE-TP merge into it).
             from sglang.srt.layers.moe.utils import post_experts_reduction_group
@@ -235,7 +243,8 @@ def fusion_groups_are(group) -> bool:
         if post_experts_reduction_group is not None:
             moe = post_experts_reduction_group()
         else:
-            moe = ps.get_moe_ep_group() if ps.get_moe_ep_group().world_size > 1 else ps.get_moe_tp_group()
+            ep = sglang_group("moe_ep_group")
+            moe = ep if ep.world_size > 1 else sglang_group("moe_tp_group")
         return attn is group and moe is group
     except Exception:
         return False
@@ -247,9 +256,7 @@ def prepare_tp_backend(
     """Build the TP group's workspace (collective; every TP rank must call it at the same point).
     `decode_rows`: rows of the widest captured decode/verify reduction, where SGLang computes it (0.5.23);
     otherwise the bound is derived from the server arguments."""
-    from sglang.srt.distributed import parallel_state as ps
-
-    group = ps.get_tp_group()
+    group = sglang_group("tp_group")
     comm = group_communicator(group)
     if comm is None or not comm.gate_enabled or comm.build_attempted:
         return comm
@@ -329,9 +336,7 @@ def wrap_runner_pre_capture(original):
             failed = True  # same inputs on every rank, so every rank fails here together
             logger.exception("sglang_sm120: preparing the sm120 workspace failed; all-reduces stay on NCCL")
         try:
-            from sglang.srt.distributed import parallel_state
-
-            upstream_pcie.restore_upstream_if_ours_failed(parallel_state.get_tp_group(), failed=failed)
+            upstream_pcie.restore_upstream_if_ours_failed(sglang_group("tp_group"), failed=failed)
         except Exception:
             logger.exception("sglang_sm120: handing the TP group back to SGLang's PCIe-IPC all-reduce failed")
         return result

@@ -3,10 +3,11 @@ on the machine, without torch and without a GPU of its own (the doctor, which ne
 process).
 
 Sections: environment (OS, packages, driver, nvidia-smi's GPU list and topology matrix, the kernel command
-line's IOMMU settings), the doctor's output, every routing table in the cache folder (or the ones named), and the
-benchmark result documents named. The host name is replaced by "<host>" everywhere. The attached JSON holds
-the same data, with the result documents cut to the fields that make their tables, so the whole stays small
-enough to paste into an issue (GitHub takes about 65,000 characters).
+line's IOMMU settings), the doctor's output, every routing table in the cache folder (or the ones named), the
+result documents named (every kind this repository writes: RESULT_KINDS), and at the end every file named that
+was not used, with why. The host name is replaced by "<host>" wherever it stands as a word of its own. The
+attached JSON holds the same data, with the result documents cut to the fields that make their tables, so the
+whole stays small enough to paste into an issue (GitHub takes about 65,000 characters).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..routing import cache
+from ..routing.table import RoutingTable
 from . import render, schema
 
 REPORT_VERSION = 1
@@ -31,6 +34,19 @@ PACKAGES = ("sglang-sm120", "sglang", "torch", "sgl-kernel", "flashinfer-python"
             "nvidia-nccl-cu12", "nvidia-ml-py")
 ALLREDUCE_FIELDS = ("impl", "label", "op", "rows", "hidden", "dtype", "bytes", "world_size", "median_us", "error")
 VERIFY_FIELDS = ("backend", "compute", "tokens", "world_size", "step_us", "comm_us")
+# The result documents this repository writes (benchmarks/*.py, scripts/diagnose_trap_delivery.py, the tuner's
+# --out), by the kind `classify` gives them.
+RESULT_KINDS = {
+    "allreduce": "benchmarks/bench_allreduce.py",
+    "verify": "benchmarks/bench_verify.py",
+    "transports": "benchmarks/bench_transports.py",
+    "polling": "benchmarks/bench_polling.py",
+    "trap delivery": "scripts/diagnose_trap_delivery.py",
+    "routing table": "python -m sglang_sm120.tune --out",
+}
+# Fields of a bench_transports / bench_polling record kept when one is cut (a wrong result is always kept).
+RECORD_FIELDS = ("mode", "op", "world", "rows", "hidden", "dtype", "variant", "transport", "polling", "cluster",
+                 "us_per_call_median", "result_correct")
 
 
 def _run(command: Sequence[str], timeout: float = 30.0) -> str | None:
@@ -94,43 +110,80 @@ def run_doctor(args: Sequence[str] = (), timeout_s: float = 600.0) -> dict[str, 
         return {"command": " ".join(command[1:]), "exit_code": None, "output": f"(could not start: {exc})"}
 
 
+def classify(doc: Any) -> str | None:
+    """Which RESULT_KINDS a parsed JSON document is, or None."""
+    if not isinstance(doc, Mapping):
+        return None
+    named = str(doc.get("benchmark") or "").removeprefix("bench_")
+    if named in ("allreduce", "verify", "transports", "polling"):
+        return named
+    if "pattern" in doc:
+        return "verify"
+    if "crossover_bytes" in doc:
+        return "allreduce"
+    if "dmesg_xid" in doc and isinstance(doc.get("ranks"), Mapping):
+        return "trap delivery"
+    if {"format", "tune_version", "entries", "measurements"} <= doc.keys():
+        return "routing table"
+    return None
+
+
 def read_results(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """Every benchmark result document under `paths` (files or folders), validated; a file that is not one is
-    listed with the reason."""
+    """Every result document under `paths` (files or folders), validated; a file that is not one (in a folder:
+    every file that is not JSON too) is listed with the reason, as {"path", "error"}."""
     files: list[str] = []
+    out: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = []
     for path in paths:
         if os.path.isdir(path):
-            files += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".json"))
+            for name in sorted(os.listdir(path)):
+                full = os.path.join(path, name)
+                if name.endswith(".json"):
+                    files.append(full)
+                elif os.path.isfile(full):
+                    others.append({"path": full, "error": "not a JSON result document"})
         else:
             files.append(path)
-    out = []
     for path in files:
         entry: dict[str, Any] = {"path": path}
         try:
             with open(path, encoding="utf-8") as handle:
                 doc = json.load(handle)
-            kind = doc.get("benchmark") if isinstance(doc, dict) else None
-            if kind not in ("allreduce", "verify") and isinstance(doc, dict):
-                kind = "verify" if "pattern" in doc else "allreduce" if "crossover_bytes" in doc else None
+            kind = classify(doc)
             if kind == "allreduce":
                 schema.validate_allreduce_doc(doc)
             elif kind == "verify":
                 schema.validate_verify_doc(doc)
-            else:
-                raise schema.SchemaError("not a bench_allreduce or bench_verify result")
+            elif kind == "routing table":
+                RoutingTable.from_dict(doc)
+            elif kind is None:
+                raise schema.SchemaError(f"not a result document this repository writes ({', '.join(RESULT_KINDS)})")
             entry.update(kind=kind, doc=doc)
         except (OSError, ValueError) as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"
         out.append(entry)
-    return out
+    return out + others
 
 
 def _slim(entry: Mapping[str, Any]) -> dict[str, Any]:
     if "doc" not in entry:
         return dict(entry)
-    doc = entry["doc"]
-    fields = ALLREDUCE_FIELDS if entry["kind"] == "allreduce" else VERIFY_FIELDS
-    return {"path": entry["path"], "kind": entry["kind"], "hardware": doc.get("hardware"), "date": doc.get("date"),
+    doc, kind = entry["doc"], entry["kind"]
+    head = {"path": entry["path"], "kind": kind}
+    if kind == "routing table":
+        return {**head, "table": doc}
+    if kind in ("transports", "polling"):
+        records = doc.get("records") or []
+        return {**head, "hardware": doc.get("hardware"), "date": doc.get("timestamp"), "note": doc.get("note"),
+                "summary": doc.get("summary") or doc.get("comparisons"), "records": len(records),
+                "incorrect": [{k: r.get(k) for k in RECORD_FIELDS if k in r} for r in records
+                              if r.get("result_correct") is False]}
+    if kind == "trap delivery":
+        return {**head, "world": doc.get("world"), "kernel_timeout_s": doc.get("kernel_timeout_s"),
+                "ranks": {r: (v or {}).get("state") for r, v in (doc.get("ranks") or {}).items()},
+                "dmesg_lines": len(doc.get("dmesg_xid") or []), "note": doc.get("note")}
+    fields = ALLREDUCE_FIELDS if kind == "allreduce" else VERIFY_FIELDS
+    return {**head, "hardware": doc.get("hardware"), "date": doc.get("date"),
             "results": [{k: r.get(k) for k in fields if k in r} for r in doc.get("results", [])],
             "skipped": list({json.dumps(x, sort_keys=True): x for x in doc.get("skipped", [])}.values())}
 
@@ -193,18 +246,37 @@ def markdown(report: Mapping[str, Any], *, tables: Sequence[cache.Loaded] = (),
     parts += ["", "### Benchmark results", ""]
     if not results:
         parts.append("none given (`--results benchmarks/results/<file>.json`)")
-    for entry in results:
-        if "doc" not in entry:
-            parts.append(f"- `{entry['path']}`: not used ({entry.get('error')})")
-            continue
-        doc = entry["doc"]
-        body = render.allreduce_doc_markdown(doc) if entry["kind"] == "allreduce" else render.verify_doc_markdown(doc)
-        parts += [f"#### {os.path.basename(entry['path'])}: {render.hardware_line(doc)}", "", body, ""]
+    used = [entry for entry in results if "doc" in entry]
+    if results and not used:
+        parts.append("none of the files named is a result document (see the end)")
+    for entry in used:
+        parts += [_result_markdown(entry), ""]
     attached = json.dumps(report, sort_keys=True, separators=(",", ":"))
     parts += ["", "<details><summary>JSON</summary>", "", _fence(attached, "json"), "", "</details>", ""]
+    skipped = [entry for entry in results if "doc" not in entry]
+    if skipped:
+        parts += ["### Skipped", ""] + [f"- `{e['path']}`: {e.get('error')}" for e in skipped] + [""]
     return "\n".join(parts)
 
 
+def _result_markdown(entry: Mapping[str, Any]) -> str:
+    doc, kind, name = entry["doc"], entry["kind"], os.path.basename(entry["path"])
+    if kind == "routing table":
+        return render.table_markdown(RoutingTable.from_dict(doc), path=entry["path"], title=f"{name} (routing table)")
+    if kind == "allreduce":
+        return f"#### {name}: {render.hardware_line(doc)}\n\n{render.allreduce_doc_markdown(doc)}"
+    if kind == "verify":
+        return f"#### {name}: {render.hardware_line(doc)}\n\n{render.verify_doc_markdown(doc)}"
+    if kind == "trap delivery":
+        return f"#### {name}: trap delivery, {doc.get('world')} ranks\n\n{render.trap_delivery_markdown(doc)}"
+    title = f"#### {name}: bench_{kind}, {doc.get('hardware')}, {doc.get('timestamp')}"
+    return f"{title}\n\n{render.records_doc_markdown(doc)}"
+
+
 def redact_host(text: str, host: str | None = None) -> str:
+    """`text` with the host name replaced by "<host>" where it stands as a word of its own: not inside a longer
+    name (host `vm` leaves `nested_pvm=1` alone), so letters, digits, '_' and '-' on either side keep it."""
     host = host or socket.gethostname()
-    return text.replace(host, "<host>") if host and len(host) > 1 else text
+    if not host or len(host) < 2:
+        return text
+    return re.sub(rf"(?<![A-Za-z0-9_-]){re.escape(host)}(?![A-Za-z0-9_-])", "<host>", text)

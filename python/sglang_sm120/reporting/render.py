@@ -164,3 +164,43 @@ def hardware_line(doc: Mapping[str, Any]) -> str:
     hw = doc.get("hardware") or {}
     return (f"{hw.get('gpu')} x{hw.get('world_size')}, driver {hw.get('driver')}, CUDA {hw.get('cuda')}, "
             f"torch {hw.get('torch')}, NCCL {hw.get('nccl')}, {doc.get('date')}")
+
+
+def _value(value: Any) -> Any:
+    return f"{value:.2f}" if isinstance(value, float) else value
+
+
+def rows_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A list of flat records as one table, its columns the records' keys in first-seen order."""
+    columns = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, Mapping | list)))
+    return md_table(columns, [[_value(r.get(c)) for c in columns] for r in rows])
+
+
+def records_doc_markdown(doc: Mapping[str, Any]) -> str:
+    """bench_transports / bench_polling: what it measured, its summary (or comparisons), and the count of its
+    records (the file holds them; a wrong result is listed)."""
+    records = doc.get("records") or []
+    parts = [str(doc.get("what") or ""), f"note: {doc.get('note')}" if doc.get("note") else ""]
+    summary = doc.get("summary") if doc.get("summary") is not None else doc.get("comparisons")
+    groups = summary.items() if isinstance(summary, Mapping) else [("summary", summary or [])]
+    for name, rows in groups:
+        if rows:
+            parts += [f"{name}:", "", rows_markdown(rows)]
+    wrong = [r for r in records if r.get("result_correct") is False]
+    parts.append(f"{len(records)} records in the file; {len(wrong)} with a wrong result")
+    if wrong:
+        parts += ["", rows_markdown(wrong)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def trap_delivery_markdown(doc: Mapping[str, Any]) -> str:
+    """scripts/diagnose_trap_delivery.py: each rank's end state and its last event."""
+    rows = []
+    for rank, view in sorted((doc.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+        events = (view or {}).get("events") or [{}]
+        last = events[-1]
+        detail = str(last.get("detail") or "").splitlines()[0][:160] if last.get("detail") else ""
+        rows.append([rank, (view or {}).get("state"), last.get("event"), last.get("at_s"), detail])
+    lines = len(doc.get("dmesg_xid") or [])
+    return (f"kernel timeout {doc.get('kernel_timeout_s')} s, abort after {doc.get('abort_after_s')} s; "
+            f"{lines} dmesg lines in the file\n\n" + md_table(["rank", "state", "last event", "at s", "detail"], rows))

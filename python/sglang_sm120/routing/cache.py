@@ -19,6 +19,12 @@ Every status but ok and missing is logged once as a WARNING naming it, and the t
 A quick tune that failed at a server's start leaves a note beside the table's place (`<table>.failed.json`: the
 key, when, why), so the next start with --sm120-allreduce-tune auto does not run it again; a table saved for
 that key (the tool, or `force`) removes the note.
+
+A candidate blamed for a crash or a hang of a tune's process (tuning/launch.py names the one that was running)
+is written to `blamed_tp<world>_<gpus>.json` with the table key it happened under (`record_blames`); `blames`
+returns the ones recorded under a key, which every later tune excludes and no server routes to, whatever its
+hidden size. Another key (a new driver, kernel library, ...) lifts them: it is another box as far as a
+measurement goes.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ from . import table as tbl
 
 logger = logging.getLogger("sglang_sm120")
 
-__all__ = ["CACHE_ENV", "Loaded", "cache_dir", "find_tables", "load", "load_file", "save", "table_path",
-           "record_failure", "recorded_failure"]
+__all__ = ["CACHE_ENV", "Loaded", "blame_path", "blames", "cache_dir", "find_tables", "load", "load_file",
+           "record_blames", "record_failure", "recorded_failure", "save", "table_path"]
 
 OK, MISSING, CORRUPT, OTHER_VERSIONS, ANOTHER_KEY, NOT_COVERED = (
     "ok", "missing", "corrupt", "other versions", "another key", "does not cover")
@@ -116,6 +122,50 @@ def recorded_failure(key: Mapping[str, Any], hidden: int, folder: str | None = N
     if not isinstance(note, dict) or not isinstance(note.get("key"), dict) or tbl.compare_keys(key, note["key"]):
         return None
     return {"when": str(note.get("when")), "why": str(note.get("why")), "path": path}
+
+
+BLAME_FIELDS = ("dtype", "kind", "candidate", "from_bytes", "reason")
+
+
+def blame_path(key: Mapping[str, Any], folder: str | None = None) -> str:
+    folder = cache_dir() if folder is None else folder
+    return os.path.join(folder, f"blamed_tp{int(key['world_size'])}_{tbl.box_tag(key)}.json")
+
+
+def _read_blames(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except (OSError, ValueError):
+        return []
+    found = doc.get("blamed") if isinstance(doc, dict) else None
+    if not isinstance(found, list):
+        return []
+    return [b for b in found if isinstance(b, dict) and isinstance(b.get("key"), dict)]
+
+
+def record_blames(key: Mapping[str, Any], culprits, when: str, folder: str | None = None) -> str:
+    """Add candidates blamed for a crash or hang under `key` ({dtype, kind, candidate, from_bytes, reason} each;
+    module docstring); one that is there already keeps the smaller from_bytes. Returns the file's path."""
+    path = blame_path(key, folder)
+    kept = _read_blames(path)
+    for culprit in culprits:
+        entry = {field: culprit[field] for field in BLAME_FIELDS}
+        entry["from_bytes"] = int(entry["from_bytes"])
+        same = [b for b in kept if not tbl.compare_keys(key, b["key"])
+                and all(b.get(f) == entry[f] for f in ("dtype", "kind", "candidate"))]
+        if same:
+            same[0]["from_bytes"] = min(int(same[0].get("from_bytes", 0)), entry["from_bytes"])
+            continue
+        kept.append({**entry, "key": dict(key), "when": when})
+    _write_atomically(path, {"blamed": kept})
+    return path
+
+
+def blames(key: Mapping[str, Any], folder: str | None = None) -> list[dict[str, Any]]:
+    """The candidates blamed under exactly this key ({dtype, kind, candidate, from_bytes, reason, when})."""
+    return [{field: b.get(field) for field in BLAME_FIELDS + ("when",)}
+            for b in _read_blames(blame_path(key, folder)) if not tbl.compare_keys(key, b["key"])]
 
 
 def load_file(path: str) -> Loaded:

@@ -12,9 +12,13 @@ The rule that turns measurements into routes (`choose`), incumbent NCCL:
 - one of our candidates displaces another of ours only with the same sustained gain over it (>= 2% at this size
   and the next); a smaller gain, a tie, or a gain at one size only keeps the incumbent;
 - a failed candidate (verification, timeout, crash) has no time and is never routed to.
-Sizes between two measured sizes take the route of the larger one, except that a size just above a point NCCL
-serves stays on NCCL until the next measured point. Sizes above the largest measured one are not covered
+Sizes between two measured sizes (eager calls the tune did not measure) go to one of ours only where both
+measured neighbours chose that same route; anything else between two points is NCCL. Sizes below the smallest
+measured one (a tune starts at one row) take its route. Sizes above the largest measured one are not covered
 (`lookup` returns None: the caller's NCCL).
+
+A table read back is re-derived from the measurements it holds (`RoutingTable.rederived`), so a hand-edited
+route, or one chosen by an older rule, is not served as stored.
 
 Everything here is pure: no torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
 """
@@ -48,7 +52,9 @@ SUSTAIN = 2
 # Key fields. A difference in a version field makes a table "stale: other versions", one in a box field
 # "another key"; either way it is not used.
 VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "sglang_sm120", "kernels")
-BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory")
+# "launch": how the workspace launches (its agreed cluster sizes and SM budget, the cluster and PDL switches;
+# core/facts.launch_facts): the same route runs another kernel launch when any of them changes.
+BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
 LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
 
 
@@ -197,17 +203,18 @@ def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int 
 
 
 def ranges(points: Sequence[Point], routes: Sequence[Route], dtype: str, kind: str) -> list[Entry]:
-    """Byte ranges from per-point routes: (previous size, this size] takes this point's route, except that the
-    sizes strictly between an NCCL point and one of ours stay on NCCL; adjacent equal routes merge."""
+    """Byte ranges from per-point routes: each measured size takes its own route; the sizes strictly between two
+    measured ones take their route only where both chose the same route of ours, else NCCL; the sizes below the
+    smallest measured one (less than the one row a tune starts at) take its route. Adjacent equal routes merge."""
     pieces: list[Entry] = []
-    previous: Route | None = None
-    low = 1
+    previous: tuple[Point, Route] | None = None
     for point, route in zip(points, routes, strict=True):
-        if previous is not None and not previous.ours and route.ours and point.nbytes > low:
-            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, NCCL_ROUTE))
-            low = point.nbytes
-        pieces.append(Entry(dtype, kind, low, point.nbytes, route))
-        low, previous = point.nbytes + 1, route
+        low = 1 if previous is None else previous[0].nbytes + 1
+        if point.nbytes > low:
+            agreed = previous is None or (route.ours and previous[1] == route)
+            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, route if agreed else NCCL_ROUTE))
+        pieces.append(Entry(dtype, kind, point.nbytes, point.nbytes, route))
+        previous = (point, route)
     merged: list[Entry] = []
     for entry in pieces:
         if merged and merged[-1].route == entry.route and merged[-1].high + 1 == entry.low:
@@ -217,14 +224,32 @@ def ranges(points: Sequence[Point], routes: Sequence[Route], dtype: str, kind: s
     return merged
 
 
+def without_blamed(points: Sequence[Point], dtype: str, kind: str,
+                   blamed: Sequence[Mapping[str, Any]]) -> list[Point]:
+    """The points with every candidate blamed for a crash or hang ({dtype, kind, candidate, from_bytes, reason})
+    moved from the times to the failures, from its size up."""
+    out = []
+    for point in points:
+        gone = {str(b["candidate"]): str(b.get("reason") or "blamed for a crash or hang") for b in blamed
+                if b.get("dtype") == dtype and b.get("kind") == kind and point.nbytes >= int(b.get("from_bytes", 0))
+                and b.get("candidate") in point.times}
+        if gone:
+            point = Point(point.rows, point.nbytes, {c: t for c, t in point.times.items() if c not in gone},
+                          {**point.failed, **{c: f"blamed: {why}" for c, why in gone.items()}})
+        out.append(point)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The key
 
 
 def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[int]] | None,
-             p2p: Sequence[Sequence[bool]] | None, memory: str) -> dict[str, Any]:
+             p2p: Sequence[Sequence[bool]] | None, memory: str,
+             launch: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The table key of a group from every rank's local facts (rank order; fields LOCAL_FIELDS) and the group's
-    islands, P2P matrix and workspace memory. A version that differs between ranks is kept as 'a | b'."""
+    islands, P2P matrix, workspace memory and launch facts (core/facts.launch_facts of the built workspace). A
+    version that differs between ranks is kept as 'a | b'."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     key: dict[str, Any] = {
@@ -233,6 +258,7 @@ def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[i
         "islands": [list(map(int, g)) for g in islands] if islands else None,
         "p2p": [[bool(v) for v in row] for row in p2p] if p2p is not None else None,
         "memory": memory,
+        "launch": json.loads(_canonical(dict(launch))) if launch is not None else None,
     }
     for field in VERSION_FIELDS:
         values = []
@@ -313,6 +339,16 @@ class RoutingTable:
         return cls(key=dict(key), measured=measured, workload=dict(workload), entries=entries,
                    measurements={k: list(v) for k, v in measurements.items()}, **kwargs)
 
+    def rederived(self, blamed: Sequence[Mapping[str, Any]] = ()) -> RoutingTable:
+        """This table with its routes chosen again from its measurements, by its rule and this module's ranges,
+        without the candidates in `blamed` (see without_blamed)."""
+        measurements = {(dtype, kind): without_blamed(points, dtype, kind, blamed)
+                        for (dtype, kind), points in self.measurements.items()}
+        return RoutingTable.from_points(
+            self.key, self.measured, self.workload, measurements, quick=self.quick, durations=dict(self.durations),
+            incumbents=dict(self.incumbents), notes=list(self.notes), rule=dict(self.rule),
+            tune_version=self.tune_version)
+
     # -- reading ---------------------------------------------------------------------------------------
     def routes_for(self, dtype: str, kind: str) -> list[Entry]:
         return [e for e in self.entries if e.dtype == dtype and e.kind == kind]
@@ -344,6 +380,10 @@ class RoutingTable:
 
     def digest(self) -> str:
         return digest(self.to_dict())
+
+    def routes_digest(self) -> str:
+        """The digest of the routes alone (ranks that route alike, whatever their durations say)."""
+        return digest(self.to_dict()["entries"])
 
     @classmethod
     def from_dict(cls, doc: Any) -> RoutingTable:
@@ -445,3 +485,13 @@ def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = Non
         high = entry.high if up_to is None else min(entry.high, up_to)
         parts.append(f"{entry.route.label} up to {high} B")
     return ", ".join(parts) or "none"
+
+
+def route_differences(stored: RoutingTable, derived: RoutingTable) -> str:
+    """'' when both tables route alike; else, per dtype and kind that differs, both routings (for a WARNING)."""
+    out = []
+    for dtype, kind in sorted({(e.dtype, e.kind) for e in stored.entries + derived.entries}):
+        was, now = describe(stored, dtype, kind), describe(derived, dtype, kind)
+        if was != now:
+            out.append(f"{dtype} {kind}: stored {was}; from its measurements {now}")
+    return "; ".join(out)

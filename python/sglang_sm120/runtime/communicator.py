@@ -13,8 +13,9 @@ Life cycle (each step collective over the TP group, each bounded in time, each a
    pinned host memory when P2P is missing. A device build whose data-path probe fails on the ranks
    (`IpcAllReduceProbeError`: the driver allows P2P but peer writes or loads lose data) is retried once in host memory,
    unless SGLANG_SM120_HOSTMEM=off; the retry is decided from the agreed outcomes, so every rank takes it.
-   Then the routes (runtime/tables.py): the tuned table of this box, a quick tune at start-up, or the seeds;
-   every size goes to our kernels only where the table says they beat NCCL (`RouteBook`, runtime/routes.py).
+   Then the routes (runtime/tables.py): the tuned table of this box, a quick tune at start-up, the seeds when
+   the user asks for them, or NCCL for every size when no measured table can be used; every size goes to our
+   kernels only where the table says they beat NCCL (`RouteBook`, runtime/routes.py).
 3. `all_reduce` / `all_reduce_add_rmsnorm` for eligible tensors, counted in `stats`.
 4. `close()` from `GroupCoordinator.destroy`.
 
@@ -35,11 +36,11 @@ from sgl_kernel_sm120.variants import describe_schedule
 
 from ..core import config, exchange
 from ..core.config import HOSTMEM_ENV, ByteBound
-from ..core.facts import group_facts, local_facts
+from ..core.facts import group_facts, launch_facts, local_facts
 from ..core.gate import GateDecision, decide
 from ..core.topology import kernel_islands, probe
 from ..tuning.candidates import KernelOffer, apply_cluster, detect_offer
-from .routes import RouteBook
+from .routes import ALL_NCCL, TABLE, RouteBook
 from .tables import resolve_routes
 
 logger = logging.getLogger("sglang_sm120")
@@ -47,6 +48,8 @@ logger = logging.getLogger("sglang_sm120")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 TRANSPORTS = {"device": "CUDA IPC (P2P)", "host": "pinned host memory (no P2P)"}
+# The activation line's state when the workspace is built but no measured table can be used.
+ALL_NCCL_STATE = "ATTACHED, ALL SIZES ON NCCL"
 
 
 def transport_text(memory: str | None) -> str:
@@ -54,12 +57,14 @@ def transport_text(memory: str | None) -> str:
     return TRANSPORTS.get(memory or "", f"unknown ({memory!r})")
 
 
-def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str, note: str = "") -> str:
+def activation_line(enabled: bool, group: str, world_size: int, mode: str, detail: str, note: str = "",
+                    state: str | None = None) -> str:
     """The one line (WARNING, rank 0) that says at server start whether the backend serves this TP group. It is
     a warning on purpose: launchers show SGLang's INFO lines only once its logging is set up, and a user must be
     able to see which all-reduce runs without raising the log level. `note`: what the hooks add about SGLang's
-    own PCIe-IPC all-reduce (hooks/upstream_pcie.py, `activation_note`); empty when it was not asked for."""
-    state = "ENABLED" if enabled else "DISABLED"
+    own PCIe-IPC all-reduce (hooks/upstream_pcie.py, `activation_note`); empty when it was not asked for.
+    `state` replaces ENABLED/DISABLED (a backend that is attached but routes every size to NCCL)."""
+    state = state or ("ENABLED" if enabled else "DISABLED")
     tail = note or ("" if enabled else "; SGLang's own all-reduce paths are used")
     head = f"sglang_sm120: sm120 IPC all-reduce {state} for TP group {group} ({world_size} ranks, mode {mode})"
     return f"{head}: {detail}{tail}"
@@ -106,8 +111,8 @@ class Sm120Communicator:
         self.decision: GateDecision | None = None
         self.uuids: list[str | None] = []
         self.p2p: list[list[bool]] | None = None  # the gate's P2P matrix: part of the routing-table key
-        # Which sizes go to our kernels, and how (set at build; the seeds until then).
-        self.routes: RouteBook = RouteBook.seeds()
+        # Which sizes go to our kernels, and how (set at build; none until then).
+        self.routes: RouteBook = RouteBook.all_nccl("the workspace is not built yet")
         self.comm = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted = False
         self.build_error: str | None = None
@@ -171,8 +176,9 @@ class Sm120Communicator:
         return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload,
                               self.timeout_s if timeout_s is None else timeout_s)
 
-    def _activation_line(self, enabled: bool, detail: str) -> str:
-        return activation_line(enabled, self.name, self.world_size, self.mode, detail, self.upstream_note(enabled))
+    def _activation_line(self, enabled: bool, detail: str, state: str | None = None) -> str:
+        return activation_line(enabled, self.name, self.world_size, self.mode, detail, self.upstream_note(enabled),
+                               state)
 
     def _log_rank0(self, level: int, message: str, *args) -> None:
         if self.rank_in_group == 0:
@@ -315,13 +321,15 @@ class Sm120Communicator:
         self.max_fused_tokens = max_numel // int(hidden_size)
         self.bound_explanation = bound.explanation
         self.routes = self._resolve_routes(tune)
-        self._log_rank0(logging.WARNING, "%s", self._activation_line(True, self.serving_summary()))
+        state = ALL_NCCL_STATE if self.routes.source == ALL_NCCL else None
+        self._log_rank0(logging.WARNING, "%s", self._activation_line(True, self.serving_summary(), state))
         return True
 
     def _resolve_routes(self, tune: str) -> RouteBook:
         """Collective (runtime/tables.py): the table of this box, a quick tune, or the seeds. Never raises."""
         comm = self.comm
         try:
+            # This rank's view; runtime/tables.py ends the group on NCCL unless every rank's is the same.
             offer = detect_offer(type(comm))
         except Exception:  # a stand-in workspace class, or a broken install: push, per-call variant only
             offer = KernelOffer()
@@ -334,7 +342,7 @@ class Sm120Communicator:
             agree=self._agree, rank=self.rank_in_group, world=self.world_size, device=self.device,
             memory=self.memory, islands=getattr(comm, "islands", None), link=self.link, p2p=self.p2p, offer=offer,
             num_islands=int(getattr(comm, "num_islands", 1) or 1), hidden=int(self.hidden_size), dtype=self.dtype,
-            max_bytes=self.max_bytes, tune=tune, tune_timeout_s=tune_timeout,
+            max_bytes=self.max_bytes, tune=tune, tune_timeout_s=tune_timeout, launch_facts=launch_facts(comm),
             log=lambda level, text: self._log_rank0(level, "%s", text),
         )
 
@@ -345,7 +353,11 @@ class Sm120Communicator:
         link = getattr(comm, "link", self.link)
         link = getattr(link, "value", link)
         islands = getattr(comm, "islands", None)
-        if self.routes.source == "table":
+        if self.routes.source == ALL_NCCL:
+            return (f"attached, but every all-reduce goes to NCCL (SGLang's own path): {self.routes.source_line()}; "
+                    f"transport built: {transport_text(self.memory)}; islands {islands or 'none (flat)'}, link "
+                    f"{link}; gate: {self.decision.reason if self.decision else '?'}")
+        if self.routes.source == TABLE:
             schedule = f"where the table routes them, {self.routes.describe(_dtype_name(self.dtype), self.max_bytes)}"
         else:
             schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))

@@ -97,8 +97,7 @@ READS = [
     "sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager"
     ":is_in_tc_piecewise_cuda_graph",
     "sglang.srt.distributed.utils:get_global_tcp_store",
-    "sglang.srt.distributed.parallel_state:get_tp_group",
-    "sglang.srt.distributed.parallel_state:get_attn_tp_group",
+    "sglang.srt.runtime_context:get_parallel",
     "sglang.srt.layers.moe.utils:post_experts_reduction_group",
     "sglang.srt.layers.dp_attention:is_dp_attention_enabled",
     "sglang.srt.arg_groups.overrides:declare_resolution",

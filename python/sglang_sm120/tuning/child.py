@@ -6,9 +6,10 @@ Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu
 
 It joins the other ranks' children over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every
 agreement), computes the table key as the server does (core/facts.key_facts, the P2P matrix, the islands, the
-workspace memory), runs the Tuner with the CUDA measurer, and reports on stdout, one JSON object per line after
-the marker `@@sm120-tune `: {"event": "begin", ...} before every candidate, then {"event": "done", "table": ...,
-"digest": ..., "child_s": ...} or {"event": "error", "error": ...}.
+workspace memory, the launch facts of its workspace), excludes the candidates blamed under that key before
+(routing/cache.py), runs the Tuner with the CUDA measurer, and reports on stdout, one JSON object per line after
+the marker `@@sm120-tune `: {"event": "setup", "key": ..., ...} once, {"event": "begin", ...} before every
+candidate, then {"event": "done", "table": ..., "digest": ..., "child_s": ...} or {"event": "error", "error": ...}.
 """
 
 from __future__ import annotations
@@ -72,10 +73,22 @@ def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | No
     return key, islands, link, memory
 
 
+def _exclude_blamed(spec, everyone: list) -> None:
+    """Add the candidates blamed for a crash or hang under this key (every rank's read of the cache, so every
+    rank excludes the same) to the spec's exclusions, once each."""
+    for blamed in everyone:
+        for entry in blamed or []:
+            rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
+            if not any({f: r.get(f) for f in rule} == rule for r in spec.exclude):
+                spec.exclude.append({**rule, "reason": f"blamed before: {entry.get('reason')}"})
+
+
 def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..core.facts import launch_facts
+    from ..routing import cache
     from .measure import CudaMeasurer
     from .tuner import Tuner, TuneSpec
 
@@ -94,10 +107,13 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
         gloo = dist.new_group(backend="gloo")
         gather = _gather(gloo, world)
         key, islands, link, memory = _setup(rank, world, gather, spec, device)
-        emit({"event": "setup", "memory": memory, "islands": islands, "link": link})
         measurer = CudaMeasurer(rank=rank, world=world, device=device, cpu_group=gloo,
                                 nccl_group=None if backend == "gloo" else dist.group.WORLD, spec=spec,
                                 islands=islands, link=link, memory=memory)
+        # The launch facts of the workspace the candidates run on are part of the key, as in the server.
+        key = {**key, "launch": launch_facts(measurer._workspace())}
+        _exclude_blamed(spec, gather(cache.blames(key)))
+        emit({"event": "setup", "memory": memory, "islands": islands, "link": link, "key": key})
         table = Tuner(measurer, spec, rank=rank, world=world, gather=gather, key=key, progress=emit).run()
         emit({"event": "done", "table": table.to_dict(), "digest": table.digest(),
               "child_s": round(time.monotonic() - started, 3)})

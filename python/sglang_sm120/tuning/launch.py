@@ -8,7 +8,8 @@ the CUDA context of the process that ran it. So candidates run in child processe
 - `tune_with_retries` (used by `python -m sglang_sm120.tune`) then excludes that candidate, from that size up,
   with the reason, and starts the group again; the table records it as failed;
 - a starting server runs one child per rank (`run_rank_child`) once, without retries: any failure there means
-  seeds (runtime/tables.py).
+  NCCL (runtime/tables.py), and the candidate a crashed or hung child was running is blamed (`culprit_of`);
+- the blamed candidates are kept in the cache (routing/cache.py) and excluded by every later tune of the key.
 A child's own Python error (an `error` event) is not retried: it is not a candidate's fault.
 
 Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py. (The process
@@ -31,11 +32,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..routing.table import NCCL as NCCL_ID
 from .child import MARKER
 from .tuner import TuneSpec
 
 CHILD_MODULE = "sglang_sm120.tuning.child"
 EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
+DEADLINE = "the tune did not finish within"
 
 
 def free_port() -> int:
@@ -70,6 +73,7 @@ class ChildOutcome:
     begins: int = 0
     killed: str = ""  # why the parent killed it ("" when it ended by itself)
     tail: list[str] = dataclasses.field(default_factory=list)  # its last lines of output
+    key: dict | None = None  # the table key the child measures under (its setup event)
 
     @property
     def ok(self) -> bool:
@@ -106,14 +110,20 @@ def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
         tail = " | ".join(line for line in first.tail[-3:] if line.strip())
         if tail:
             why += f": {tail[-300:]}"
-    begins = [o.last_begin for o in outcomes if o.last_begin]
-    culprit = None
-    if begins:
-        last = max(begins, key=lambda b: int(b.get("seq", 0)))
-        culprit = {"dtype": last["dtype"], "kind": last["kind"], "candidate": last["candidate"],
-                   "from_bytes": int(last["bytes"]), "reason": f"{why} while running it"}
+    culprit = _culprit([o.last_begin for o in outcomes], why)
     return Attempt(None, None, why if culprit is None else f"{why} while running {culprit['candidate']}", culprit,
                    list(outcomes))
+
+
+def _culprit(begins: Sequence[dict | None], why: str) -> dict | None:
+    """The candidate to blame for a crash or hang: the last one any rank began ({dtype, kind, candidate,
+    from_bytes, reason}); None when no rank had begun one."""
+    begins = [b for b in begins if b]
+    if not begins:
+        return None
+    last = max(begins, key=lambda b: int(b.get("seq", 0)))
+    return {"dtype": last["dtype"], "kind": last["kind"], "candidate": last["candidate"],
+            "from_bytes": int(last["bytes"]), "reason": f"{why} while running it"}
 
 
 class _Child:
@@ -142,7 +152,9 @@ class _Child:
                 continue
             self.last_event = time.monotonic()
             kind = event.get("event")
-            if kind == "begin":
+            if kind == "setup" and isinstance(event.get("key"), dict):
+                self.outcome.key = event["key"]
+            elif kind == "begin":
                 self.outcome.begins += 1
                 self.outcome.last_begin = {**event, "seq": self.outcome.begins}
             elif kind == "done":
@@ -199,7 +211,7 @@ def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *
                 bad_since = now
             if now > deadline:
                 for c in alive:
-                    c.kill(f"the tune did not finish within {timeout_s:.0f} s")
+                    c.kill(f"{DEADLINE} {timeout_s:.0f} s")
             elif alive and now - max(c.last_event for c in children) > stall_s:
                 for c in alive:
                     c.kill(f"no progress for {stall_s:.0f} s")
@@ -256,5 +268,22 @@ def describe_failure(outcome: ChildOutcome) -> str:
 
 
 def outcome_payload(outcome: ChildOutcome) -> dict[str, Any]:
-    """What a server rank tells its peers about its child (JSON)."""
-    return {"ok": outcome.ok, "digest": outcome.digest, "why": None if outcome.ok else describe_failure(outcome)}
+    """What a server rank tells its peers about its child (JSON): ok, digest, why not, and what `culprit_of`
+    needs (its last `begin`, whether it reported an error of its own, whether only the deadline killed it)."""
+    return {"ok": outcome.ok, "digest": outcome.digest, "why": None if outcome.ok else describe_failure(outcome),
+            "begin": outcome.last_begin, "own_error": bool(outcome.error),
+            "deadline": bool(outcome.killed) and outcome.killed.startswith(DEADLINE)}
+
+
+def culprit_of(payloads: Sequence[dict[str, Any]]) -> dict | None:
+    """The candidate a server's failed quick tune blames (the payloads of every rank, agreed), or None: none when
+    every child delivered, when a child failed by its own error (not a candidate's fault), when only the whole
+    tune's deadline stopped them (slow, not hung), or when the one running was NCCL (the incumbent)."""
+    bad = [p for p in payloads if not p["ok"]]
+    if not bad or any(p.get("own_error") for p in payloads) or all(p.get("deadline") for p in bad):
+        return None
+    first = next((p for p in bad if not p.get("deadline")), bad[0])
+    culprit = _culprit([p.get("begin") for p in payloads], str(first.get("why")))
+    if culprit is None or culprit["candidate"] == NCCL_ID:
+        return None
+    return culprit

@@ -14,6 +14,7 @@ from sglang_sm120.core.gate import GateDecision  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
 from sglang_sm120.runtime.communicator import Sm120Communicator  # noqa: E402
+from sglang_sm120.runtime.routes import RouteBook  # noqa: E402
 from sglang_sm120.testing.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
@@ -43,6 +44,9 @@ def fake_backend(max_tokens=8, world=WORLD):
     backend.max_fused_tokens = max_tokens
     backend.hidden_size = HIDDEN
     backend.fusion_groups_ok = True
+    # Built, and routed by the seeds (every size within the bound ours): until its routes are resolved a
+    # backend sends every size to NCCL.
+    backend.routes = RouteBook.seeds()
     backend._test_group = group  # keep the weakly referenced coordinator alive
     return backend
 
@@ -104,7 +108,6 @@ def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(b
 
 
 def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
-    from sglang.srt.distributed import parallel_state
 
     from sglang_sm120.core import config
 
@@ -112,7 +115,7 @@ def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
     backend.comm = None
     seen = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(kw["tune"]) or False)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     monkeypatch.setenv(config.TUNE_ENV, "force")
     server_args = SimpleNamespace(cuda_graph_max_bs=8, sm120_allreduce="on", sm120_allreduce_max_bytes=None)
     hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
@@ -349,7 +352,6 @@ def test_pre_capture_seam_builds_with_derived_bound(overlay, monkeypatch):
 
 @pytest.mark.parametrize("explicit,expected", [(None, 8 * 4 * 7168 * 2), (123456, 123456)])
 def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expected):
-    from sglang.srt.distributed import parallel_state
 
     backend = fake_backend()
     backend.comm = None
@@ -357,7 +359,7 @@ def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expect
     monkeypatch.setattr(
         backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False
     )
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     server_args = SimpleNamespace(
         cuda_graph_max_bs=8, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="EAGLE3",
         speculative_num_draft_tokens=4, sm120_allreduce="on", sm120_allreduce_max_bytes=explicit,

@@ -192,13 +192,12 @@ def fusion_off_in_exec(monkeypatch):
 
 
 def test_pre_capture_seam_builds_from_sglangs_row_count(overlay, fusion_off_in_exec, monkeypatch):
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.model_executor.runner.base_runner import BaseRunner
 
     calls = []
     monkeypatch.setattr(hooks_distributed, "prepare_tp_backend",
                         lambda sa, hidden, dtype, decode_rows: calls.append((hidden, dtype, decode_rows)))
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=None))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=None))
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(fake_runner(rows=32))
     assert calls == [(7168, torch.bfloat16, 32)]
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(fake_runner(draft=True, rows=4))
@@ -212,13 +211,12 @@ def test_pre_capture_seam_builds_from_sglangs_row_count(overlay, fusion_off_in_e
     (123456, 32, 123456),
 ])
 def test_byte_bound_from_decode_rows(monkeypatch, explicit, rows, expected):
-    from sglang.srt.distributed import parallel_state
 
     backend = fake_backend()
     backend.comm = None
     built = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: built.append(bound) or False)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     # 0.5.23's ServerArgs has no cuda_graph_max_bs; the speculative fields must not multiply SGLang's rows again
     server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4,
                                   sm120_allreduce="on", sm120_allreduce_max_bytes=explicit)
@@ -287,14 +285,13 @@ def test_ours_failing_to_build_hands_the_group_back_to_upstream(monkeypatch):
 
 
 def test_pre_capture_hook_hands_back_when_preparing_raised(overlay, fusion_off_in_exec, monkeypatch):
-    from sglang.srt.distributed import parallel_state
     from sglang.srt.model_executor.runner.base_runner import BaseRunner
 
     backend, upstream = fake_backend(), FakeUpstreamPcieIpc()
     backend.comm = None  # gate on, nothing built yet
     group = coordinator(backend, upstream)
     upstream_pcie.set_aside_upstream(group)
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: group)
 
     def broken_rows():
         raise RuntimeError("no decode config")

@@ -134,3 +134,20 @@ def test_a_failure_note_holds_for_its_key_only_and_a_saved_table_clears_it(tmp_p
     assert cache.recorded_failure(key(), 7168, folder) is not None  # a copy elsewhere does not count
     cache.save(_table([10, 10], [5, 5]), folder)
     assert cache.recorded_failure(key(), 7168, folder) is None
+
+
+def test_blames_are_kept_per_box_and_key_and_merged():
+    from sglang_sm120.routing.table import make_key
+
+    local = [{"uuid": "GPU-0", "driver": "580"}, {"uuid": "GPU-1", "driver": "580"}]
+    key = make_key(local, islands=None, p2p=None, memory="device")
+    newer = make_key([dict(f, driver="590") for f in local], islands=None, p2p=None, memory="device")
+    one = {"dtype": "bfloat16", "kind": "fused", "candidate": "sm120/ONESHOT/pull/device", "from_bytes": 28672,
+           "reason": "exit code -9 while running it"}
+    assert cache.blames(key) == []
+    path = cache.record_blames(key, [one], "2026-12-03 10:00:00")
+    cache.record_blames(key, [dict(one, from_bytes=14336)], "2026-12-03 11:00:00")
+    assert [(b["candidate"], b["from_bytes"], b["when"]) for b in cache.blames(key)] == [
+        ("sm120/ONESHOT/pull/device", 14336, "2026-12-03 10:00:00")]
+    assert cache.blames(newer) == []  # another driver: another key, the blame does not apply
+    assert path == cache.blame_path(newer) and cache.find_tables() == []  # not a table

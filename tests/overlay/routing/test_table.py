@@ -184,3 +184,44 @@ def test_describe_lists_the_ranges_in_words():
     table = _table([10, 10, 10, 10], [5, 5, 11, 11])
     assert tbl.describe(table, "bfloat16", "plain") == "ONESHOT/push/device up to 28672 B, NCCL up to 57344 B"
     assert tbl.describe(table, "bfloat16", "plain", up_to=20000) == "ONESHOT/push/device up to 20000 B"
+
+
+def test_sizes_between_two_measured_points_are_ours_only_where_both_chose_the_same_route_of_ours():
+    # rows 1, 2, 4, 8 measured (a quick ladder): ONESHOT at 1-2, TWOSHOT at 4-8
+    rows = (1, 2, 4, 8)
+    times = {1: (5, 9), 2: (5, 9), 4: (9, 5), 8: (9, 5)}
+    pts = [Point(r, r * 14336, {NCCL: 10.0, ONE: float(times[r][0]), TWO: float(times[r][1])}) for r in rows]
+    entries = tbl.ranges(pts, tbl.choose(pts), "bfloat16", "plain")
+    assert [(e.low, e.high, e.route.id) for e in entries] == [
+        (1, 2 * 14336, ONE),  # below the first point, the first point, and between two ONESHOT points
+        (2 * 14336 + 1, 4 * 14336 - 1, NCCL),  # 3 rows: its neighbours chose different routes
+        (4 * 14336, 8 * 14336, TWO),  # 5-7 rows: both neighbours TWOSHOT
+    ]
+
+
+def test_a_table_rederived_from_its_measurements_drops_a_hand_edit_and_the_blamed():
+    table = _table([10, 10, 10, 10], [5, 5, 5, 5])
+    edited = tbl.RoutingTable.from_dict({**table.to_dict(), "entries": [
+        {"dtype": "bfloat16", "kind": "plain", "low": 1, "high": 4 * 14336, "route": NCCL}]})
+    assert tbl.lookup(edited, 14336, "bfloat16", False) == NCCL_ROUTE
+    again = edited.rederived()
+    assert tbl.lookup(again, 14336, "bfloat16", False).id == ONE
+    assert tbl.route_differences(edited, again) == (
+        "bfloat16 plain: stored NCCL up to 57344 B; from its measurements ONESHOT/push/device up to 57344 B")
+    assert tbl.route_differences(table, table.rederived()) == ""
+    blamed = table.rederived([{"dtype": "bfloat16", "kind": "plain", "candidate": ONE, "from_bytes": 3 * 14336,
+                               "reason": "exit code -9 while running it"}])
+    assert tbl.describe(blamed, "bfloat16", "plain") == "ONESHOT/push/device up to 28672 B, NCCL up to 57344 B"
+    point = blamed.measurements[("bfloat16", "plain")][2]
+    assert ONE not in point.times and point.failed[ONE] == "blamed: exit code -9 while running it"
+
+
+def test_the_launch_facts_are_part_of_the_key():
+    local = [{"uuid": "GPU-0", "driver": "580"}, {"uuid": "GPU-1", "driver": "580"}]
+    four = tbl.make_key(local, islands=None, p2p=None, memory="device",
+                        launch={"clusters": [2, 4], "sm_budget": 188, "pdl": True, "switches": {}})
+    none = tbl.make_key(local, islands=None, p2p=None, memory="device",
+                        launch={"clusters": [], "sm_budget": 188, "pdl": True, "switches": {}})
+    kind, what = tbl.compare_keys(four, none)
+    assert kind == "another key" and what.startswith("launch ")
+    assert tbl.compare_keys(four, dict(four)) is None

@@ -546,10 +546,12 @@ def test_attach_reads_the_hostmem_setting(monkeypatch):
 
 
 def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32):
+    from sglang_sm120.core.facts import launch_facts
     from sglang_sm120.routing import cache
     from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
 
-    key = make_key([fake_key_facts(None)] * 2, islands=None, p2p=None, memory="device")
+    key = make_key([fake_key_facts(None)] * 2, islands=None, p2p=None, memory="device",
+                   launch=launch_facts(FakeIpcAllReduce))
 
     def points(ours_rows, cid):
         return [Point(r, r * 7168 * 2, {NCCL: 20.0, cid: 10.0 if r <= ours_rows else 30.0})
@@ -598,7 +600,9 @@ def test_without_a_table_the_line_says_seeds_and_every_size_within_the_bound_is_
         enabled_backend(r, 2, store, "tp:seeded")))
     lines = _warnings(caplog)
     assert len(lines) == 1, lines
-    assert lines[0].endswith("routes: seeds, not measured on this box (python -m sglang_sm120.tune)"), lines
+    assert lines[0].endswith("routes: seeds, UNMEASURED on this box: every size within the bound goes to the "
+                             "sm120 kernels (--sm120-allreduce-tune off; python -m sglang_sm120.tune measures this "
+                             "box)"), lines
     backend = backends[0]
     assert backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16)) and backend.fuses_rows(8)
     backend.all_reduce(torch.ones(8, 7168, dtype=torch.bfloat16))
@@ -606,3 +610,41 @@ def test_without_a_table_the_line_says_seeds_and_every_size_within_the_bound_is_
     routes = backend.describe()["routes"]
     assert routes["source"] == "seeds" and routes["line"] == backend.routes.source_line()
     assert routes["why"].startswith("no routing table of this box in ")
+
+
+def test_a_failed_quick_tune_leaves_the_backend_attached_with_every_size_on_nccl(fake_kernel_module, caplog,
+                                                                                 monkeypatch):
+    from sglang_sm120.tuning import launch
+
+    monkeypatch.setattr(launch, "run_rank_child", lambda rank, *a, **kw: launch.ChildOutcome(
+        rank, returncode=-9, tail=["Segmentation fault"]))
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    store = dist.HashStore()
+    bound = ByteBound(8 * 7168 * 2, "t")
+    def build(rank):
+        backend = enabled_backend(rank, 2, store, "tp:nccl")
+        backend.device = torch.device("cuda", rank)  # a tune child runs on the rank's GPU (here: a stand-in)
+        backend.build(7168, torch.bfloat16, bound, tune="auto")
+        return backend
+
+    backends = run_ranks(2, build)
+    line = _warnings(caplog)[-1]
+    assert "sm120 IPC all-reduce ATTACHED, ALL SIZES ON NCCL for TP group tp:nccl" in line, line
+    assert "routes: all NCCL because the quick tune at start-up failed (rank 0: exit code -9: Segmentation fault" \
+           in line and "retry: --sm120-allreduce-tune force, or python -m sglang_sm120.tune" in line, line
+    backend = backends[0]
+    assert backend.active and not backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16))
+    assert not backend.fuses_rows(1)
+    routes = backend.describe()["routes"]
+    assert routes["source"] == "nccl" and routes["routes"] == "all sizes: NCCL" and "exit code -9" in routes["why"]
+    for b in backends.values():
+        b.close()
+
+
+def test_a_backend_whose_routes_were_never_resolved_sends_every_size_to_nccl():
+    backend = make_backend(0, 2, None, timeout_s=1.0, name="tp:unrouted")
+    backend.decision = GateDecision(True, "test")
+    backend.comm = FakeIpcAllReduce(max_numel=8 * 7168)
+    backend.max_bytes, backend.max_fused_tokens, backend.hidden_size = 8 * 7168 * 2, 8, 7168
+    x = torch.ones(2, 7168, dtype=torch.bfloat16)
+    assert backend.routes.source == "nccl" and not backend.takes(x) and not backend.fuses_rows(2)

@@ -27,7 +27,9 @@ def book(t, memory="device", num_islands=1, offer=PUSH):
 def test_the_seeds_route_every_size_to_the_kernels_own_choice():
     seeds = RouteBook.seeds()
     assert seeds.source == SEEDS and seeds.call(ROW, "bfloat16", False) == (None, {})
-    assert seeds.source_line() == "routes: seeds, not measured on this box (python -m sglang_sm120.tune)"
+    assert seeds.source_line() == ("routes: seeds, UNMEASURED on this box: every size within the bound goes to the "
+                                   "sm120 kernels (--sm120-allreduce-tune off; python -m sglang_sm120.tune measures "
+                                   "this box)")
     assert seeds.describe("bfloat16", ROW) == ""
 
 
@@ -59,4 +61,27 @@ def test_the_server_info_view():
     view = b.as_dict("bfloat16", 4 * ROW)
     assert view["source"] == "table" and view["path"] == "/cache/routes.json" and "ONESHOT" in view["routes"]
     assert RouteBook.seeds("no table").as_dict(None, 0) == {
-        "source": "seeds", "line": RouteBook.seeds().source_line(), "why": "no table"}
+        "source": "seeds", "line": RouteBook.seeds().source_line(), "why": "no table",
+        "routes": "all sizes within the bound: seeds"}
+    nccl = RouteBook.all_nccl("the quick tune at start-up failed (rank 1: exit code -9)")
+    assert nccl.as_dict("bfloat16", 4 * ROW) == {
+        "source": "nccl", "why": "the quick tune at start-up failed (rank 1: exit code -9)",
+        "routes": "all sizes: NCCL",
+        "line": "routes: all NCCL because the quick tune at start-up failed (rank 1: exit code -9) (retry: "
+                "--sm120-allreduce-tune force, or python -m sglang_sm120.tune)"}
+
+
+def test_all_nccl_routes_every_size_to_nccl():
+    nccl = RouteBook.all_nccl("why")
+    assert all(nccl.call(n, d, f) is None for n in (16, ROW, 1 << 20) for d in ("bfloat16", "float16")
+               for f in (False, True))
+
+
+def test_a_cluster_size_the_workspace_does_not_launch_goes_to_nccl_not_to_another_launch():
+    fused = table({"sm120/ONESHOT/push/device/c4": [10] * 4}, kind="fused")
+    without = RouteBook(TABLE, table=fused, path="p", memory="device", clusters=(2,))
+    assert without.call(ROW, "bfloat16", True) is None
+    with_four = RouteBook(TABLE, table=fused, path="p", memory="device", clusters=(2, 4))
+    assert with_four.call(ROW, "bfloat16", True)[0].id == "sm120/ONESHOT/push/device/c4"
+    one = table({"sm120/ONESHOT/push/device/c1": [10] * 4}, kind="fused")
+    assert RouteBook(TABLE, table=one, path="p", memory="device").call(ROW, "bfloat16", True)  # one CTA: always

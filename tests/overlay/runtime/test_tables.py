@@ -35,7 +35,10 @@ def facts(rank):
 
 
 P2P = [[True, True], [True, True]]
-KEY = make_key([facts(0), facts(1)], islands=None, p2p=P2P, memory="device")
+LAUNCH = {"clusters": [2, 4], "sm_budget": 188, "pdl": True,
+          "switches": {"SGL_SM120_FUSED_CLUSTERS": "", "SGL_SM120_AR_PDL": ""}}
+KEY = make_key([facts(0), facts(1)], islands=None, p2p=P2P, memory="device", launch=LAUNCH)
+ONE = "sm120/ONESHOT/push/device"
 
 
 def a_table(key=KEY, rows=4, dtype="bfloat16"):
@@ -63,7 +66,8 @@ def good_child(rank, spec):
     return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
 
 
-def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW):
+def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW, library=lambda rank: "lib:1:2",
+                launch_of=lambda rank: LAUNCH, offer_of=lambda rank: KernelOffer()):
     store, name, logs = dist.HashStore(), f"tables-{next(_names)}", []
     out = {}
 
@@ -75,12 +79,12 @@ def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW)
 
         out[rank] = tables.resolve_routes(
             agree=agree, rank=rank, world=world, device=torch.device("cuda", rank), memory="device", islands=None,
-            link="pcie", p2p=P2P, offer=KernelOffer(), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
-            max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0,
+            link="pcie", p2p=P2P, offer=offer_of(rank), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
+            max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0, launch_facts=launch_of(rank),
             log=lambda level, text, r=rank: logs.append((level, text)) if r == 0 else None,
-            facts=lambda device, r=rank: facts_fn(r), run_child=children)
+            facts=lambda device, r=rank: facts_fn(r), library=lambda r=rank: library(r), run_child=children)
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -151,16 +155,63 @@ def test_force_measures_even_with_a_table():
     assert len(children.calls) == 2 and {b.source for b in books.values()} == {"table"}
 
 
-def test_a_failed_child_on_one_rank_means_seeds_everywhere_with_the_reason():
+RETRY = "retry: --sm120-allreduce-tune force, or python -m sglang_sm120.tune"
+
+
+def all_nccl(books, logs, cause):
+    """Every rank routes every size to NCCL, and rank 0 logged one WARNING naming `cause` and the retry."""
+    assert {b.source for b in books.values()} == {"nccl"}, books
+    assert all(b.call(n, "bfloat16", fused) is None for b in books.values() for n in (16, ROW, 4 * ROW)
+               for fused in (False, True))
+    named = [w for w in warnings(logs) if "every all-reduce of this group goes to NCCL" in w]
+    assert len(named) == 1 and cause in named[0] and RETRY in named[0], logs
+    assert cause in books[0].source_line() and RETRY in books[0].source_line()
+
+
+def crash(rank, spec):
+    return launch.ChildOutcome(rank, returncode=-11, tail=["Segmentation fault"],
+                               last_begin={"dtype": "bfloat16", "kind": "fused", "candidate": ONE, "rows": 3,
+                                           "bytes": 3 * ROW, "seq": 7})
+
+
+def test_a_failed_child_on_one_rank_means_nccl_everywhere_with_the_reason():
     def answer(rank, spec):
         if rank == 1:
             return launch.ChildOutcome(1, returncode=-9, killed="", tail=["Segmentation fault"])
         return good_child(rank, spec)
 
     books, logs = resolve_all("auto", Children(answer))
-    assert {b.source for b in books.values()} == {"seeds"}
-    assert "the quick tune at start-up failed (rank 1: exit code -9: Segmentation fault)" in warnings(logs)[-1]
+    all_nccl(books, logs, "the quick tune at start-up failed (rank 1: exit code -9: Segmentation fault)")
     assert not cache.load_file(cache.table_path(KEY, HIDDEN)).ok
+
+
+@pytest.mark.parametrize("killed, cause", [
+    ("the tune did not finish within 30 s", "the quick tune at start-up failed (rank 0: the tune did not finish "
+                                            "within 30 s; rank 1: the tune did not finish within 30 s)"),
+    ("no progress for 30 s", "no progress for 30 s"),
+])
+def test_a_child_timed_out_or_stalled_means_nccl(killed, cause):
+    books, logs = resolve_all("auto", Children(lambda rank, spec: launch.ChildOutcome(
+        rank, returncode=-9, killed=killed)))
+    all_nccl(books, logs, cause)
+
+
+def test_a_child_out_of_memory_means_nccl():
+    def answer(rank, spec):
+        return launch.ChildOutcome(rank, returncode=1, error="OutOfMemoryError: CUDA out of memory")
+
+    books, logs = resolve_all("auto", Children(answer))
+    all_nccl(books, logs, "OutOfMemoryError: CUDA out of memory")
+    assert cache.blames(KEY) == []  # the child's own error is no candidate's fault
+
+
+def test_children_that_disagree_mean_nccl():
+    def answer(rank, spec):
+        table = a_table(rows=spec.max_rows + rank)
+        return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
+
+    books, logs = resolve_all("auto", Children(answer))
+    all_nccl(books, logs, "the quick tune at start-up gave the ranks different tables")
 
 
 def test_a_tune_under_another_key_is_not_used():
@@ -169,33 +220,116 @@ def test_a_tune_under_another_key_is_not_used():
         return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
 
     books, logs = resolve_all("auto", Children(answer))
-    assert {b.source for b in books.values()} == {"seeds"}
-    assert "measured under another key" in warnings(logs)[-1]
+    all_nccl(books, logs, "the quick tune measured under another key than the server's")
 
 
-def test_a_rank_that_cannot_compute_its_key_means_seeds_everywhere():
+def test_a_rank_that_cannot_compute_its_key_means_nccl_everywhere():
     def flaky(rank):
         if rank == 1:
             raise RuntimeError("no NVML")
         return facts(rank)
 
     books, logs = resolve_all("auto", Children(good_child), facts_fn=flaky)
+    all_nccl(books, logs, "the routing-table key could not be computed (rank 1: RuntimeError: no NVML)")
+
+
+def test_resolving_that_raises_means_nccl(monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("cache unreadable")
+
+    monkeypatch.setattr(cache, "load", broken)
+    books, logs = resolve_all("auto", Children(good_child))
+    all_nccl(books, logs, "resolving the routes failed (OSError: cache unreadable)")
+
+
+def test_resolving_that_raises_on_one_rank_only_means_nccl_on_every_rank(monkeypatch):
+    real = cache.load
+
+    def broken_on_rank_1(key, **kwargs):
+        if threading.current_thread().name == "rank1":
+            raise OSError("cache unreadable")
+        return real(key, **kwargs)
+
+    cache.save(a_table())
+    monkeypatch.setattr(cache, "load", broken_on_rank_1)
+    books, logs = resolve_all("auto", Children(good_child))
+    all_nccl(books, logs, "resolving the routes failed (AgreementFailed")
+
+
+def test_seeds_run_only_when_asked_for_and_say_they_are_unmeasured():
+    def flaky(rank):
+        raise RuntimeError("no NVML")
+
+    books, logs = resolve_all("off", Children(good_child), facts_fn=flaky)
     assert {b.source for b in books.values()} == {"seeds"}
-    assert "the routing-table key could not be computed (rank 1: RuntimeError: no NVML)" in warnings(logs)[0]
+    assert books[0].call(ROW, "bfloat16", False) == (None, {})
+    assert "UNMEASURED" in books[0].source_line() and "--sm120-allreduce-tune off" in books[0].source_line()
 
 
 def test_a_failed_quick_tune_is_not_run_again_at_the_next_start_until_forced():
-    def crash(rank, spec):
-        return launch.ChildOutcome(rank, returncode=-11, tail=["Segmentation fault"])
-
     resolve_all("auto", Children(crash))
     note = cache.recorded_failure(KEY, HIDDEN)
     assert note and "the quick tune at start-up failed (rank 0: exit code -11" in note["why"]
     again = Children(good_child)
     books, logs = resolve_all("auto", again)
-    assert again.calls == [] and {b.source for b in books.values()} == {"seeds"}
-    assert "is not run again" in warnings(logs)[-1] and "--sm120-allreduce-tune force retries it" in warnings(logs)[-1]
+    assert again.calls == []
+    all_nccl(books, logs, "is not run again until forced")
+    assert "the quick tune failed on this box on" in books[0].why
     forced = Children(good_child)
     books, _ = resolve_all("force", forced)
     assert len(forced.calls) == 2 and {b.source for b in books.values()} == {"table"}
     assert cache.recorded_failure(KEY, HIDDEN) is None  # the saved table cleared the note
+
+
+def test_a_candidate_blamed_for_a_crash_is_never_routed_nor_tuned_again():
+    books, logs = resolve_all("auto", Children(crash))
+    all_nccl(books, logs, f"{ONE} is blamed and never routed to on this box")
+    blamed = cache.blames(KEY)
+    assert [(b["candidate"], b["kind"], b["from_bytes"]) for b in blamed] == [(ONE, "fused", 3 * ROW)]
+    # The next tune (forced) is told to leave it out ...
+    forced = Children(good_child)
+    books, _ = resolve_all("force", forced)
+    exclude = forced.calls[0]["spec"].exclude
+    assert [(r["candidate"], r["kind"], r["from_bytes"]) for r in exclude] == [(ONE, "fused", 3 * ROW)]
+    # ... and a table that routes it there anyway (a tool's, say) is served without it from that size up.
+    assert {b.source for b in books.values()} == {"table"}
+    book = books[0]
+    assert book.call(2 * ROW, "bfloat16", True)[0].id == ONE
+    assert book.call(3 * ROW, "bfloat16", True) is None and book.call(4 * ROW, "bfloat16", True) is None
+    assert book.call(4 * ROW, "bfloat16", False)[0].id == ONE  # the plain kind was not blamed
+
+
+def test_force_with_a_failure_keeps_the_previous_table():
+    path = cache.save(a_table())
+    books, logs = resolve_all("force", Children(crash))
+    assert {b.source for b in books.values()} == {"table"} and {b.path for b in books.values()} == {path}
+    kept = [w for w in warnings(logs) if "routing by the table there was before" in w]
+    assert len(kept) == 1 and "the quick tune at start-up failed" in kept[0] and RETRY in kept[0]
+    assert books[0].call(3 * ROW, "bfloat16", True) is None  # still: the blamed candidate is not routed
+    assert books[0].call(ROW, "bfloat16", False)[0].id == ONE
+
+
+@pytest.mark.parametrize("field, differ", [
+    ("library", {"library": lambda rank: f"lib:{rank}:2"}),
+    ("launch", {"launch_of": lambda rank: {**LAUNCH, "clusters": [2, 4] if rank == 0 else []}}),
+    ("offer", {"offer_of": lambda rank: KernelOffer(("push", "pull") if rank else ("push",), call_transport=True)}),
+])
+def test_ranks_that_run_different_kernels_end_on_nccl_whatever_the_setting(field, differ):
+    cache.save(a_table())
+    for tune in ("auto", "off"):
+        children = Children(good_child)
+        books, logs = resolve_all(tune, children, **differ)
+        all_nccl(books, logs, f"the ranks do not run the same kernels ({field}: rank 0 ")
+        assert children.calls == []
+
+
+def test_a_hand_edited_table_is_recomputed_from_its_measurements():
+    doc = a_table().to_dict()
+    doc["entries"] = [dict(e, route="nccl") if e["kind"] == "plain" else e for e in doc["entries"]]
+    with open(cache.table_path(KEY, HIDDEN), "w") as handle:
+        json.dump(doc, handle)
+    books, logs = resolve_all("auto", Children(good_child))
+    assert {b.source for b in books.values()} == {"table"}
+    assert books[0].call(ROW, "bfloat16", False)[0].id == ONE  # what its measurements give, not the edit
+    differ = [w for w in warnings(logs) if "its routes are not what its measurements give" in w]
+    assert len(differ) == 1 and "bfloat16 plain: stored NCCL up to 57344 B" in differ[0], logs

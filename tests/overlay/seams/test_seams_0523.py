@@ -282,12 +282,19 @@ def test_default_store_falls_back_to_sglangs_tcp_store(monkeypatch):
     assert hooks_distributed.default_store() is store
 
 
-def test_tp_communicator_uses_the_runtime_tp_group(monkeypatch):
+def test_tp_communicator_uses_the_runtime_tp_group_without_the_deprecated_getter(monkeypatch):
+    import warnings
+
+    from sglang.srt import runtime_context
     from sglang.srt.distributed import parallel_state
 
     backend = object()
-    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: SimpleNamespace(sm120_comm=backend))
-    assert hooks_distributed.tp_communicator() is backend
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(
+        tp_group=SimpleNamespace(sm120_comm=backend)))
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: 1 / 0)  # never asked
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert hooks_distributed.tp_communicator() is backend
 
 
 def test_piecewise_probe_follows_tc_piecewise_graphs_not_breakable_ones(monkeypatch):
@@ -357,7 +364,12 @@ def test_seams_run_inside_sglangs_own_distributed_init_on_cpu():
                                         distributed_init_method="tcp://127.0.0.1:{port}")
         ps.initialize_model_parallel()
         assert base.is_ours(ps.GroupCoordinator.__dict__["__init__"])
-        tp = ps.get_tp_group()
+        import warnings
+        from sglang.srt.runtime_context import get_parallel
+        tp = get_parallel().tp_group
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            assert hooks_distributed.sglang_group("tp_group") is tp
         assert tp.unique_name.startswith("tp:") and "sm120_comm" in vars(tp) and tp.sm120_comm is None
         x = torch.ones(2, 8)
         assert tp.all_reduce(x) is x

@@ -19,6 +19,7 @@ spec = json.load(open(spec_path))
 def emit(**event):
     print(MARKER + json.dumps(event), flush=True)
 print("some unrelated output", flush=True)
+emit(event="setup", key={"world_size": 2, "gpus": "stand-in"})
 excluded = {rule["candidate"] for rule in spec["exclude"]}
 for cid, nbytes in (("nccl", 14336), ("sm120/ONESHOT/push/device", 28672)):
     if cid in excluded:
@@ -100,9 +101,14 @@ def test_a_childs_own_error_is_reported_and_not_retried():
 
 def test_a_server_rank_reports_its_child_in_one_payload():
     ok = launch.run_rank_child(0, 1, 0, 0, spec(), timeout_s=60, stall_s=30, command=command("ok"))
-    assert launch.outcome_payload(ok) == {"ok": True, "digest": "d", "why": None}
-    bad = launch.run_rank_child(0, 1, 0, 0, spec(), timeout_s=60, stall_s=30, command=command("error"))
-    assert launch.outcome_payload(bad) == {"ok": False, "digest": None, "why": "RuntimeError: NCCL could not start"}
+    payload = launch.outcome_payload(ok)
+    assert {k: payload[k] for k in ("ok", "digest", "why", "own_error", "deadline")} == {
+        "ok": True, "digest": "d", "why": None, "own_error": False, "deadline": False}
+    bad = launch.outcome_payload(launch.run_rank_child(0, 1, 0, 0, spec(), timeout_s=60, stall_s=30,
+                                                       command=command("error")))
+    assert {k: bad[k] for k in ("ok", "digest", "why", "own_error")} == {
+        "ok": False, "digest": None, "why": "RuntimeError: NCCL could not start", "own_error": True}
+    assert launch.culprit_of([bad]) is None  # the child's own error is no candidate's fault
 
 
 def test_the_child_environment_puts_both_packages_first():
@@ -121,3 +127,19 @@ def test_the_real_child_reports_its_own_failure_as_an_error_event():
     outcome = launch.run_rank_child(0, 1, 0, launch.free_port(), spec(), timeout_s=120, stall_s=120)
     assert outcome.returncode == 1 and outcome.error and outcome.last_begin is None, outcome
     assert launch.summarize([outcome]).culprit is None
+
+
+def test_a_server_tune_whose_child_crashed_blames_the_candidate_it_ran():
+    outcomes = run("crash")
+    assert outcomes[0].key == {"world_size": 2, "gpus": "stand-in"}  # the setup event's key
+    culprit = launch.culprit_of([launch.outcome_payload(o) for o in outcomes])
+    assert culprit["candidate"] == "sm120/ONESHOT/push/device" and culprit["from_bytes"] == 28672
+    assert culprit["reason"].startswith("exit code -9: ") and culprit["reason"].endswith(" while running it")
+
+
+def test_a_server_tune_stopped_by_its_deadline_alone_blames_nothing():
+    outcomes = run("hang", timeout_s=1.0)
+    assert all(o.killed.startswith(launch.DEADLINE) for o in outcomes)
+    assert launch.culprit_of([launch.outcome_payload(o) for o in outcomes]) is None
+    hung = run("hang", stall_s=1.0)
+    assert launch.culprit_of([launch.outcome_payload(o) for o in hung])["candidate"] == "sm120/ONESHOT/push/device"
