@@ -66,9 +66,12 @@ def resolve_routes(
     log: Callable[[int, str], None],
     facts: Callable[[Any], dict] | None = None,
     run_child: Callable[..., launch.ChildOutcome] | None = None,
+    graph_rows: Sequence[int] = (),
 ) -> RouteBook:
     """The group's routes (module docstring). Never raises: every failure is the seeds, logged. `facts` and
-    `run_child` default to core.facts.key_facts and tuning.launch.run_rank_child (looked up at call time)."""
+    `run_child` default to core.facts.key_facts and tuning.launch.run_rank_child (looked up at call time).
+    `graph_rows`: the row counts the server runs in CUDA graphs (tuning.tuner.graph_rows), each measured by the
+    quick tune."""
     facts = facts or key_facts
     run_child = run_child or launch.run_rank_child
     dtype_name = _dtype_name(dtype)
@@ -130,7 +133,7 @@ def resolve_routes(
         port = agree("routes-port", launch.free_port() if rank == 0 else None)[0]
         spec = TuneSpec.make(hidden, covered // row_bytes, quick=True, dtypes=[dtype_name], kinds=list(KINDS),
                              memory=memory, islands=[list(g) for g in islands] if islands else None,
-                             islands_given=True, link=link)
+                             islands_given=True, link=link, graph_rows=sorted({int(r) for r in graph_rows}))
         start = time.monotonic()
         outcome = run_child(rank, world, int(device.index), int(port), spec, timeout_s=tune_timeout_s,
                             stall_s=min(STALL_S, tune_timeout_s))

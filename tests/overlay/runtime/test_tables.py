@@ -63,7 +63,7 @@ def good_child(rank, spec):
     return launch.ChildOutcome(rank, returncode=0, table=table.to_dict(), digest=table.digest())
 
 
-def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW):
+def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW, graph_rows=()):
     store, name, logs = dist.HashStore(), f"tables-{next(_names)}", []
     out = {}
 
@@ -78,7 +78,7 @@ def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW)
             link="pcie", p2p=P2P, offer=KernelOffer(), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
             max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0,
             log=lambda level, text, r=rank: logs.append((level, text)) if r == 0 else None,
-            facts=lambda device, r=rank: facts_fn(r), run_child=children)
+            facts=lambda device, r=rank: facts_fn(r), run_child=children, graph_rows=graph_rows)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
     for t in threads:
@@ -199,3 +199,11 @@ def test_a_failed_quick_tune_is_not_run_again_at_the_next_start_until_forced():
     books, _ = resolve_all("force", forced)
     assert len(forced.calls) == 2 and {b.source for b in books.values()} == {"table"}
     assert cache.recorded_failure(KEY, HIDDEN) is None  # the saved table cleared the note
+
+
+def test_the_quick_tune_measures_every_row_count_the_server_runs_in_cuda_graphs():
+    children = Children(good_child)
+    resolve_all("auto", children, max_bytes=128 * ROW, graph_rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128, 12])
+    spec = children.calls[0]["spec"]
+    assert spec.graph_rows == [1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128]
+    assert set(spec.graph_rows) <= set(spec.rows) and {12, 24, 48, 96} <= set(spec.rows)

@@ -17,7 +17,7 @@ from sglang_sm120.tuning.tuner import Tuner, TuneSpec
 from .fake_group import FakeBackend, FakeGroup
 
 HIDDEN = 64
-OFFER = KernelOffer(("push",), call_blocks=True)
+OFFER = KernelOffer(("push",), call_cluster=True, call_blocks=True)
 KEY = {"world_size": 2, "gpus": [{"uuid": "GPU-0"}, {"uuid": "GPU-0"}], "memory": "device"}
 
 
@@ -108,3 +108,16 @@ def test_time_without_its_verify_is_refused():
         measurer.time(route, "plain", "bfloat16", 2)
     measurer.verify(route, "plain", "bfloat16", 2)
     assert measurer.time(route, "plain", "bfloat16", 2)
+
+
+def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_each_size_timed():
+    table, group, _ = tune("good", ("plain", "fused"))
+    ours = [e.route for e in table.entries if e.route.ours]
+    assert ours and all(r.ctas is not None for r in ours)
+    assert all(r.cluster is not None for r in ours if r.variant == "ONESHOT" and
+               any(e.route == r and e.kind == "fused" for e in table.entries))
+    doc = table.to_dict()
+    assert all(m["timed"] == len(m["times"]) and m["timed"] >= 2 for m in doc["measurements"])
+    # what was timed is what ran: the launches carried the route's CTAs (and the fused one-shot its cluster)
+    assert {kw.get("blocks") for kw in group.launches} == {16}
+    assert {kw.get("cluster") for kw in group.launches} >= {1}
