@@ -152,6 +152,11 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
     table = RoutingTable.from_dict(json.loads(out.read_text()))
     assert table.key["world_size"] == world and any(n.startswith("one process") for n in table.notes)
     assert any(e.route.ours for e in table.entries), table.to_dict()  # NCCL "took" a second
+    # every route of ours names the launch that was measured: its CTAs, and for the fused one-shot its cluster
+    assert all(e.route.ctas is not None for e in table.entries if e.route.ours), table.to_dict()
+    assert all(e.route.cluster is not None for e in table.entries
+               if e.route.ours and e.kind == "fused" and e.route.variant == "ONESHOT"), table.to_dict()
+    assert all(m["timed"] == len(m["times"]) for m in table.to_dict()["measurements"])
     for (dtype, kind), points in table.measurements.items():
         for point in points:
             route = lookup(table, point.nbytes, dtype, kind == "fused")

@@ -75,8 +75,10 @@ def test_ranks_whose_outputs_differ_only_in_the_sign_of_a_zero_are_rejected():
     assert any("differ in some bit" in why for why in failed.values()), failed
 
 
-def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own():
-    bank = calls.CallBank("fused", "bfloat16", 3, HIDDEN, 2, [0, 1], "cpu")
+@pytest.mark.parametrize("dtype, world, rows, hidden", [("bfloat16", 2, 3, HIDDEN), ("float16", 8, 5, 7168)])
+def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own(dtype, world, rows, hidden):
+    bank = calls.CallBank("fused", dtype, rows, hidden, world, range(world), "cpu")
+    plain = calls.CallBank("plain", dtype, rows, hidden, world, range(world), "cpu")
     seen = set()
     for cid in ("sm120/ONESHOT/push/device/b16/c1", "sm120/ONESHOT/push/device/b8/c1"):
         first = calls.salt(cid)
@@ -84,13 +86,17 @@ def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own()
             given, expected = bank.inputs(first + j), bank.expected(first + j)
             seen.add(verify.output_digest(given["x"][0], given["residual"]))
             seen.add(("expected", verify.output_digest(*expected)))
-            # the expected outputs are what the op computes from these inputs, exactly
-            total = given["x"][0].float() + given["x"][1].float()
-            res = total + given["residual"].float()
-            norm = res * torch.rsqrt(res.pow(2).mean(dim=-1, keepdim=True) + bank.eps) * bank.weight32
-            assert verify.same_values(res.to(torch.bfloat16), expected[1])
-            assert verify.same_values(norm.to(torch.bfloat16), expected[0])
-    assert len(seen) == 2 * 2 * 6
+            seen.add(("plain", verify.output_digest(*plain.expected(first + j))))
+            # the expected outputs are what the ops compute from these inputs, exactly (float64 reference)
+            total = sum(given["x"][r].double() for r in range(world))
+            res = total + given["residual"].double()
+            norm = res * torch.rsqrt(res.pow(2).mean(dim=-1, keepdim=True) + bank.eps) * bank.weight32.double()
+            assert verify.same_values(res.to(bank.torch_dtype), expected[1])
+            assert verify.same_values(norm.to(bank.torch_dtype), expected[0])
+            plain_given = plain.inputs(first + j)["x"]
+            assert verify.same_values(sum(plain_given[r].double() for r in range(world)).to(bank.torch_dtype),
+                                      plain.expected(first + j)[0])
+    assert len(seen) == 3 * 2 * 6
 
 
 def test_consecutive_calls_roll_by_different_amounts_whatever_the_element_count():
