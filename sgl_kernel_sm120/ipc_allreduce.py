@@ -644,8 +644,9 @@ class IpcAllReduce:
 
     # ----------------------------------------------------------------------------------------------------
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, variant=None,
-                   transport=None) -> torch.Tensor:
-        """Out-of-place sum over the group. `inp` is never written."""
+                   transport=None, blocks: int | None = None) -> torch.Tensor:
+        """Out-of-place sum over the group. `inp` is never written. `blocks` caps the CTAs of the launch (None: the
+        whole SM budget, staged push STAGED_MAX_CTAS; at most the SM budget either way); the same on every rank."""
         self._check_usable()
         if not self.supports(inp):
             raise ValueError(f"IpcAllReduce cannot take this tensor ({self._describe(inp)}); check supports() first")
@@ -661,7 +662,7 @@ class IpcAllReduce:
             target,
             int(chosen),
             min(self.threads or plain_threads(inp.numel() * inp.element_size()), MAX_PLAIN_THREADS),
-            self._max_blocks(how),
+            self._max_blocks(how, blocks),
             self.use_pdl,
             how.code,
         )
@@ -680,12 +681,17 @@ class IpcAllReduce:
         *,
         variant=None,
         transport=None,
+        blocks: int | None = None,
+        cluster: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight.
 
         `inp` and `residual` are never written; both outputs are fresh tensors unless given. With the
         two-shot and island variants the owner of each slice adds its own `residual`: tensor parallelism
         replicates the residual on every rank, which is what makes that the caller's residual.
+
+        `blocks` as for all_reduce; `cluster` (fused one-shot: CTAs per row, 1, 2, 4 or 8; 0: the kernels' own
+        rule) overrides the workspace's `fused_cluster` for this call. Both the same on every rank.
         """
         self._check_usable()
         if not self.supports_add_rmsnorm(inp):
@@ -716,9 +722,9 @@ class IpcAllReduce:
             targets[0],
             targets[1],
             int(chosen),
-            self._max_blocks(how),
+            self._max_blocks(how, blocks),
             self.use_pdl,
-            int(self.fused_cluster or 0),
+            _cluster(self.fused_cluster if cluster is None else cluster),
             how.code,
         )
         for o, t in zip(outs, targets, strict=True):
@@ -835,8 +841,13 @@ class IpcAllReduce:
             return choose_transport(inp.numel() * inp.element_size(), self.world_size, self.link)
         return _transport(transport)
 
-    def _max_blocks(self, how: Transport) -> int:
-        """Staged push paces every CTA: few of them (STAGED_MAX_CTAS). The same on every rank."""
+    def _max_blocks(self, how: Transport, blocks: int | None = None) -> int:
+        """The call's CTA cap: `blocks` where given (a tuned launch), else the whole budget, except that staged push
+        paces every CTA and takes few of them (STAGED_MAX_CTAS). The same on every rank."""
+        if blocks is not None:
+            if isinstance(blocks, bool) or int(blocks) != blocks or blocks < 1:
+                raise ValueError(f"blocks must be a positive integer, got {blocks!r}")
+            return min(int(blocks), self.max_blocks)
         return min(self.max_blocks, STAGED_MAX_CTAS) if how is Transport.STAGED else self.max_blocks
 
     def _check_usable(self) -> None:
@@ -939,6 +950,15 @@ def _transport(value) -> Transport:
         return Transport(getattr(value, "value", value))
     except ValueError:
         raise ValueError(f"transport must be 'push', 'staged', 'pull' or 'auto', got {value!r}") from None
+
+
+def _cluster(value) -> int:
+    """A fused call's cluster argument: None or 0 is the kernels' own rule."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or value not in (0, 1, 2, 4, 8):
+        raise ValueError(f"cluster must be 1, 2, 4 or 8 CTAs per row (0 or None: the kernels' rule), got {value!r}")
+    return int(value)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -229,6 +229,24 @@ def test_the_transport_choice_is_push_until_measured_and_a_pure_function():
         k.choose_transport(-1, 2, Link.PCIE)
 
 
+def test_a_call_may_name_its_cta_cap_and_cluster_else_the_workspace_rule_holds():
+    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce, _cluster
+
+    ws = IpcAllReduce.__new__(IpcAllReduce)
+    ws.max_blocks = 188
+    assert ws._max_blocks(k.Transport.PUSH) == 188
+    assert ws._max_blocks(k.Transport.STAGED) == variants.STAGED_MAX_CTAS
+    assert ws._max_blocks(k.Transport.STAGED, 188) == 188 and ws._max_blocks(k.Transport.PUSH, 94) == 94
+    assert ws._max_blocks(k.Transport.PUSH, 1000) == 188  # never past the group's SM budget
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="blocks must be a positive integer"):
+            ws._max_blocks(k.Transport.PUSH, bad)
+    assert [_cluster(c) for c in (None, 0, 1, 2, 4, 8)] == [0, 0, 1, 2, 4, 8]
+    for bad in (3, 16, True):
+        with pytest.raises(ValueError, match="cluster must be"):
+            _cluster(bad)
+
+
 def test_timeout_error_says_what_is_left_usable():
     trapped = k.IpcAllReduceTimeoutError(0, 3, "one-shot", 7, 1.5)
     assert "CUDA context of this process is no longer usable" in str(trapped) and trapped.context_lost

@@ -28,7 +28,7 @@ from .reporting import render
 from .routing import cache
 from .routing.table import NCCL, RoutingTable
 from .tuning import launch
-from .tuning.tuner import TuneSpec
+from .tuning.tuner import TuneSpec, graph_rows
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 HIDDEN_KEYS = ("text_config", "language_config", "llm_config", "language_model")
@@ -76,6 +76,9 @@ def parse_args(argv: Sequence[str] | None):
     parser.add_argument("--tp", type=int, default=None, help="ranks (2, 4 or 8; default: the most GPUs visible)")
     parser.add_argument("--max-batch", type=int, default=32, help="largest decode/verify batch the server captures")
     parser.add_argument("--draft-tokens", type=int, default=4, help="speculative draft tokens per request (1: none)")
+    parser.add_argument("--cuda-graph-bs", default=None,
+                        help="comma list of the batch sizes the server captures in CUDA graphs: each, and each x "
+                             "draft-tokens, is measured (what the start-up tune does)")
     parser.add_argument("--max-rows", type=int, default=None, help="rows to measure up to (default: max-batch x "
                                                                    "draft-tokens)")
     parser.add_argument("--dtype", default="bf16,fp16", help="comma list of bf16, fp16")
@@ -110,6 +113,13 @@ def parse_args(argv: Sequence[str] | None):
     for name in ("max_batch", "draft_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    args.graph_rows = []
+    if args.cuda_graph_bs:
+        try:
+            args.graph_rows = graph_rows([int(b) for b in args.cuda_graph_bs.split(",") if b.strip()],
+                                         args.draft_tokens)
+        except ValueError as exc:
+            parser.error(f"--cuda-graph-bs {args.cuda_graph_bs!r}: {exc}")
     return args
 
 
@@ -139,9 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.one_process:
         devices = [devices[0]] * world
     hidden = args.hidden if args.hidden is not None else hidden_from_model(args.model_path)
-    max_rows = args.max_rows or args.max_batch * args.draft_tokens
+    max_rows = args.max_rows or max([args.max_batch * args.draft_tokens] + args.graph_rows)
     spec = TuneSpec.make(hidden, max_rows, quick=args.quick, dtypes=args.dtypes, kinds=args.kinds_list,
-                         kernel_timeout_s=args.kernel_timeout, debug_nccl_us=args.debug_nccl_us)
+                         kernel_timeout_s=args.kernel_timeout, debug_nccl_us=args.debug_nccl_us,
+                         graph_rows=args.graph_rows)
     print(f"tuning TP={world} on cuda:{devices}, hidden {hidden}, rows {spec.rows}, {', '.join(spec.dtypes)}, "
           f"{', '.join(spec.kinds)}{' (quick)' if spec.quick else ''}", flush=True)
     last = {}

@@ -152,7 +152,41 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
     table = RoutingTable.from_dict(json.loads(out.read_text()))
     assert table.key["world_size"] == world and any(n.startswith("one process") for n in table.notes)
     assert any(e.route.ours for e in table.entries), table.to_dict()  # NCCL "took" a second
+    # every route of ours names the launch that was measured: its CTAs, and for the fused one-shot its cluster
+    assert all(e.route.ctas is not None for e in table.entries if e.route.ours), table.to_dict()
+    assert all(e.route.cluster is not None for e in table.entries
+               if e.route.ours and e.kind == "fused" and e.route.variant == "ONESHOT"), table.to_dict()
+    assert all(m["timed"] == len(m["times"]) for m in table.to_dict()["measurements"])
     for (dtype, kind), points in table.measurements.items():
         for point in points:
             route = lookup(table, point.nbytes, dtype, kind == "fused")
             assert route is not None and (not route.ours or route.id in point.times), (dtype, kind, point, route)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"])
+def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verification(tmp_path, flag):
+    """The one-process tune (the ranks' kernels really run at once) on a build with one protocol invariant
+    broken (tests/gpu/test_negative_controls.py): stale packs or a single scratch buffer. Every call gets inputs
+    of its own and a burst of graph replays is checked, so a candidate of it fails its verification and is
+    never routed to. Not yet run on a GPU (written 2026-12-02)."""
+    from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+    from sglang_sm120.routing.table import RoutingTable
+    from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
+
+    library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
+    out = tmp_path / "broken.json"
+    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **{LIBRARY_OVERRIDE_ENV: library},
+               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", "2",
+                           "--quick", "--max-batch", "4", "--draft-tokens", "1", "--dtype", "bf16", "--one-process",
+                           "--kernel-timeout", "2", "--debug-nccl-us", "1000000", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print(done.stdout[-4000:])
+    table = RoutingTable.from_dict(json.loads(out.read_text()))
+    rejected = {cid: why for points in table.measurements.values() for p in points
+                for cid, why in p.failed.items() if "verify:" in why}
+    assert rejected, table.to_dict()
+    timed = {cid for points in table.measurements.values() for p in points for cid in p.times}
+    assert all(e.route.id in timed for e in table.entries if e.route.ours)

@@ -36,6 +36,7 @@ def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
     (["--tp", "2"], "one of the arguments --model-path --hidden is required"),
     (["--hidden", "7168", "--model-path", "x"], "not allowed with argument"),
     (["--hidden", "7168", "--one-process"], "--one-process needs --debug-nccl-us"),
+    (["--hidden", "7168", "--cuda-graph-bs", "1,0"], "batch sizes and draft tokens must be >= 1"),
 ])
 def test_bad_arguments_end_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -46,6 +47,12 @@ def test_bad_arguments_end_in_one_line(argv, message, capsys):
 def test_arguments_become_a_spec():
     args = tune.parse_args(["--hidden", "7168", "--dtype", "fp16,bf16,fp16", "--kinds", "fused", "--quick"])
     assert args.dtypes == ["float16", "bfloat16"] and args.kinds_list == ["fused"] and args.quick
+    assert args.graph_rows == []
+
+
+def test_captured_batch_sizes_become_the_graph_rows_measured():
+    args = tune.parse_args(["--hidden", "7168", "--cuda-graph-bs", "1,2,4,8,12", "--draft-tokens", "4"])
+    assert args.graph_rows == [1, 2, 4, 8, 12, 16, 32, 48]
 
 
 @pytest.mark.parametrize("tp, gpus, share, expected", [

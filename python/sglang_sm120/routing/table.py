@@ -3,7 +3,9 @@ measured time of every candidate, keyed by the box it was measured on.
 
 A route is NCCL (for a fused call: NCCL followed by SGLang's own add + RMSNorm) or one configuration of our
 kernels: variant (ONESHOT, TWOSHOT, ISLAND) x transport (push, staged, pull) x workspace memory (device, host),
-plus, for the fused one-shot, the CTAs a row is spread over (None: the kernel's own rule).
+plus its launch shape: the CTAs the launch may use (None: the kernels' own cap, the SM budget or staged push's
+STAGED_MAX_CTAS) and, for the fused one-shot, the CTAs a row is spread over (None: the kernels' own rule). A tuned
+route names both: it is the launch that was measured.
 
 The rule that turns measurements into routes (`choose`), incumbent NCCL:
 - a candidate is only eligible at a size where it beat NCCL there by at least MIN_GAIN (2%), and only inside a
@@ -35,7 +37,7 @@ from typing import Any
 # The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
 # measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
 FORMAT_VERSION = 1
-TUNE_VERSION = 1
+TUNE_VERSION = 2
 
 VARIANTS = ("ONESHOT", "TWOSHOT", "ISLAND")
 TRANSPORTS = ("push", "staged", "pull")
@@ -69,11 +71,12 @@ class Route:
     transport: str | None = None
     memory: str | None = None
     cluster: int | None = None  # fused one-shot only; None: the kernel's own rule
+    ctas: int | None = None  # the launch's CTA cap; None: the kernels' own (the SM budget; staged: its cap)
 
     def __post_init__(self):
         if self.backend == NCCL:
-            if any(v is not None for v in (self.variant, self.transport, self.memory, self.cluster)):
-                raise TableError("an NCCL route has no variant, transport, memory or cluster")
+            if any(v is not None for v in (self.variant, self.transport, self.memory, self.cluster, self.ctas)):
+                raise TableError("an NCCL route has no variant, transport, memory, cluster or CTAs")
             return
         if self.backend != OURS:
             raise TableError(f"unknown backend {self.backend!r}")
@@ -85,6 +88,10 @@ class Route:
             raise TableError(f"unknown memory {self.memory!r} (known: {', '.join(MEMORIES)})")
         if self.cluster is not None and (self.cluster not in CLUSTERS or self.variant != "ONESHOT"):
             raise TableError(f"cluster {self.cluster!r}: the fused one-shot spreads a row over {CLUSTERS} CTAs")
+        if self.ctas is not None and (isinstance(self.ctas, bool) or not isinstance(self.ctas, int) or self.ctas < 1):
+            raise TableError(f"ctas {self.ctas!r}: a launch takes a positive number of CTAs")
+        if self.ctas is not None and self.cluster is not None and self.ctas < self.cluster:
+            raise TableError(f"ctas {self.ctas} cannot hold one cluster of {self.cluster} CTAs")
 
     @property
     def ours(self) -> bool:
@@ -92,10 +99,12 @@ class Route:
 
     @property
     def id(self) -> str:
-        """'nccl' or 'sm120/ONESHOT/push/device' (+ '/c8' for a row over an 8-CTA cluster)."""
+        """'nccl' or 'sm120/ONESHOT/push/device' (+ '/b94' for at most 94 CTAs, + '/c8' for a row over an 8-CTA
+        cluster)."""
         if not self.ours:
             return NCCL
-        tail = f"/c{self.cluster}" if self.cluster is not None else ""
+        tail = (f"/b{self.ctas}" if self.ctas is not None else "") + (f"/c{self.cluster}" if self.cluster is not None
+                                                                      else "")
         return f"{OURS}/{self.variant}/{self.transport}/{self.memory}{tail}"
 
     @property
@@ -108,14 +117,16 @@ class Route:
         if text == NCCL:
             return NCCL_ROUTE
         parts = str(text).split("/")
-        if len(parts) not in (4, 5) or parts[0] != OURS:
-            raise TableError(f"bad route {text!r}: expected 'nccl' or 'sm120/VARIANT/TRANSPORT/MEMORY[/cN]'")
-        cluster = None
-        if len(parts) == 5:
-            if not parts[4].startswith("c") or not parts[4][1:].isdigit():
-                raise TableError(f"bad route {text!r}: the cluster part is cN")
-            cluster = int(parts[4][1:])
-        return cls(OURS, parts[1], parts[2], parts[3], cluster)
+        if len(parts) < 4 or parts[0] != OURS:
+            raise TableError(f"bad route {text!r}: expected 'nccl' or 'sm120/VARIANT/TRANSPORT/MEMORY[/bN][/cN]'")
+        shape: dict[str, int] = {}
+        for part in parts[4:]:
+            letter, number = part[:1], part[1:]
+            name = {"b": "ctas", "c": "cluster"}.get(letter)
+            if name is None or not number.isdigit() or name in shape or (name == "ctas" and "cluster" in shape):
+                raise TableError(f"bad route {text!r}: the launch parts are /bN (CTAs), then /cN (cluster)")
+            shape[name] = int(number)
+        return cls(OURS, parts[1], parts[2], parts[3], **shape)
 
 
 NCCL_ROUTE = Route(NCCL)
@@ -372,7 +383,7 @@ class RoutingTable:
             "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": e.route.id}
                         for e in self.entries],
             "measurements": [
-                {"dtype": dtype, "kind": kind, "rows": p.rows, "bytes": p.nbytes,
+                {"dtype": dtype, "kind": kind, "rows": p.rows, "bytes": p.nbytes, "timed": len(p.times),
                  "times": {k: float(v) for k, v in sorted(p.times.items())}, "failed": dict(sorted(p.failed.items()))}
                 for (dtype, kind), points in sorted(self.measurements.items()) for p in points
             ],

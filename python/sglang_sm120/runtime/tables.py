@@ -97,6 +97,7 @@ def resolve_routes(
     facts: Callable[[Any], dict] | None = None,
     library: Callable[[], str] | None = None,
     run_child: Callable[..., launch.ChildOutcome] | None = None,
+    graph_rows: Sequence[int] = (),
 ) -> RouteBook:
     """The group's routes (module docstring). Never raises. `log` writes rank 0's lines; `facts`, `library` and
     `run_child` default to core.facts.key_facts, core.facts.library_identity and tuning.launch.run_rank_child
@@ -106,7 +107,8 @@ def resolve_routes(
                          link=link, p2p=p2p, offer=offer, num_islands=num_islands, hidden=hidden, dtype=dtype,
                          max_bytes=max_bytes, tune=tune, tune_timeout_s=tune_timeout_s, log=log,
                          launch_facts=None if launch_facts is None else dict(launch_facts), facts=facts or key_facts,
-                         library=library or library_identity, run_child=run_child or launch.run_rank_child)
+                         library=library or library_identity, run_child=run_child or launch.run_rank_child,
+                         graph_rows=graph_rows)
     except Exception as exc:  # noqa: BLE001 - NCCL is always a safe answer
         logger.info("sglang_sm120 [rank %d]: resolving the routes failed: %s: %s", rank, type(exc).__name__, exc)
         found = _all_nccl(log, f"resolving the routes failed ({type(exc).__name__}: {exc})")
@@ -131,7 +133,8 @@ def _all_nccl(log: Callable[[int, str], None], why: str) -> RouteBook:
 
 
 def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, num_islands, hidden, dtype,
-             max_bytes, tune, tune_timeout_s, log, launch_facts, facts, library, run_child) -> RouteBook:
+             max_bytes, tune, tune_timeout_s, log, launch_facts, facts, library, run_child,
+             graph_rows=()) -> RouteBook:
     dtype_name = _dtype_name(dtype)
     row_bytes = int(hidden) * 2
     covered = max(row_bytes, int(max_bytes) // row_bytes * row_bytes)  # whole rows: what a tune measures
@@ -208,7 +211,7 @@ def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, n
     port = agree("routes-port", launch.free_port() if rank == 0 else None)[0]
     spec = TuneSpec.make(hidden, covered // row_bytes, quick=True, dtypes=[dtype_name], kinds=list(KINDS),
                          memory=memory, islands=[list(g) for g in islands] if islands else None,
-                         islands_given=True, link=link,
+                         islands_given=True, link=link, graph_rows=sorted({int(r) for r in graph_rows}),
                          exclude=[{**b, "reason": f"blamed before: {b['reason']}"} for b in blamed])
     start = time.monotonic()
     outcome = run_child(rank, world, int(device.index), int(port), spec, timeout_s=tune_timeout_s,

@@ -1,21 +1,19 @@
 """The CUDA side of a tune, for one rank: the workspace the candidates run on, their inputs, one call of each
 candidate, and its verification and timing (the `Measurer` interface of tuning/tuner.py).
 
-Ran on 1x H200 (ranks sharing it), 2026-12-02. Written against sgl_kernel_sm120.IpcAllReduce as it is (push
-transport, per-call
-`variant=`, the workspace attribute `fused_cluster`) and against the interface issue 17 adds (`transport=` on
-the constructor and the calls, `cluster=` on the fused call), which it detects (tuning/candidates.py) and uses
-only where present.
+Ran on 1x H200 (ranks sharing it), 2026-12-02, before the checked graph burst (tuning/burst.py) and the launch
+shapes (`blocks=`, `cluster=` per call) existed; those have not run on a GPU yet. Written against
+sgl_kernel_sm120.IpcAllReduce (per-call `variant=`, `transport=`, `blocks=`, `cluster=`), whose offer it
+detects (tuning/candidates.py) and uses only where present.
 
 Choices:
 - one workspace (bf16-sized; fp16 has the same element size), built with on_timeout="exit" and a short wait
   bound, so a candidate that hangs on this fabric fails in seconds and leaves the CUDA context usable; after any
   failure the Tuner calls `reset()` on every rank and the next candidate builds a fresh workspace;
-- verification runs `spec.verify_calls` eager calls (both halves of the double buffer), each into outputs
-  filled with NaN first, so a call that writes nothing cannot pass;
-- timing captures `spec.calls` calls into one CUDA graph (eager warm-up first: NCCL's communicator and our
-  workspace's lazy state are set up outside the capture), replays it, and reads the workspace's timeout record
-  afterwards: a kernel that timed out inside a replay returns at once and would otherwise look fast;
+- a candidate of ours is checked and timed by tuning/burst.py with this rank as its one lane: eager calls, a
+  burst of graph replays with inputs of their own per call (tuning/calls.py), then the same graph timed and its
+  outputs checked again; the workspace's timeout record is read after each step: a kernel that timed out
+  returns at once and would otherwise look fast;
 - NCCL is timed on a zero-filled buffer (its sum stays finite), followed for the fused kind by the incumbent
   add + RMSNorm (tuning/incumbent.py) on a residual of the verify case.
 """
@@ -27,7 +25,9 @@ from typing import Any
 
 from ..routing.table import Route
 from . import candidates as cand
-from . import timing, verify
+from . import timing
+from .burst import CandidateRun, CudaBackend
+from .calls import CallBank
 from .incumbent import find_fused_add_rmsnorm
 
 logger = logging.getLogger("sglang_sm120")
@@ -43,7 +43,15 @@ def workspace_shape(ws, world: int) -> dict[str, Any]:
         "num_islands": int(ws.num_islands),
         "oneshot_max_bytes": int(ws.oneshot_max_numel) * 2,
         "clusters": sorted(int(c) for c in ws.fused_clusters.get("clusters", [])),
+        "sm_budget": int(getattr(ws, "sm_budget", 0) or 0),
+        "staged_ctas": _staged_ctas(),
     }
+
+
+def _staged_ctas() -> int:
+    from sgl_kernel_sm120.variants import STAGED_MAX_CTAS
+
+    return int(STAGED_MAX_CTAS)
 
 
 class CudaMeasurer:
@@ -58,7 +66,10 @@ class CudaMeasurer:
         self.norm_name, self.norm = find_fused_add_rmsnorm()
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
         self._ws = None
-        self._cases: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.backend = CudaBackend(self.device, 1)
+        self._bank: tuple[tuple[str, str, int], CallBank] | None = None
+        self._nccl_case: tuple | None = None
+        self._run: tuple[tuple, CandidateRun] | None = None
         self._workspace()  # collective: every rank builds it here
 
     # -- the workspace -------------------------------------------------------------------------------------
@@ -83,6 +94,7 @@ class CudaMeasurer:
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"
 
     def reset(self) -> None:
+        self._drop_run()
         ws, self._ws = self._ws, None
         if ws is not None:
             try:
@@ -93,89 +105,78 @@ class CudaMeasurer:
     close = reset
 
     # -- inputs ----------------------------------------------------------------------------------------------
-    def _case(self, kind: str, dtype: str, rows: int) -> dict[str, Any]:
-        found = self._cases.get((kind, dtype, rows))
-        if found is not None:
-            return found
-        import torch
+    def _bank_for(self, kind: str, dtype: str, rows: int) -> CallBank:
+        where = (kind, dtype, rows)
+        if self._bank is None or self._bank[0] != where:
+            self._bank, self._nccl_case = None, None  # one size at a time: its candidates are measured together
+            self._bank = (where, CallBank(kind, dtype, rows, int(self.spec.hidden), self.world, [self.rank],
+                                          self.device, self.seed))
+        return self._bank[1]
 
-        hidden, dev = int(self.spec.hidden), self.device
+    def _nccl(self, kind: str, dtype: str, rows: int):
+        """NCCL's timed step: an all-reduce of zeros (the sum stays finite), then for the fused kind the
+        incumbent add + RMSNorm."""
+        import torch.distributed as dist
+
+        bank = self._bank_for(kind, dtype, rows)
+        if self._nccl_case is None:
+            zeros = bank.base[self.rank].clone().zero_()
+            residual = bank.inputs(0)["residual"] if kind == "fused" else zeros.clone()
+            self._nccl_case = (zeros, residual)
+        buf, residual = self._nccl_case
+        group, weight, eps, norm = self.nccl_group, getattr(bank, "weight", None), bank.eps, self.norm
         if kind == "plain":
-            inputs, expected = verify.plain_case(self.world, rows, hidden, dtype, self.seed)
-            case = {"x": inputs[self.rank].to(dev), "out": torch.empty_like(inputs[0], device=dev),
-                    "expected": (expected,)}
-        else:
-            inputs, residual, weight, eps, norm, res = verify.fused_case(self.world, rows, hidden, dtype, self.seed)
-            case = {"x": inputs[self.rank].to(dev), "residual": residual.to(dev), "weight": weight.to(dev),
-                    "eps": eps, "norm_out": torch.empty_like(norm, device=dev),
-                    "res_out": torch.empty_like(res, device=dev), "expected": (norm, res)}
-        case["zeros"] = torch.zeros_like(case["x"])
-        case["nccl_residual"] = (case["residual"] if kind == "fused" else case["x"]).clone()
-        case["nccl_weight"] = case.get("weight")
-        self._cases[(kind, dtype, rows)] = case
-        return case
+            return lambda k: dist.all_reduce(buf, group=group)
 
-    # -- one call --------------------------------------------------------------------------------------------
-    def _step(self, route: Route, kind: str, case: dict[str, Any]):
-        if not route.ours:
-            import torch.distributed as dist
+        def nccl_then_norm(k):
+            dist.all_reduce(buf, group=group)
+            norm(buf, residual, weight, eps)
 
-            buf, group = case["zeros"], self.nccl_group
-            if kind == "plain":
-                return lambda k: dist.all_reduce(buf, group=group)
-            residual, weight, eps, norm = case["nccl_residual"], case["nccl_weight"], case["eps"], self.norm
+        return nccl_then_norm
 
-            def nccl_then_norm(k):
-                dist.all_reduce(buf, group=group)
-                norm(buf, residual, weight, eps)
-
-            return nccl_then_norm
+    def _make_call(self, route: Route, kind: str, bank: CallBank):
         ws = self._workspace()
         kwargs = cand.call_kwargs(route, self.offer)
-        if kind == "plain":
-            x, out = case["x"], case["out"]
-            return lambda k: ws.all_reduce(x, out, **kwargs)
-        kwargs = cand.apply_cluster(ws, route, self.offer, kwargs)
-        x, residual, weight, eps = case["x"], case["residual"], case["weight"], case["eps"]
-        norm_out, res_out = case["norm_out"], case["res_out"]
-        return lambda k: ws.all_reduce_add_rmsnorm(x, residual, weight, eps, norm_out, res_out, **kwargs)
+        if kind == "fused":
+            kwargs = cand.apply_cluster(ws, route, self.offer, kwargs)
 
-    def _outputs(self, kind: str, case: dict[str, Any]) -> tuple:
-        return (case["out"],) if kind == "plain" else (case["norm_out"], case["res_out"])
+        def make(rank: int, x, residual, outs):
+            if kind == "plain":
+                return lambda: ws.all_reduce(x, outs[0], **kwargs)
+            return lambda: ws.all_reduce_add_rmsnorm(x, residual, bank.weight, bank.eps, outs[0], outs[1], **kwargs)
+
+        return make
+
+    def _drop_run(self) -> None:
+        if self._run is not None:
+            self._run[1].close()
+        self._run = None
 
     # -- the Measurer interface ------------------------------------------------------------------------------
     def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
-        case = self._case(kind, dtype, rows)
-        step = self._step(route, kind, case)
+        self._drop_run()
+        bank = self._bank_for(kind, dtype, rows)
         ws = self._workspace()
-        digest = ""
-        for call in range(max(1, int(self.spec.verify_calls))):
-            for out in self._outputs(kind, case):
-                out.fill_(float("nan"))
-            step(call)
-            ws.synchronize()  # raises IpcAllReduceTimeoutError when a wait timed out (exit mode)
-            outputs = self._outputs(kind, case)
-            for name, got, expected in zip(("norm" if kind == "fused" else "sum", "residual"), outputs,
-                                           case["expected"], strict=False):
-                problem = verify.mismatch(f"call {call + 1} {name}", got, expected)
-                if problem:
-                    raise AssertionError(problem)
-            digest = verify.output_digest(*outputs)
-        return digest
+        run = CandidateRun(bank, route.id, [self.rank], int(self.spec.calls), self._make_call(route, kind, bank),
+                           self.backend, ws.synchronize)  # synchronize raises a timed-out wait's error (exit mode)
+        self._run = ((route, kind, dtype, rows), run)
+        return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
 
     def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
         import torch
 
-        case = self._case(kind, dtype, rows)
-        step = self._step(route, kind, case)
+        if route.ours:
+            if self._run is None or self._run[0] != (route, kind, dtype, rows):
+                raise RuntimeError(f"time({route.id}) without its verify(): the checked graph is the timed one")
+            try:
+                return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
+            finally:
+                self._drop_run()
         calls = int(self.spec.calls)
-        graph, _ = timing.capture_graph(step, calls, eager_warmup=1)
+        graph, _ = timing.capture_graph(self._nccl(kind, dtype, rows), calls, eager_warmup=1)
         try:
             per_replay = timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))
         finally:
             del graph
-        if route.ours:
-            self._workspace().synchronize()  # a timed-out wait inside a replay fails the candidate here
-        else:
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
         return [t / calls for t in per_replay]

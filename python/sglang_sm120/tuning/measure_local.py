@@ -1,5 +1,5 @@
 """The Measurer for a whole group in ONE process on one GPU (`python -m sglang_sm120.tune --one-process --tp W`):
-the W ranks are IpcAllReduce.local_group workspaces (issue 17's concurrent mode), each rank's calls on a stream
+the W ranks are IpcAllReduce.local_group workspaces (its concurrent mode), each rank's calls on a stream
 of its own, timed as W parallel branches of one CUDA graph, so the ranks' kernels run at once and really wait
 for one another, as on W GPUs, where ranks sharing a GPU as processes only time-slice.
 
@@ -7,51 +7,68 @@ A plumbing check for a one-GPU machine, like --share-gpu, and no more: a W-th of
 inside its memory is not a rank of a PCIe box, and NCCL cannot run a group inside one process, so the incumbent's
 time must be injected (--debug-nccl-us) and the table says so. The Tuner runs once, as rank 0 of a world of one
 (this process decides for the whole group); `verify` checks every rank's outputs exact and bit-identical across
-the ranks itself. Nothing here is used by a server.
-
-Eager calls are issued call-major, every rank's call k before any rank's call k + 1: with CUDA's lazy module
-loading a rank-major order deadlocks until the kernels' timeout (IpcAllReduce.local_group).
+the ranks itself. Nothing here is used by a server. The check and the timing of a candidate are those of
+tuning/burst.py, with every rank a lane: eager calls call-major (every rank's call k before any rank's call
+k + 1: with CUDA's lazy module loading a rank-major order deadlocks until the kernels' timeout,
+IpcAllReduce.local_group), graph replays with one branch per rank.
 
 Ran on no GPU yet (written 2026-12-02, after the session's device time ran out).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..routing.table import Route
 from . import candidates as cand
-from . import timing, verify
+from .burst import CandidateRun, CudaBackend
+from .calls import CallBank
 from .measure import workspace_shape
 
 
+def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
+    import torch
+
+    from sgl_kernel_sm120 import IpcAllReduce
+
+    return IpcAllReduce.local_group(device, world, max_numel, torch.bfloat16, islands=islands, link=link or "auto",
+                                    timeout_s=float(spec.kernel_timeout_s), on_timeout="exit")
+
+
+def _close_cuda_group(comms) -> None:
+    from sgl_kernel_sm120.ipc_allreduce import close_local_group
+
+    close_local_group(comms)
+
+
 class LocalGroupMeasurer:
-    def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None, seed: int = 0):
+    """`make_group(device, world, max_numel, spec, islands, link)` / `close_group(comms)` / `backend` default to
+    IpcAllReduce.local_group on CUDA; the CPU tests pass fakes."""
+
+    def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None, seed: int = 0,
+                 make_group: Callable | None = None, close_group: Callable | None = None, backend=None,
+                 offer: cand.KernelOffer | None = None):
         import torch
 
         if spec.debug_nccl_us is None:
             raise ValueError("a one-process group cannot run NCCL: its time must be injected (debug_nccl_us)")
         self.world, self.device, self.spec = int(world), torch.device(device), spec
         self.islands, self.link, self.seed = islands, link, seed
-        self.offer = cand.detect_offer()
+        self.offer = offer if offer is not None else cand.detect_offer()
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
+        self._make_group, self._close_group = make_group or _cuda_group, close_group or _close_cuda_group
+        self.backend = backend if backend is not None else CudaBackend(self.device, self.world)
         self._comms: list | None = None
-        self._streams: list | None = None
-        self._cases: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._bank: tuple[tuple[str, str, int], CallBank] | None = None
+        self._run: tuple[tuple, CandidateRun] | None = None
         self._group()
 
     # -- the group -------------------------------------------------------------------------------------------
     def _group(self) -> list:
         if self._comms is None:
-            import torch
-
-            from sgl_kernel_sm120 import IpcAllReduce
-
-            self._comms = IpcAllReduce.local_group(
-                self.device, self.world, self.max_numel, torch.bfloat16, islands=self.islands,
-                link=self.link or "auto", timeout_s=float(self.spec.kernel_timeout_s), on_timeout="exit",
-            )
-            self._streams = [torch.cuda.Stream(self.device) for _ in range(self.world)]
+            self._comms = self._make_group(self.device, self.world, self.max_numel, self.spec, self.islands,
+                                           self.link)
         return self._comms
 
     def shape(self) -> dict[str, Any]:
@@ -61,60 +78,38 @@ class LocalGroupMeasurer:
         return "NCCL, not run (one process; its time injected)"
 
     def reset(self) -> None:
+        self._drop_run()
         comms, self._comms = self._comms, None
         if comms is not None:
-            from sgl_kernel_sm120.ipc_allreduce import close_local_group
+            self._close_group(comms)
 
-            close_local_group(comms)
+    def close(self) -> None:
+        self.reset()
+        self._bank = None
 
-    close = reset
+    # -- one candidate at one size ---------------------------------------------------------------------------
+    def _bank_for(self, kind: str, dtype: str, rows: int) -> CallBank:
+        where = (kind, dtype, rows)
+        if self._bank is None or self._bank[0] != where:
+            self._bank = None  # one size at a time: the Tuner measures a size's candidates together
+            self._bank = (where, CallBank(kind, dtype, rows, int(self.spec.hidden), self.world, range(self.world),
+                                          self.device, self.seed))
+        return self._bank[1]
 
-    # -- inputs: every rank's, on the one GPU ---------------------------------------------------------------
-    def _case(self, kind: str, dtype: str, rows: int) -> dict[str, Any]:
-        found = self._cases.get((kind, dtype, rows))
-        if found is not None:
-            return found
-        import torch
-
-        hidden, dev = int(self.spec.hidden), self.device
-        if kind == "plain":
-            inputs, expected = verify.plain_case(self.world, rows, hidden, dtype, self.seed)
-            case = {"x": [x.to(dev) for x in inputs], "expected": (expected,),
-                    "outs": [(torch.empty_like(expected, device=dev),) for _ in range(self.world)]}
-        else:
-            inputs, residual, weight, eps, norm, res = verify.fused_case(self.world, rows, hidden, dtype, self.seed)
-            case = {"x": [x.to(dev) for x in inputs], "residual": residual.to(dev), "weight": weight.to(dev),
-                    "eps": eps, "expected": (norm, res),
-                    "outs": [(torch.empty_like(norm, device=dev), torch.empty_like(res, device=dev))
-                             for _ in range(self.world)]}
-        self._cases[(kind, dtype, rows)] = case
-        return case
-
-    def _calls(self, route: Route, kind: str, case: dict[str, Any]) -> list:
-        """One callable per rank: that rank's call of `route`, into that rank's outputs."""
-        if not route.ours:
-            raise ValueError("NCCL cannot run in a one-process group (its time is injected)")
+    def _make_call(self, route: Route, kind: str):
         comms = self._group()
-        calls = []
-        residual, weight, eps = case.get("residual"), case.get("weight"), case.get("eps")
-        for r, ws in enumerate(comms):
-            kwargs = cand.call_kwargs(route, self.offer)
-            x, outs = case["x"][r], case["outs"][r]
+        kwargs = cand.call_kwargs(route, self.offer)
+        eps = self._bank[1].eps
+        weight = self._bank[1].weight if kind == "fused" else None
+
+        def make(rank: int, x, residual, outs):
+            ws = comms[rank]
             if kind == "plain":
-                calls.append(lambda ws=ws, x=x, outs=outs, kw=kwargs: ws.all_reduce(x, outs[0], **kw))
-            else:
-                kwargs = cand.apply_cluster(ws, route, self.offer, kwargs)
-                calls.append(lambda ws=ws, x=x, outs=outs, kw=kwargs: ws.all_reduce_add_rmsnorm(
-                    x, residual, weight, eps, outs[0], outs[1], **kw))
-        return calls
+                return lambda: ws.all_reduce(x, outs[0], **kwargs)
+            fused = cand.apply_cluster(ws, route, self.offer, kwargs)
+            return lambda: ws.all_reduce_add_rmsnorm(x, residual, weight, eps, outs[0], outs[1], **fused)
 
-    def _launch_call_major(self, calls: list, times: int) -> None:
-        import torch
-
-        for _ in range(times):
-            for r, call in enumerate(calls):
-                with torch.cuda.stream(self._streams[r]):
-                    call()
+        return make
 
     def _raise_timeouts(self) -> None:
         for r, ws in enumerate(self._group()):
@@ -122,59 +117,29 @@ class LocalGroupMeasurer:
             if err is not None:
                 raise RuntimeError(f"rank {r}: {err}")
 
+    def _drop_run(self) -> None:
+        if self._run is not None:
+            self._run[1].close()
+        self._run = None
+
     # -- the Measurer interface ------------------------------------------------------------------------------
     def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
-        import torch
-
-        case = self._case(kind, dtype, rows)
-        calls = self._calls(route, kind, case)
-        digests: list[str] = []
-        for call in range(max(1, int(self.spec.verify_calls))):
-            for outs in case["outs"]:
-                for out in outs:
-                    out.fill_(float("nan"))
-            torch.cuda.synchronize(self.device)
-            self._launch_call_major(calls, 1)
-            torch.cuda.synchronize(self.device)
-            self._raise_timeouts()
-            names = ("norm", "residual") if kind == "fused" else ("sum",)
-            digests = []
-            for r, outs in enumerate(case["outs"]):
-                for name, got, expected in zip(names, outs, case["expected"], strict=True):
-                    problem = verify.mismatch(f"call {call + 1} rank {r} {name}", got, expected)
-                    if problem:
-                        raise AssertionError(problem)
-                digests.append(verify.output_digest(*outs))
-            if any(d != digests[0] for d in digests):
-                raise AssertionError(f"call {call + 1}: the ranks' outputs differ in some bit")
-        return digests[0]
+        if not route.ours:
+            raise ValueError("NCCL cannot run in a one-process group (its time is injected)")
+        self._drop_run()
+        bank = self._bank_for(kind, dtype, rows)
+        run = CandidateRun(bank, route.id, range(self.world), int(self.spec.calls), self._make_call(route, kind),
+                           self.backend, self._raise_timeouts)
+        self._run = ((route, kind, dtype, rows), run)
+        return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
 
     def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
-        import torch
-
-        case = self._case(kind, dtype, rows)
-        calls = self._calls(route, kind, case)
-        per_graph = int(self.spec.calls)
-        self._launch_call_major(calls, 1)  # eager warm-up, outside the capture
-        torch.cuda.synchronize(self.device)
-        main = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=main):
-            for stream in self._streams:
-                stream.wait_stream(main)
-            for r, call in enumerate(calls):  # one branch per rank; a graph's kernels load at instantiation
-                with torch.cuda.stream(self._streams[r]):
-                    for _ in range(per_graph):
-                        call()
-            for stream in self._streams:
-                main.wait_stream(stream)
+        if self._run is None or self._run[0] != (route, kind, dtype, rows):
+            raise RuntimeError(f"time({route.id}) without its verify(): the checked graph is the timed one")
         try:
-            per_replay = timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))
+            return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
         finally:
-            del graph
-        torch.cuda.synchronize(self.device)
-        self._raise_timeouts()  # a timed-out wait returns at once and would otherwise look fast
-        return [t / per_graph for t in per_replay]
+            self._drop_run()
 
 
 def run_one_process(world: int, device_index: int, spec, *, islands=None, link: str | None = None,

@@ -2,9 +2,11 @@
 
 For each dtype, kind (plain, fused) and size (rows x hidden) of the spec, every candidate of
 tuning/candidates.py and the incumbent NCCL are
-1. verified: a few calls on small-integer inputs checked exact on every rank, the verdicts gathered and reduced
+1. verified: a few eager calls and then a burst of CUDA-graph replays (several calls in flight), every call
+   with inputs of its own (tuning/calls.py), checked exact on every rank, the verdicts gathered and reduced
    (tuning/verify.py); a candidate failing anywhere fails everywhere;
-2. timed: CUDA-graph replays, per replay the slowest rank, the median (tuning/timing.py);
+2. timed: replays of that same graph, per replay the slowest rank, the median (tuning/timing.py), and the
+   outputs of the last replay checked once more;
 and `routing.table.choose` turns the gathered times into routes. Every collective step is a gather over the
 group's CPU (gloo) group, so all ranks see the same lists and take the same branches. A candidate that fails
 (wrong bits, an exception, a kernel wait that timed out: the workspaces are built with on_timeout="exit", so a
@@ -51,13 +53,26 @@ class TuneError(RuntimeError):
     pass
 
 
-def rows_ladder(max_rows: int, quick: bool) -> list[int]:
-    """The row counts measured up to `max_rows` (which is always included)."""
+def graph_rows(batch_sizes: Sequence[int], draft_tokens: int = 1) -> list[int]:
+    """The row counts a server runs in CUDA graphs: every captured batch size times the draft tokens (target
+    verify), and the batch sizes themselves (decode; the draft model's steps), ascending."""
+    if draft_tokens < 1 or any(int(b) < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes and draft tokens must be >= 1, got {list(batch_sizes)} x {draft_tokens}")
+    return sorted({int(b) for b in batch_sizes} | {int(b) * int(draft_tokens) for b in batch_sizes})
+
+
+def rows_ladder(max_rows: int, quick: bool, captured: Sequence[int] = ()) -> list[int]:
+    """The row counts measured up to `max_rows` (which is always included), every row count of `captured` (the
+    server's CUDA-graph shapes, `graph_rows`) up to `max_rows` among them: a captured shape is served by its own
+    measurement, never by the next measured size's route (one above `max_rows` is past the byte bound: NCCL's)."""
     if max_rows < 1:
         raise ValueError("max_rows must be >= 1")
+    if any(int(r) < 1 for r in captured):
+        raise ValueError(f"captured row counts must be >= 1, got {sorted(captured)}")
     rows = {r for r in (QUICK_ROWS if quick else range(1, FULL_DENSE_ROWS + 1)) if r <= max_rows}
+    rows |= {int(r) for r in captured if int(r) <= max_rows}
     step = 2.0 if quick else 1.25
-    r = float(max(rows))
+    r = float(max(r for r in rows if r <= (QUICK_ROWS[-1] if quick else FULL_DENSE_ROWS)))
     while r < max_rows:
         r = max(r + 1, r * step)
         rows.add(min(int(r), max_rows))
@@ -76,6 +91,7 @@ class TuneSpec:
     iters: int = 20  # timed replays
     warmup: int = 5  # untimed replays
     verify_calls: int = 2  # eager calls checked per candidate (2: both halves of the double buffer)
+    burst_replays: int = 2  # graph replays checked back to back, with new inputs each (tuning/measure.py)
     kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
     # Candidates the parent excluded after one killed the process: dtype, kind, candidate, from_bytes, reason.
     exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -84,13 +100,15 @@ class TuneSpec:
     islands: list[list[int]] | None = None
     islands_given: bool = False
     link: str | None = None
+    # The row counts the server runs in CUDA graphs (tuner.graph_rows), each measured; () when not known.
+    graph_rows: list[int] = dataclasses.field(default_factory=list)
     # Debug, for a plumbing run where NCCL cannot start (ranks sharing one GPU): the incumbent's time is this
     # value instead of a measurement, and the table says so. Never set by the product.
     debug_nccl_us: float | None = None
 
     @property
     def rows(self) -> list[int]:
-        return rows_ladder(self.max_rows, self.quick)
+        return rows_ladder(self.max_rows, self.quick, self.graph_rows)
 
     @classmethod
     def make(cls, hidden: int, max_rows: int, *, quick: bool, **kwargs) -> TuneSpec:
@@ -161,7 +179,8 @@ class Tuner:
             raise TuneError(f"ranks see different workspaces: {shapes}")
         s = shapes[0]
         shape = cand.GroupShape(int(s["world_size"]), str(s["memory"]), int(s.get("num_islands", 1)),
-                                int(s.get("oneshot_max_bytes", 1 << 62)), tuple(s.get("clusters") or ()))
+                                int(s.get("oneshot_max_bytes", 1 << 62)), tuple(s.get("clusters") or ()),
+                                int(s.get("sm_budget") or 0), int(s.get("staged_ctas") or 8))
         offer = cand.agree_offer(cand.KernelOffer.from_dict(v["offer"]) for v in views)
         return shape, offer
 

@@ -52,26 +52,38 @@ def plain_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
     return inputs, total.to(_dtype(dtype))
 
 
-def fused_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
-    """(every rank's input, residual, weight, eps, expected norm, expected residual) of the fused op."""
+def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
+    """(R, its row scale 2^-k) in float32: the expected residual of a fused call and what its RMSNorm multiplies
+    by (docstring). `phase` moves the pattern, so calls of another phase expect other bits in every row."""
     import torch
 
     if hidden % 4:
         raise ValueError("hidden must be a multiple of 4")
-    inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
-    row = torch.arange(rows).unsqueeze(1)
-    col = torch.arange(hidden).unsqueeze(0)
+    row = torch.arange(rows, device=device).unsqueeze(1) + int(phase)
+    col = torch.arange(hidden, device=device).unsqueeze(0)
     k = (row % 3).float()
     magnitude = 2.0 ** (k + 1)
     sign = torch.where(((col // 4) + row) % 2 == 0, 1.0, -1.0)
     zero = torch.where((col + row) % 8 == 1, -0.0, 0.0)
-    target = torch.where(col % 4 == 0, sign * magnitude, zero)  # R, exact
+    return torch.where(col % 4 == 0, sign * magnitude, zero), 2.0 ** -k
+
+
+def fused_weight(hidden: int, device=None):
+    import torch
+
+    return torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], dtype=torch.float32, device=device)
+
+
+def fused_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
+    """(every rank's input, residual, weight, eps, expected norm, expected residual) of the fused op."""
+    inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
+    target, scale = fused_target(rows, hidden)
     total = inputs[0].float()
     for x in inputs[1:]:
         total = total + x.float()
     residual = (target - total).to(_dtype(dtype))  # small integers: exact
-    weight = torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], dtype=torch.float32)
-    norm = target * (2.0 ** -k) * weight
+    weight = fused_weight(hidden)
+    norm = target * scale * weight
     return inputs, residual, weight.to(_dtype(dtype)), EPS, norm.to(_dtype(dtype)), target.to(_dtype(dtype))
 
 
@@ -89,6 +101,29 @@ def mismatch(name: str, got, expected) -> str | None:
     index = tuple(int(i) for i in bad.nonzero()[0])
     return (f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at {list(index)}: "
             f"got {g[index].item()}, expected {e[index].item()}")
+
+
+def same_values(got, expected) -> bool:
+    """`mismatch` on the tensors' own device, without moving them: True when equal as values with no NaN."""
+    import torch
+
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    g = got.float()
+    return not bool((torch.isnan(g) | (g != expected.float())).any())
+
+
+def fingerprint(tensors) -> str:
+    """A digest of many outputs computed where they are: a position-weighted sum of their 16-bit patterns, so one
+    flipped bit anywhere (the sign of a zero included) changes it. For comparing ranks' bits, not for security."""
+    import torch
+
+    total = 0
+    for t in tensors:
+        bits = t.detach().contiguous().view(torch.int16).reshape(-1).to(torch.int64)
+        weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+        total = (total * 1_000_003 + int((bits * weights).sum().item())) % (1 << 61)
+    return f"weighted:{total:x}"
 
 
 def output_digest(*tensors) -> str:

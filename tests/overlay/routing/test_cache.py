@@ -11,6 +11,7 @@ import pytest
 
 from sgl_kernel_sm120 import cluster_check
 from sglang_sm120.routing import cache
+from sglang_sm120.routing.table import TUNE_VERSION
 
 from .test_table import _table, key
 
@@ -54,7 +55,7 @@ def _write(tmp_path, text):
 @pytest.mark.parametrize("text, why", [
     ("{not json", "bad JSON"),
     ("[1, 2]", "not a JSON object"),
-    (json.dumps({"format": 1, "tune_version": 1, "key": {}}), "'measured' is missing"),
+    (json.dumps({"format": 1, "tune_version": TUNE_VERSION, "key": {}}), "'measured' is missing"),
 ])
 def test_a_corrupt_file_is_ignored_saying_it_is_corrupt(tmp_path, text, why):
     _write(tmp_path, text)
@@ -73,7 +74,7 @@ def test_a_corrupt_entry_is_corrupt(tmp_path):
 
 @pytest.mark.parametrize("field, value, why", [
     ("format", 99, "table format 99, this build reads 1"),
-    ("tune_version", 0, "tune procedure 0, this build measures with 1"),
+    ("tune_version", 0, f"tune procedure 0, this build measures with {TUNE_VERSION}"),
 ])
 def test_another_format_or_tune_procedure_is_other_versions(tmp_path, field, value, why):
     doc = _table([10, 10], [5, 5]).to_dict()

@@ -67,7 +67,7 @@ def good_child(rank, spec):
 
 
 def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW, library=lambda rank: "lib:1:2",
-                launch_of=lambda rank: LAUNCH, offer_of=lambda rank: KernelOffer()):
+                launch_of=lambda rank: LAUNCH, offer_of=lambda rank: KernelOffer(), graph_rows=()):
     store, name, logs = dist.HashStore(), f"tables-{next(_names)}", []
     out = {}
 
@@ -82,7 +82,8 @@ def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW,
             link="pcie", p2p=P2P, offer=offer_of(rank), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
             max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0, launch_facts=launch_of(rank),
             log=lambda level, text, r=rank: logs.append((level, text)) if r == 0 else None,
-            facts=lambda device, r=rank: facts_fn(r), library=lambda r=rank: library(r), run_child=children)
+            facts=lambda device, r=rank: facts_fn(r), library=lambda r=rank: library(r), run_child=children,
+            graph_rows=graph_rows)
 
     threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
     for t in threads:
@@ -333,3 +334,11 @@ def test_a_hand_edited_table_is_recomputed_from_its_measurements():
     assert books[0].call(ROW, "bfloat16", False)[0].id == ONE  # what its measurements give, not the edit
     differ = [w for w in warnings(logs) if "its routes are not what its measurements give" in w]
     assert len(differ) == 1 and "bfloat16 plain: stored NCCL up to 57344 B" in differ[0], logs
+
+
+def test_the_quick_tune_measures_every_row_count_the_server_runs_in_cuda_graphs():
+    children = Children(good_child)
+    resolve_all("auto", children, max_bytes=128 * ROW, graph_rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128, 12])
+    spec = children.calls[0]["spec"]
+    assert spec.graph_rows == [1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128]
+    assert set(spec.graph_rows) <= set(spec.rows) and {12, 24, 48, 96} <= set(spec.rows)

@@ -297,3 +297,16 @@ def test_pruning_compares_with_nccl_only_never_with_another_candidate():
     # sizes between rows 2 and 3, whose measured neighbours chose different routes, are NCCL's
     assert tbl.describe(results[0], "bfloat16", "plain") == \
         "ONESHOT/push/device up to 28672 B, NCCL up to 43007 B, TWOSHOT/push/device up to 57344 B"
+
+
+def test_the_ladder_measures_every_captured_row_count_and_none_past_the_bound():
+    from sglang_sm120.tuning.tuner import graph_rows
+
+    captured = graph_rows([1, 2, 4, 8, 12, 16, 24, 32], 4)
+    assert captured == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    quick = rows_ladder(128, True, captured)
+    assert set(captured) <= set(quick) and quick == sorted(set(quick))
+    assert rows_ladder(64, True, captured)[-1] == 64 and 96 not in rows_ladder(64, True, captured)
+    assert set(rows_ladder(128, False, captured)) >= set(captured)
+    with pytest.raises(ValueError):
+        rows_ladder(8, True, [0])

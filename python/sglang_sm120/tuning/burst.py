@@ -1,0 +1,171 @@
+"""One candidate at one size, as this process runs it: checked eagerly, then as a pipelined burst of CUDA-graph
+replays, then timed by replaying the same graph (one capture serves the check and the timing).
+
+The ranks this process runs are its lanes (one in a rank's process; all W in the one-process group of
+tuning/measure_local.py). The graph holds `calls` calls per lane, call `k` reading input slot `k` and writing
+output slot `k`, so several calls are in flight at once with distinct buffers, as in a server's graph; every call
+of the check gets inputs of its own (tuning/calls.py):
+1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between (a wrong
+   result here is the plainest failure to read);
+2. `burst_replays` replays back to back, no host synchronization among them: before each, its slots are fed with
+   new inputs and its outputs set to NaN (stream-ordered), after each the outputs are copied aside; then all of
+   them are checked. A candidate that returns the previous call's result, reads the previous call's input or
+   reuses a buffer its peer (or its own previous call) is still reading fails here;
+3. the timed replays (the inputs of the last burst replay), after which the outputs are checked once more.
+Every check is exact (tuning/verify.py); the fingerprint of every output checked is this process's digest, which
+the Tuner compares across ranks.
+
+The device work goes through a backend (`CudaBackend` here; the CPU tests bring their own), so the procedure
+runs on CPU tensors with fake workspaces in the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import timing, verify
+from .calls import CallBank, salt
+
+
+class CudaBackend:
+    """Lane streams, synchronization, capture and replay on one CUDA device."""
+
+    def __init__(self, device, lanes: int):
+        import torch
+
+        self.device = torch.device(device)
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)]
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+
+    def lane(self, index: int):
+        import torch
+
+        return torch.cuda.stream(self.streams[index])
+
+    def capture(self, lanes: Sequence[Sequence[Callable[[], Any]]]):
+        """One graph, one branch per lane (each on its stream, forked from and joined into the capture stream):
+        a graph's kernels load at instantiation, so the lanes' first launches cannot wait on one another."""
+        import torch
+
+        main = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
+            for stream in self.streams:
+                stream.wait_stream(main)
+            for index, calls in enumerate(lanes):
+                with torch.cuda.stream(self.streams[index]):
+                    for call in calls:
+                        call()
+            for stream in self.streams:
+                main.wait_stream(stream)
+        self.synchronize()
+        return graph
+
+    def replay_times(self, graph, iters: int, warmup: int) -> list[float]:
+        return timing.replay_times(graph, iters, warmup=warmup)
+
+
+class CandidateRun:
+    """Slots, graph and checks of one candidate at one size. `make_call(rank, x, residual, outs)` returns the
+    callable that issues rank `rank`'s call of the candidate on those tensors; `check_timeouts()` raises when a
+    kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+
+    def __init__(self, bank: CallBank, candidate_id: str, ranks: Sequence[int], calls: int,
+                 make_call: Callable[[int, Any, Any, tuple], Callable[[], Any]], backend,
+                 check_timeouts: Callable[[], None]):
+        import torch
+
+        self.bank, self.ranks, self.calls = bank, list(ranks), max(1, int(calls))
+        self.backend, self.check_timeouts = backend, check_timeouts
+        self.first = salt(candidate_id)
+        self.used = 0  # salts handed out so far: every call of this candidate gets a new one
+        like = next(iter(bank.base.values()))
+        self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
+        self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
+        width = len(bank.output_names())
+        self.outs = {r: [tuple(torch.empty_like(like) for _ in range(width)) for _ in range(self.calls)]
+                     for r in self.ranks}
+        self.call = {r: [make_call(r, self.x[r][k], self.residual[k] if self.residual else None, self.outs[r][k])
+                         for k in range(self.calls)] for r in self.ranks}
+        self.graph = None
+        self.fed: list[int] = [0] * self.calls  # the salt whose inputs each slot holds
+        self.prints: list[str] = []
+
+    # -- inputs and checks ----------------------------------------------------------------------------------
+    def _feed(self, k: int) -> None:
+        value, self.used = self.first + self.used, self.used + 1
+        given = self.bank.inputs(value)
+        for r in self.ranks:
+            self.x[r][k].copy_(given["x"][r])
+            for out in self.outs[r][k]:
+                out.fill_(float("nan"))
+        if self.residual is not None:
+            self.residual[k].copy_(given["residual"])
+        self.fed[k] = value
+
+    def _check(self, where: str, value: int, outputs: dict[int, tuple]) -> None:
+        expected = self.bank.expected(value)
+        for r in self.ranks:
+            for name, got, want in zip(self.bank.output_names(), outputs[r], expected, strict=True):
+                if not verify.same_values(got, want):
+                    raise AssertionError(verify.mismatch(f"{where} rank {r} {name}", got, want) or
+                                         f"{where} rank {r} {name}: differs")
+        mine = [verify.fingerprint(outputs[r]) for r in self.ranks]
+        if any(m != mine[0] for m in mine):  # this process's lanes; the Tuner compares the processes' digests
+            raise AssertionError(f"{where}: the ranks' outputs differ in some bit")
+        self.prints += mine
+
+    def _issue(self, k: int) -> None:
+        """Every lane's call k, call-major (one-process groups need it: IpcAllReduce.local_group)."""
+        for index, r in enumerate(self.ranks):
+            with self.backend.lane(index):
+                self.call[r][k]()
+
+    # -- the procedure --------------------------------------------------------------------------------------
+    def verify(self, eager_calls: int, replays: int) -> str:
+        for j in range(max(1, int(eager_calls))):
+            k = j % self.calls
+            self._feed(k)
+            self.backend.synchronize()
+            self._issue(k)
+            self.backend.synchronize()
+            self.check_timeouts()
+            self._check(f"eager call {j + 1}", self.fed[k], {r: self.outs[r][k] for r in self.ranks})
+        self.graph = self.backend.capture([self.call[r] for r in self.ranks])
+        records: list[tuple[str, int, dict[int, tuple]]] = []
+        for b in range(max(1, int(replays))):
+            for k in range(self.calls):
+                self._feed(k)
+            self.graph.replay()
+            for k in range(self.calls):
+                records.append((f"graph replay {b + 1} call {k + 1}", self.fed[k],
+                                {r: tuple(o.clone() for o in self.outs[r][k]) for r in self.ranks}))
+        self.backend.synchronize()
+        self.check_timeouts()
+        for where, value, outputs in records:
+            self._check(where, value, outputs)
+        return self.digest()
+
+    def time(self, iters: int, warmup: int) -> list[float]:
+        if self.graph is None:
+            raise RuntimeError("time() before verify(): the graph is captured, and checked, by verify()")
+        per_replay = self.backend.replay_times(self.graph, int(iters), int(warmup))
+        self.backend.synchronize()
+        self.check_timeouts()
+        for k in range(self.calls):
+            self._check(f"after the timed replays, call {k + 1}", self.fed[k],
+                        {r: self.outs[r][k] for r in self.ranks})
+        return [t / self.calls for t in per_replay]
+
+    def digest(self) -> str:
+        """Of every output checked so far, in order: equal across ranks when their bits are."""
+        return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
+
+    def close(self) -> None:
+        self.graph = None

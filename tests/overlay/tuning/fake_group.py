@@ -1,0 +1,124 @@
+"""A one-process group of fake workspaces on CPU tensors, and a backend that "captures" and replays their calls,
+for running tuning/measure_local.py's verification and timing without a GPU.
+
+A call completes when every rank has issued it (as the kernels' waits make it), reading the inputs then. The
+fakes break the contract the way real bugs do:
+- "stale": every call returns the previous call's result (a kernel reading the last call's packs);
+- "single_buffer": correct while the host synchronizes between calls, but a call issued while the previous one
+  is still in flight reuses that one's buffer, which then holds the new call's result (a broken double buffer);
+- "zero_sign": rank 1 turns every +0 of its outputs into -0 (the same values, other bits than its peers').
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MODES = ("good", "stale", "single_buffer", "zero_sign")
+
+
+class FakeGroup:
+    def __init__(self, world: int, mode: str = "good", sm_budget: int = 16, clusters=()):
+        if mode not in MODES:
+            raise ValueError(mode)
+        self.world, self.mode = world, mode
+        self.workspaces = [FakeWorkspace(self, r, sm_budget, clusters) for r in range(world)]
+        self.pending: dict[int, dict[int, tuple]] = {}
+        self.previous: dict[int, tuple] = {}  # rank -> the last completed call's result (stale mode)
+        self.in_flight: dict[int, tuple] = {}  # rank -> outputs of a call completed since the last sync
+        self.launches: list[dict] = []  # every call's keyword arguments, rank 0's
+
+    def synchronize(self) -> None:
+        self.in_flight.clear()
+
+    def issue(self, rank: int, index: int, call: tuple) -> None:
+        self.pending.setdefault(index, {})[rank] = call
+        if len(self.pending[index]) == self.world:
+            self._complete(self.pending.pop(index))
+
+    def _complete(self, calls: dict[int, tuple]) -> None:
+        total = sum(calls[r][1].float() for r in range(self.world))
+        for rank, (op, _x, outs, residual, weight, eps) in calls.items():
+            if op == "plain":
+                result = (total.to(outs[0].dtype),)
+            else:
+                res = total + residual.float()
+                norm = res * torch.rsqrt(res.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+                result = (norm.to(outs[0].dtype), res.to(outs[1].dtype))
+            written = result
+            if self.mode == "stale":
+                written = self.previous.get(rank, result)
+                self.previous[rank] = tuple(t.clone() for t in result)
+            if self.mode == "zero_sign" and rank == 1:
+                written = tuple(torch.where(t == 0, torch.full_like(t, -0.0), t) for t in written)
+            for out, value in zip(outs, written, strict=True):
+                out.copy_(value)
+            if self.mode == "single_buffer":
+                earlier = self.in_flight.get(rank)
+                if earlier is not None:
+                    for out, value in zip(earlier, result, strict=True):
+                        out.copy_(value)
+                self.in_flight[rank] = outs
+
+
+class FakeWorkspace:
+    memory = "device"
+    num_islands = 1
+    oneshot_max_numel = 1 << 40
+
+    def __init__(self, group: FakeGroup, rank: int, sm_budget: int, clusters):
+        self.group, self.rank, self.sm_budget = group, rank, sm_budget
+        self.fused_clusters = {"clusters": list(clusters)}
+        self.fused_cluster = None
+        self.issued = 0
+
+    def timeout_error(self):
+        return None
+
+    def _issue(self, call: tuple, kwargs: dict) -> None:
+        if self.rank == 0:
+            self.group.launches.append(dict(kwargs))
+        index, self.issued = self.issued, self.issued + 1
+        self.group.issue(self.rank, index, call)
+
+    def all_reduce(self, x, out, **kwargs):
+        self._issue(("plain", x, (out,), None, None, None), kwargs)
+        return out
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps, norm_out, res_out, **kwargs):
+        self._issue(("fused", x, (norm_out, res_out), residual, weight, eps), kwargs)
+        return norm_out, res_out
+
+
+class FakeGraph:
+    """Replays the lanes' calls call-major, as the lanes of a real graph run side by side."""
+
+    def __init__(self, lanes):
+        self.lanes = [list(lane) for lane in lanes]
+
+    def replay(self) -> None:
+        for k in range(len(self.lanes[0])):
+            for lane in self.lanes:
+                lane[k]()
+
+
+class FakeBackend:
+    def __init__(self, group: FakeGroup):
+        self.group = group
+        self.captures = 0
+
+    def synchronize(self) -> None:
+        self.group.synchronize()
+
+    def lane(self, index: int):
+        return contextlib.nullcontext()
+
+    def capture(self, lanes):
+        self.captures += 1
+        return FakeGraph(lanes)
+
+    def replay_times(self, graph, iters: int, warmup: int) -> list[float]:
+        for _ in range(warmup + iters):
+            graph.replay()
+        return [10.0] * iters
