@@ -43,6 +43,7 @@ RESULT_KINDS = {
     "polling": "benchmarks/bench_polling.py",
     "trap delivery": "scripts/diagnose_trap_delivery.py",
     "routing table": "python -m sglang_sm120.tune --out",
+    "server test": "tests/gpu/test_sglang_server.py",
 }
 # Fields of a bench_transports / bench_polling record kept when one is cut (a wrong result is always kept).
 RECORD_FIELDS = ("mode", "op", "world", "rows", "hidden", "dtype", "variant", "transport", "polling", "cluster",
@@ -125,6 +126,8 @@ def classify(doc: Any) -> str | None:
         return "trap delivery"
     if {"format", "tune_version", "entries", "measurements"} <= doc.keys():
         return "routing table"
+    if {"sglang", "runs", "checks"} <= doc.keys():
+        return "server test"
     return None
 
 
@@ -178,6 +181,12 @@ def _slim(entry: Mapping[str, Any]) -> dict[str, Any]:
                 "summary": doc.get("summary") or doc.get("comparisons"), "records": len(records),
                 "incorrect": [{k: r.get(k) for k in RECORD_FIELDS if k in r} for r in records
                               if r.get("result_correct") is False]}
+    if kind == "server test":  # the verdicts; the runs' requests and log tails stay in the file
+        return {**head, "sglang": doc.get("sglang"),
+                "runs": {name: {k: run.get(k) for k in ("mode", "graphs", "start_s") if k in run}
+                         | ({"error": str(run["error"])[-300:]} if "error" in run else {})
+                         for name, run in (doc.get("runs") or {}).items()},
+                "checks": {name: bool((c or {}).get("ok")) for name, c in (doc.get("checks") or {}).items()}}
     if kind == "trap delivery":
         return {**head, "world": doc.get("world"), "kernel_timeout_s": doc.get("kernel_timeout_s"),
                 "ranks": {r: (v or {}).get("state") for r, v in (doc.get("ranks") or {}).items()},
@@ -269,6 +278,12 @@ def _result_markdown(entry: Mapping[str, Any]) -> str:
         return f"#### {name}: {render.hardware_line(doc)}\n\n{render.verify_doc_markdown(doc)}"
     if kind == "trap delivery":
         return f"#### {name}: trap delivery, {doc.get('world')} ranks\n\n{render.trap_delivery_markdown(doc)}"
+    if kind == "server test":
+        runs = ", ".join(f"{run_name}: " + ("did not start" if "error" in run else f"ready in {run.get('start_s')} s")
+                         for run_name, run in (doc.get("runs") or {}).items())
+        lines = [f"- {'passed' if (c or {}).get('ok') else 'FAILED'}: {check}"
+                 for check, c in (doc.get("checks") or {}).items()]
+        return f"#### {name}: real SGLang {doc.get('sglang')} server ({runs})\n\n" + "\n".join(lines)
     title = f"#### {name}: bench_{kind}, {doc.get('hardware')}, {doc.get('timestamp')}"
     return f"{title}\n\n{render.records_doc_markdown(doc)}"
 

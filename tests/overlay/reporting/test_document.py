@@ -34,6 +34,7 @@ def test_every_result_json_the_repository_writes_is_taken_and_the_rest_listed_at
     assert sorted(name for name, kind in kinds.items() if kind in document.RESULT_KINDS) == jsons, kinds
     assert kinds["transports_h200_loopback.json"] == "transports" and kinds["polling_h200_loopback.json"] == "polling"
     assert kinds["tune_h200_shared.json"] == "routing table" and kinds["trap_delivery_h200_w8.json"] == "trap delivery"
+    assert kinds["server_test_h200_shared_call4.json"] == "server test"
     others = sorted(name for name in os.listdir(RESULTS) if not name.endswith(".json"))
     assert sorted(n for n, k in kinds.items() if k == "not a JSON result document") == others
     report = document.build(env=fake_env(), doctor=None, tables=[], results=found, created="2026-12-03")
@@ -41,6 +42,8 @@ def test_every_result_json_the_repository_writes_is_taken_and_the_rest_listed_at
     assert "#### transports_h200_loopback.json: bench_transports" in text and "best_us" in text
     assert "#### polling_h200_loopback.json: bench_polling" in text and "rule_over_one_cta" in text
     assert "### tune_h200_shared.json (routing table)" in text and "trap delivery, 8 ranks" in text
+    assert "server_test_h200_shared_call4.json: real SGLang 0.5.13.post1 server" in text
+    assert "- passed: on, graphs: CUDA graphs captured" in text and "- FAILED: on, graphs: sglang.bench" in text
     skipped = text.split("### Skipped", 1)[1]
     assert all(f"{name}`: not a JSON result document" in skipped for name in others)
     assert text.index("### Skipped") > text.index("<details><summary>JSON</summary>")
