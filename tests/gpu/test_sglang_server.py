@@ -296,9 +296,11 @@ def run_server(name: str, model: dict, site: str, workdir: str, *, mode: str, gr
 
 def bench_one_batch(server: Server, model: dict, workdir: str) -> dict:
     result = os.path.join(workdir, "bench_one_batch.jsonl")
+    # random-ids: token ids drawn from the vocabulary. The default dataset ("random") samples its prompts from
+    # ShareGPT, which it downloads from the Hugging Face Hub, and the GPU machine reaches no network.
     cmd = [sys.executable, "-m", "sglang.bench_one_batch_server", "--model-path", model["target"],
            "--base-url", server.url, "--batch-size", "1", "2", "--input-len", "64", "--output-len", "16",
-           "--result-filename", result]
+           "--dataset-name", "random-ids", "--result-filename", result]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=server.env)
     return {"returncode": done.returncode, "stdout_tail": done.stdout[-3000:], "stderr_tail": done.stderr[-3000:],
             "results": open(result).read() if os.path.exists(result) else None}
