@@ -248,15 +248,16 @@ def report_cluster_launch(found: list[dict]) -> None:
 
 def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
     """What the pinned host-memory workspace (no P2P) would take in its tmpfs at this bound, and what is free."""
-    from sgl_kernel_sm120.ipc_allreduce import DEFAULT_SHM_DIR, SHM_DIR_ENV
-    from sgl_kernel_sm120.variants import Link, oneshot_max_bytes
+    from sgl_kernel_sm120.construction import DEFAULT_SHM_DIR, SHM_DIR_ENV
+    from sgl_kernel_sm120.policy import ELEMENT_BYTES, Memory, kernel_limits, oneshot_max_numel
 
     folder = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
-    max_numel = bound.max_bytes // 2 // 8 * 8
-    oneshot = max(8, min(max_numel, oneshot_max_bytes(world, Link.HOST) // 2 // 8 * 8))
     try:
         from sgl_kernel_sm120 import _ext
 
+        grain = kernel_limits().elems_per_pack
+        max_numel = bound.max_bytes // ELEMENT_BYTES // grain * grain
+        oneshot = oneshot_max_numel(world, Memory.HOST, max_numel, kernel_limits())
         need = int(_ext.ops().host_shared_bytes_for(world, max_numel, oneshot))
     except Exception as exc:
         print(f"host-memory workspace at TP={world}: size unknown ({exc})")
@@ -448,14 +449,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems: list[str] = []
     try:
         # A bad SGLANG_SM120_* value would stop the server at launch: report it the same way, without a traceback.
-        config.check_environment()
+        settings = config.settings_from_environment()
     except config.SettingError as exc:
         print(f"setting error: {exc}")
         return _finish([str(exc)])
-    mode = args.mode or config.mode_from_env()
+    mode = args.mode or settings.mode
     mode_source = "--mode" if args.mode else (f"${config.MODE_ENV}" if os.environ.get(config.MODE_ENV) else "default")
     print(f"mode: {mode} (from {mode_source})")
-    hostmem = config.hostmem_from_env()
+    hostmem = settings.hostmem
     hostmem_source = f"${config.HOSTMEM_ENV}" if os.environ.get(config.HOSTMEM_ENV) else "default"
     print(f"host-memory workspace where P2P is missing: {hostmem} (from {hostmem_source})")
 
@@ -479,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}={os.environ.get(name, '(unset)')}  suggested: {suggested}  ({why})")
 
     section("dispatch by message size (bf16)")
-    explicit = args.max_bytes if args.max_bytes is not None else config.max_bytes_from_env()
+    explicit = args.max_bytes if args.max_bytes is not None else settings.max_bytes
     bound = config.resolve_max_bytes(
         explicit,
         argparse.Namespace(cuda_graph_max_bs=args.max_bs, cuda_graph_bs=None,
