@@ -187,8 +187,13 @@ def iommu_acs_hints() -> list[str]:
 
 
 NO_GPU_FIX = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_VISIBLE_DEVICES"
-BOUND_FLAGS = ("--max-bs and --draft-tokens here (a server: --cuda-graph-max-bs and --speculative-num-draft-tokens), "
-               f"or --max-bytes (a server: --sm120-allreduce-max-bytes, ${config.MAX_BYTES_ENV})")
+# How a server derives the rows of its bound (core/config.py derive_max_bytes), and what changes them.
+SERVER_ROWS = ("a server's rows are its largest captured CUDA-graph batch (--cuda-graph-max-bs, or the largest of "
+               "--cuda-graph-bs; SGLang 0.5.23 counts the batches it captures, clamped to its request pool) times "
+               "--speculative-num-draft-tokens when a --speculative-algorithm is set")
+BOUND_FLAGS = ("--max-bs and --draft-tokens change them here; --max-bytes here, or --sm120-allreduce-max-bytes or "
+               f"${config.MAX_BYTES_ENV} on a server, sets the bound itself (a derived one is capped at "
+               f"{config.DERIVED_MAX_BYTES_CAP} B)")
 
 
 def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, *, assumed: str = "") -> None:
@@ -196,7 +201,7 @@ def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, 
     derived from, when they are this tool's defaults rather than a server's settings."""
     print(f"bound: {bound.max_bytes} B ({bound.explanation})")
     if assumed:
-        print(f"  {assumed}: this tool's defaults, not your server's; {BOUND_FLAGS} change them")
+        print(f"  {assumed}: this tool's defaults, not your server's; {SERVER_ROWS}; {BOUND_FLAGS}")
     max_tokens = bound.max_bytes // (hidden * element_size)
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):

@@ -347,3 +347,27 @@ def test_the_quick_tune_measures_every_row_count_the_server_runs_in_cuda_graphs(
     assert spec.graph_rows == [1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128]
     assert set(spec.graph_rows) <= set(spec.rows) and {12, 24, 48, 96} <= set(spec.rows)
 
+
+def test_ranks_that_ended_on_different_routes_all_go_to_nccl(monkeypatch):
+    """The last agreement compares what every rank will route by: a rank that derived other routes from the same
+    table (whatever the cause) sends the whole group to NCCL rather than into a wait for calls that never come."""
+    cache.save(a_table())
+    real = RoutingTable.rederived
+
+    def rank_1_derives_other_routes(self, blamed=()):
+        derived = real(self, blamed)
+        if threading.current_thread().name == "rank1":
+            derived.entries = [e for e in derived.entries if e.kind == "plain"]
+        return derived
+
+    monkeypatch.setattr(RoutingTable, "rederived", rank_1_derives_other_routes)
+    books, logs = resolve_all("auto", Children(good_child))
+    all_nccl(books, logs, "the ranks ended on different routes: rank 0 table, rank 1 table")
+
+
+def test_a_rank_that_drops_out_of_the_last_agreement_leaves_every_rank_on_nccl():
+    cache.save(a_table())
+    books, logs = resolve_all("auto", Children(good_child), lost=(1, "routes-final"), agree_timeout_s=1.0)
+    assert {b.source for b in books.values()} == {"nccl"}
+    assert "could not agree on their routes" in books[0].why and "could not agree on their routes" in books[1].why
+    assert any("every all-reduce of this group goes to NCCL" in w and RETRY in w for w in warnings(logs))
