@@ -438,7 +438,7 @@ class IpcAllReduce:
         _ext.ops().all_reduce(
             self._handle, _aligned_copy(inp), target, int(route.variant),
             route.threads or policy.plain_threads(nbytes), policy.cta_cap(route, self.shape), self.use_pdl,
-            route.transport.code,
+            *_trailing_args(route),
         )
         if target is not result:
             result.copy_(target)
@@ -455,7 +455,7 @@ class IpcAllReduce:
         _ext.ops().all_reduce_add_rmsnorm(
             self._handle, _aligned_copy(inp), _aligned_copy(residual.contiguous()),
             _aligned_copy(weight.contiguous()), float(eps), targets[0], targets[1], int(route.variant),
-            policy.cta_cap(route, self.shape), self.use_pdl, route.cluster or 0, route.transport.code,
+            policy.cta_cap(route, self.shape), self.use_pdl, route.cluster or 0, *_trailing_args(route),
         )
         for o, t in zip(outs, targets, strict=True):
             if o is not t:
@@ -579,6 +579,11 @@ def close_local_group(comms: list[IpcAllReduce]) -> None:
     finally:
         for comm in comms:
             comm._release()
+
+
+def _trailing_args(route: Route) -> tuple:
+    """The launch fields both ops take last, in their order (csrc/torch_bindings.cpp, TORCH_LIBRARY)."""
+    return (route.transport.code,)
 
 
 def _require_cuda() -> None:

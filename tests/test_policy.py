@@ -214,3 +214,36 @@ def test_the_keyword_forms_of_the_ops_are_the_seed_route_with_those_fields_repla
             ws._route(Inp(1024), None, ctas=bad)
     with pytest.raises(ValueError, match="transport must be"):
         ws._route(Inp(1024), None, transport="carrier-pigeon")
+
+
+def test_a_launch_hands_the_route_to_the_ops_field_by_field(monkeypatch):
+    """What reaches the C++ op is the route: its variant and transport codes, its CTA cap (or the seed cap on this
+    workspace), its cluster, its plain CTA size (or the seed rule); the op's own checks are the wall behind."""
+    import torch
+
+    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce
+
+    calls = []
+
+    class Ops:
+        def all_reduce(self, *args):
+            calls.append(("plain", args[3:]))
+
+        def all_reduce_add_rmsnorm(self, *args):
+            calls.append(("fused", args[7:]))
+
+    monkeypatch.setattr(_ext, "ops", lambda: Ops())
+    ws = IpcAllReduce.__new__(IpcAllReduce)  # no GPU: the arguments of a launch, not the launch
+    ws._handle, ws._shape, ws.use_pdl, ws._watchdog = 1, RTX, True, None
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    ws.launch(Route("TWOSHOT", "pull", "device", ctas=94, threads=128), x)
+    ws.launch(Route("ONESHOT", "staged", "device"), x)
+    ws.launch_fused(Route("ONESHOT", "push", "device", ctas=188, cluster=4), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
+    ws.launch_fused(Route("ISLAND", "staged", "device"), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
+    small = policy.plain_threads(x.numel() * 2)
+    assert calls == [
+        ("plain", (int(Variant.TWOSHOT), 128, 94, True, Transport.PULL.code)),
+        ("plain", (int(Variant.ONESHOT), small, policy.STAGED_MAX_CTAS, True, Transport.STAGED.code)),
+        ("fused", (int(Variant.ONESHOT), 188, True, 4, Transport.PUSH.code)),
+        ("fused", (int(Variant.ISLAND), policy.STAGED_MAX_CTAS, True, 0, Transport.STAGED.code)),
+    ]
