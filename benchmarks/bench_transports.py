@@ -34,7 +34,7 @@ import statistics
 import torch
 
 from benchmarks.harness import microbench, timing
-from sgl_kernel_sm120.variants import STAGED_MAX_CTAS, Transport
+from sgl_kernel_sm120.policy import STAGED_MAX_CTAS, Transport
 
 WORLDS = (2, 4, 8)
 HIDDEN = 7168

@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "ar_launch.h"
@@ -158,6 +160,35 @@ int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(han
 // The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs and tests.
 int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t sm_budget) {
   return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack), static_cast<int>(sm_budget));
+}
+
+// The kernels' limits and the codes of their enums, by name, as one JSON object of integers: the Python policy
+// (sgl_kernel_sm120/policy.py) reads them from the library it loads instead of keeping copies that could drift.
+std::string kernel_limits() {
+  const std::pair<const char*, long long> named[] = {
+      {"plain_max_threads", kPlainMaxThreads},
+      {"max_packs_per_thread", kMaxPacksPerThread},
+      {"max_fused_hidden", kMaxFusedHidden},
+      {"max_world", kMaxWorld},
+      {"max_ctas", kMaxCounters},
+      {"pack_bytes", kPackBytes},
+      {"elems_per_pack", kElemsPerPack},
+      {"owner_block_packs", kOwnerBlockPacks},
+      {"variant_oneshot", static_cast<int>(Variant::kOneShot)},
+      {"variant_twoshot", static_cast<int>(Variant::kTwoShot)},
+      {"variant_island", static_cast<int>(Variant::kIsland)},
+      {"transport_push", kTransportPush},
+      {"transport_staged", kTransportStaged},
+      {"transport_pull", kTransportPull},
+      {"memory_device", static_cast<int>(Memory::kDevice)},
+      {"memory_host", static_cast<int>(Memory::kHost)},
+  };
+  std::string json = "{";
+  for (const auto& [name, value] : named) {
+    if (json.size() > 1) json += ", ";
+    json += std::string("\"") + name + "\": " + std::to_string(value);
+  }
+  return json + "}";
 }
 
 at::Tensor ws_ipc_handle(int64_t handle) {
@@ -371,6 +402,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
   m.def("ws_sequence(int ws) -> int", &ws_sequence);
   m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);
+  m.def("kernel_limits() -> str", &kernel_limits);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
   m.def(
       "all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl, "

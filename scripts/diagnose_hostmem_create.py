@@ -16,7 +16,8 @@ import sys
 import torch
 
 from sgl_kernel_sm120 import _ext
-from sgl_kernel_sm120.ipc_allreduce import DEFAULT_SHM_DIR, MEMORY_KINDS, placement
+from sgl_kernel_sm120.construction import DEFAULT_SHM_DIR, placement
+from sgl_kernel_sm120.policy import Memory
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
     name = f"sgl_sm120_diag_{os.getpid()}_{secrets.token_hex(4)}"
     flat = placement([list(range(world))], 0)
     handle = ops.ws_create(0, 0, world, max_numel, max_numel, 30.0, 10.0, False, *flat, [], [], 0, 0,
-                           MEMORY_KINDS["host"], DEFAULT_SHM_DIR, name, True)
+                           Memory.HOST.code, DEFAULT_SHM_DIR, name, True)
     print("ws_create returned; numa:", list(ops.ws_host_numa(handle)), flush=True)
     ops.ws_unlink_shared(handle)
     ops.ws_destroy(handle)

@@ -48,14 +48,13 @@ ar = IpcAllReduce(GLOO, rank, 256 * 7168, islands=[[r] for r in range(world)] if
 for pdl in (True, False):
     ar.use_pdl = pdl
     for threads in (128, 256, 512):
-        ar.threads = threads
         for rows in (1, 3, 16, 64, 256):
             x = torch.randn(rows, 7168, dtype=torch.bfloat16, device="cuda")
             res = torch.randn_like(x)
             w = torch.randn(7168, dtype=torch.bfloat16, device="cuda")
             row = {}
             for v in (Variant.ONESHOT, Variant.TWOSHOT):
-                row[f"ar-{v.name}"] = graph_time_us(functools.partial(ar.all_reduce, x, variant=v))
+                row[f"ar-{v.name}"] = graph_time_us(functools.partial(ar.all_reduce, x, variant=v, threads=threads))
                 if threads == 256:
                     fused = functools.partial(ar.all_reduce_add_rmsnorm, x, res, w, 1e-6, variant=v)
                     row[f"fused-{v.name}"] = graph_time_us(fused)

@@ -3,9 +3,9 @@
 Importing this package never needs the compiled extension or a GPU; calling a kernel without the
 extension raises KernelsNotBuiltError with the command that builds it. This package knows nothing of SGLang.
 
-The public names are loaded on first use (PEP 562), so the pure-Python modules (`variants`, `errors`,
-`cluster_check`'s cache folder) import without torch: the overlay's routing cache and its offline report
-read them on machines that have no torch.
+The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`,
+`cluster_check`'s cache folder) import without torch: the overlay's routing table, its cache and its offline
+report read them on machines that have no torch.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ _LAZY = {
     "reference_add_rmsnorm": ".reference",
     "reference_all_reduce": ".reference",
     "reference_all_reduce_add_rmsnorm": ".reference",
-    "Link": ".variants",
-    "Transport": ".variants",
-    "Variant": ".variants",
-    "choose_transport": ".variants",
-    "choose_variant": ".variants",
-    "describe_schedule": ".variants",
+    "Link": ".policy",
+    "Memory": ".policy",
+    "Route": ".policy",
+    "Transport": ".policy",
+    "Variant": ".policy",
+    "WorkspaceShape": ".policy",
+    "choose_variant": ".policy",
+    "describe_schedule": ".policy",
+    "kernel_limits": ".policy",
+    "seed_route": ".policy",
 }
 
 __all__ = sorted(_LAZY)

@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 
+from .policy import CLUSTER_SIZES
+
 CACHE_ENV = "SGLANG_SM120_CACHE"
 SWITCH_ENV = "SGL_SM120_FUSED_CLUSTERS"
 DEBUG_ENV = "SGL_SM120_DEBUG_CLUSTER_CHECK"
 CHILD_TIMEOUT_S = 120.0
 CACHE_FILE = "cluster_check.json"
-CLUSTER_SIZES = (2, 4, 8)
 # Shapes the child runs: rows x hidden, bf16 and fp16; hidden 7168 (Kimi-K2.5) splits unevenly over 8 CTAs.
 CHECK_SHAPES = ((1, 7168), (3, 7168), (5, 4096), (2, 2048))
 

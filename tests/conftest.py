@@ -74,11 +74,12 @@ def private_cache(monkeypatch, tmp_path_factory):
 @pytest.fixture
 def clean_env(monkeypatch):
     """The overlay's variables (and SGLang's PCIe-IPC switch) unset for the test. setenv-then-delenv records
-    "unset" as the value to restore, so values the code under test writes into os.environ (from_cli_args
-    exports the flags) are removed after the test."""
+    "unset" as the value to restore, so values the code under test writes into os.environ (SGLang's own
+    resolution exports some of its settings) are removed after the test."""
     from sglang_sm120.core import config
 
-    for name in (config.MODE_ENV, config.MAX_BYTES_ENV, config.TUNE_ENV, "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"):
+    names = [name for _, name, _ in config.ENVIRONMENT] + ["SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"]
+    for name in names:
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 

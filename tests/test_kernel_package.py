@@ -1,4 +1,5 @@
-"""CPU tests of sgl_kernel_sm120: the references, the variant choice, island validation, argument checks."""
+"""CPU tests of sgl_kernel_sm120: the references, the seed variants, island validation, argument checks, the
+probe's and the watchdog's host side. The policy as data has its own file (tests/test_policy.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 import sgl_kernel_sm120 as k
-from sgl_kernel_sm120 import _ext, variants
-from sgl_kernel_sm120.variants import Link, Variant, choose_variant, placement, validate_islands
+from sgl_kernel_sm120 import _ext, policy
+from sgl_kernel_sm120 import data_path_probe as probe
+from sgl_kernel_sm120.construction import placement, validate_islands
+from sgl_kernel_sm120.policy import Link, Variant, choose_variant
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -62,7 +65,7 @@ def test_two_ranks_always_use_one_shot(nbytes):
 
 
 def test_nvlink_switches_to_two_shot_past_the_bound():
-    bound = variants.NVLINK_ONESHOT_MAX_BYTES
+    bound = policy.NVLINK_ONESHOT_MAX_BYTES
     assert choose_variant(bound, 8, Link.NVLINK) is Variant.ONESHOT
     assert choose_variant(bound + 16, 8, Link.NVLINK) is Variant.TWOSHOT
 
@@ -156,7 +159,9 @@ def test_constructor_rejects_bad_arguments_clearly(single_rank_group, kwargs, me
 
 def test_no_driver_or_gpu_is_named_as_such(single_rank_group, monkeypatch):
     """kernels_available() only says the library loads; without a driver the constructor says what is missing."""
+    limits = policy.kernel_limits()
     monkeypatch.setattr(_ext, "ops", lambda: object())  # as if the kernels were built
+    monkeypatch.setattr(policy, "kernel_limits", lambda: limits)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(k.IpcAllReduceError, match="no CUDA driver/GPU"):
         k.IpcAllReduce(single_rank_group, "cuda:0", 1024)
@@ -165,7 +170,7 @@ def test_no_driver_or_gpu_is_named_as_such(single_rank_group, monkeypatch):
 def test_launch_limits_are_agreed_on_the_smallest_gpu_and_every_cluster_check():
     """Issue 22 item 2: a group mixing two SKUs launches one grid shape everywhere (the smallest SM count and
     cluster capacity), and one rank whose cluster check failed takes clusters away from every rank."""
-    from sgl_kernel_sm120.ipc_allreduce import agree_launch_limits
+    from sgl_kernel_sm120.construction import agree_launch_limits
 
     big = {"sm": 170, "capacity": [85, 42, 21], "clusters_ok": True, "reason": "checked"}
     small = {"sm": 84, "capacity": [42, 21, 10], "clusters_ok": True, "reason": "checked"}
@@ -185,7 +190,7 @@ def test_host_workspace_is_sized_by_the_one_shot_it_serves():
     (56 MiB at the 458,752 B bound, 2 parities x 8 slabs x 8 slots); sized by the 8 KiB one-shot range they
     shrink to 2 x 8 x the staged slots (18 chunks of bound / 8), so the whole buffer (with the pull areas and
     flags every slab also holds) is 40 MiB smaller. At 2 ranks one-shot serves everything."""
-    from sgl_kernel_sm120.variants import Link, oneshot_max_bytes
+    from sgl_kernel_sm120.policy import Link, oneshot_max_bytes
 
     sized = _ext.ops().host_shared_bytes_for
     bound = 458752 // 2  # elements of 2 B
@@ -202,49 +207,12 @@ def test_host_workspace_is_sized_by_the_one_shot_it_serves():
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("link", list(Link))
 def test_one_shot_bound_is_where_choose_variant_stops_using_one_shot(world, link):
-    from sgl_kernel_sm120.variants import oneshot_max_bytes
+    from sgl_kernel_sm120.policy import oneshot_max_bytes
 
     limit = oneshot_max_bytes(world, link)
     assert choose_variant(limit, world, link) is Variant.ONESHOT
     if limit < 1 << 62:
         assert choose_variant(limit + 1, world, link) is not Variant.ONESHOT
-
-
-def test_transport_codes_match_the_kernels_enum():
-    """sgl_kernel_sm120.Transport mirrors csrc/ar_types.h's enum Transport (append-only codes): a mismatch would
-    launch another transport than the one asked for."""
-    import re
-
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "ar_types.h")) as f:
-        header = f.read()
-    enum = re.search(r"enum Transport : int \{([^}]*)\}", header).group(1)
-    codes = {name.lower(): int(value) for name, value in re.findall(r"kTransport(\w+) = (\d+)", enum)}
-    assert codes == {t.value: t.code for t in k.Transport}, codes
-
-
-def test_the_transport_choice_is_push_until_measured_and_a_pure_function():
-    for nbytes, world in ((16, 2), (43008, 8), (1 << 20, 4)):
-        assert k.choose_transport(nbytes, world, Link.PCIE) is k.Transport.PUSH
-    with pytest.raises(ValueError):
-        k.choose_transport(-1, 2, Link.PCIE)
-
-
-def test_a_call_may_name_its_cta_cap_and_cluster_else_the_workspace_rule_holds():
-    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce, _cluster
-
-    ws = IpcAllReduce.__new__(IpcAllReduce)
-    ws.max_blocks = 188
-    assert ws._max_blocks(k.Transport.PUSH) == 188
-    assert ws._max_blocks(k.Transport.STAGED) == variants.STAGED_MAX_CTAS
-    assert ws._max_blocks(k.Transport.STAGED, 188) == 188 and ws._max_blocks(k.Transport.PUSH, 94) == 94
-    assert ws._max_blocks(k.Transport.PUSH, 1000) == 188  # never past the group's SM budget
-    for bad in (0, -4, 2.5, True):
-        with pytest.raises(ValueError, match="blocks must be a positive integer"):
-            ws._max_blocks(k.Transport.PUSH, bad)
-    assert [_cluster(c) for c in (None, 0, 1, 2, 4, 8)] == [0, 0, 1, 2, 4, 8]
-    for bad in (3, 16, True):
-        with pytest.raises(ValueError, match="cluster must be"):
-            _cluster(bad)
 
 
 def test_timeout_error_says_what_is_left_usable():
@@ -316,7 +284,7 @@ def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
 
 
 def test_schedule_describes_every_size_once():
-    from sgl_kernel_sm120.variants import PCIE_ONESHOT_MAX_BYTES, Variant, describe_schedule, schedule
+    from sgl_kernel_sm120.policy import PCIE_ONESHOT_MAX_BYTES, Variant, describe_schedule, schedule
 
     ranges = schedule(458752, 8, "pcie", num_islands=2)
     assert ranges == [(1, PCIE_ONESHOT_MAX_BYTES[8], Variant.ONESHOT),
@@ -328,34 +296,55 @@ def test_schedule_describes_every_size_once():
 
 def test_slow_wait_record_is_read_whole_and_logged_once_per_call(caplog):
     import logging
-    import threading
     import time
 
-    from sgl_kernel_sm120 import ipc_allreduce as mod
+    from sgl_kernel_sm120 import watchdog as mod
 
-    ar = mod.IpcAllReduce.__new__(mod.IpcAllReduce)  # no GPU: only the host-side record logic
-    ar._record, ar._slow = mod._ErrorRecord(), mod._SlowRecord()
-    ar._last_slow_call, ar.rank, ar.timeout_s = 0, 0, 300.0
-    ar._stop_watchdog = threading.Event()
-    assert ctypes_size(mod._SlowRecord) == 32  # struct SlowRecord in csrc/ar_types.h
-    assert ar.slow_wait() is None
-    caplog.set_level(logging.WARNING, logger="sgl_kernel_sm120.ipc_allreduce")
-    watchdog = threading.Thread(target=ar._watch_for_timeouts, daemon=True)
-    watchdog.start()
+    error, slow = mod.ErrorRecord(), mod.SlowRecord()  # no GPU: the records in ordinary memory
+    dog = mod.Watchdog(0, error, slow, timeout_s=300.0, on_timeout="exit", abort_after_s=0.0,
+                       context_alive=lambda: True)
+    assert ctypes_size(mod.SlowRecord) == 32  # struct SlowRecord in csrc/ar_types.h
+    assert dog.slow_wait() is None and dog.timeout_error() is None
+    caplog.set_level(logging.WARNING, logger="sgl_kernel_sm120.watchdog")
+    dog.start()
     try:
-        ar._slow.rank, ar._slow.peer, ar._slow.phase, ar._slow.waited_ns = 0, 1, 1, 5_500_000_000
-        ar._slow.call_plus_one = 8  # call #7, written last as the kernel does
-        assert ar.slow_wait() == (7, 1, "one-shot", 5.5)
+        slow.rank, slow.peer, slow.phase, slow.waited_ns = 0, 1, 1, 5_500_000_000
+        slow.call_plus_one = 8  # call #7, written last as the kernel does
+        assert dog.slow_wait() == (7, 1, "one-shot", 5.5)
         time.sleep(0.8)
-        ar._slow.call_plus_one = 9
+        slow.call_plus_one = 9
         time.sleep(0.8)
     finally:
-        ar._stop_watchdog.set()
-        watchdog.join(2)
+        dog.stop()
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
     assert "call #7 has waited 5.5 s in the one-shot phase for rank 1" in messages[0], messages
     assert "call #8" in messages[1] and "IpcAllReduceTimeoutError only after 300 s" in messages[1], messages
+
+
+def test_a_recorded_timeout_is_read_and_logged_and_the_records_are_let_go_before_they_are_freed(caplog):
+    import logging
+    import time
+
+    from sgl_kernel_sm120 import watchdog as mod
+
+    error, slow = mod.ErrorRecord(), mod.SlowRecord()
+    dog = mod.Watchdog(2, error, slow, timeout_s=300.0, on_timeout="exit", abort_after_s=0.0,
+                       context_alive=lambda: True)
+    caplog.set_level(logging.ERROR, logger="sgl_kernel_sm120.watchdog")
+    dog.start()
+    try:
+        error.rank, error.peer, error.phase, error.seq, error.waited_ns = 2, 5, 4, 11, 300_000_000_000
+        error.flag = 1
+        found = dog.timeout_error()
+        assert isinstance(found, k.IpcAllReduceTimeoutError) and not found.context_lost
+        assert (found.rank, found.peer, found.phase, found.seq) == (2, 5, "all-gather", 11)
+        time.sleep(0.5)
+    finally:
+        dog.forget_records()
+    assert dog.timeout_error() is None and dog.slow_wait() is None
+    assert any("call #11 waited 300.00 s in the all-gather phase for rank 5" in r.getMessage()
+               for r in caplog.records), caplog.records
 
 
 def ctypes_size(struct) -> int:
@@ -365,30 +354,28 @@ def ctypes_size(struct) -> int:
 
 
 def test_probe_outcomes_name_the_failing_pairs():
-    from sgl_kernel_sm120.ipc_allreduce import failed_probe_pairs, probe_drop_target
-
     ok = [[1, 1], [1, 1]]
-    assert failed_probe_pairs(ok) == []
+    assert probe.failed_pairs(ok) == []
     # row = receiver: rank 0 never got rank 1's pack, rank 1 got garbage from rank 0
-    assert failed_probe_pairs([[1, 2], [3, 1]]) == [(1, 0, "write never arrived"), (0, 1, "wrong data arrived")]
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == 0
-    assert probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == -1
-    assert probe_drop_target(0, {}) == -1
+    assert probe.failed_pairs([[1, 2], [3, 1]]) == [(1, 0, "write never arrived"), (0, 1, "wrong data arrived")]
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == 0
+    assert probe.drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}) == -1
+    assert probe.drop_target(0, {}) == -1
     # one round only: a mapping broken for part of the slab
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=5) == 0
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=4) == -1
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=4) == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=5) == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5"}, round_index=4) == -1
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=4) == 0
     with pytest.raises(ValueError, match="SRC:DST"):
-        probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1-0"})
+        probe.drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": "1-0"})
     # it stands for a broken P2P path: device memory only, unless asked (the overlay's host-memory retry)
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, memory="host") == -1
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="host") == 0
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="device") == -1
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5@any"}, round_index=5, memory="host") == 0
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@device"}, memory="device") == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, memory="host") == -1
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="host") == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@host"}, memory="device") == -1
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:5@any"}, round_index=5, memory="host") == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@device"}, memory="device") == 0
     with pytest.raises(ValueError, match="@device"):
-        probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@p2p"})
-    assert failed_probe_pairs([[1, 2], [1, 1]], "parity 1, the end of the region") == [
+        probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0@p2p"})
+    assert probe.failed_pairs([[1, 2], [1, 1]], "parity 1, the end of the region") == [
         (1, 0, "write never arrived (parity 1, the end of the region)")
     ]
     err = k.IpcAllReduceProbeError([(1, 0, "write never arrived")])
@@ -397,33 +384,29 @@ def test_probe_outcomes_name_the_failing_pairs():
 
 
 def test_probe_drop_switch_reaches_the_read_rounds():
-    from sgl_kernel_sm120.ipc_allreduce import probe_drop_target
-
     env = {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:read"}
     # `read`: the read rounds only, so the write rounds pass and the reads are what fails
-    assert probe_drop_target(1, env, round_index=3, reads=False) == -1
-    assert probe_drop_target(1, env, round_index=12, reads=True) == 0
-    assert probe_drop_target(0, env, round_index=12, reads=True) == -1
-    assert probe_drop_target(1, env) == 0  # the construction's early check: any round
+    assert probe.drop_target(1, env, round_index=3, reads=False) == -1
+    assert probe.drop_target(1, env, round_index=12, reads=True) == 0
+    assert probe.drop_target(0, env, round_index=12, reads=True) == -1
+    assert probe.drop_target(1, env) == 0  # the construction's early check: any round
     # no round: every round, reads included; a round number picks that round whatever its kind
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=12, reads=True) == 0
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=12, reads=True) == 0
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=13, reads=True) == -1
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}, round_index=12, reads=True) == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=12, reads=True) == 0
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:12"}, round_index=13, reads=True) == -1
     # device memory only unless asked, as for the writes
-    assert probe_drop_target(1, env, round_index=12, memory="host", reads=True) == -1
-    assert probe_drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:read@host"}, round_index=12, memory="host",
+    assert probe.drop_target(1, env, round_index=12, memory="host", reads=True) == -1
+    assert probe.drop_target(1, {"SGL_SM120_DEBUG_PROBE_DROP": "1:0:read@host"}, round_index=12, memory="host",
                              reads=True) == 0
     for bad in ("1:0:reads", "1:0:read:2", "1:read", "1:0:"):
         with pytest.raises(ValueError, match="SRC:DST:read"):
-            probe_drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": bad})
+            probe.drop_target(0, {"SGL_SM120_DEBUG_PROBE_DROP": bad})
 
 
 def test_probe_names_a_failed_read_by_reader_and_owner():
-    from sgl_kernel_sm120.ipc_allreduce import failed_probe_pairs
-
     # row = the reader: rank 1's loads from rank 0 returned garbage; rank 2's loads from rank 1 saw only the fill
     where = "parity 0, peer loads from the pull area"
-    pairs = failed_probe_pairs([[1, 1, 1], [5, 1, 1], [1, 4, 1]], where)
+    pairs = probe.failed_pairs([[1, 1, 1], [5, 1, 1], [1, 4, 1]], where)
     assert pairs == [
         (0, 1, f"rank 1's loads from rank 0 returned wrong data ({where})"),
         (1, 2, f"rank 2's loads from rank 1 never returned the pattern ({where})"),
@@ -432,7 +415,7 @@ def test_probe_names_a_failed_read_by_reader_and_owner():
     assert f"rank 0 -> rank 1: rank 1's loads from rank 0 returned wrong data ({where})" in str(err), str(err)
     assert "ACS" in str(err) and "iommu=pt" in str(err)
     # an outcome the library may add later is still named, not dropped
-    assert failed_probe_pairs([[1, 9], [1, 1]]) == [(1, 0, "outcome 9")]
+    assert probe.failed_pairs([[1, 9], [1, 1]]) == [(1, 0, "outcome 9")]
 
 
 def test_extension_registers_the_probe_and_close_ops():

@@ -1,6 +1,12 @@
-"""The import graph of the overlay and of the benchmarks: every import (module level or inside a function)
-points down the layers or sideways within one, and no group of modules imports itself in a loop.
+"""The import graph of the kernel package, the overlay and the benchmarks: every import (module level or inside a
+function) points down the layers or sideways within one, and no group of modules imports itself in a loop.
 
+    sgl_kernel_sm120:     _abi, errors  <  _ext, link, reference, watchdog  <  policy (which reads the kernel
+                          limits from _ext's library on first use)  <  cluster_check  <  construction
+                          <  data_path_probe  <  ipc_allreduce  <  __init__; imports nothing of the overlay;
+                          _abi, errors, watchdog, policy and cluster_check import torch in functions only (the
+                          overlay's pure parts, the routing table and the offline report among them, import them
+                          without torch)
     python/sglang_sm120:  core  <  routing  <  tuning, reporting  <  runtime  <  hooks  <  seams
                           <  plugin, launch_server, doctor, tune, report, __init__
                           testing imports nothing of the overlay (tests and benchmarks only)
@@ -16,6 +22,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+KERNEL_LAYERS = {"_abi": 0, "errors": 0, "_ext": 1, "link": 1, "reference": 1, "watchdog": 1, "policy": 2,
+                 "cluster_check": 3, "construction": 4, "data_path_probe": 5, "ipc_allreduce": 6, "": 7}
+KERNEL_PURE = ("_abi", "errors", "watchdog", "policy", "cluster_check")  # no torch at module level
 OVERLAY_LAYERS = {"core": 0, "routing": 1, "tuning": 2, "reporting": 2, "runtime": 3, "hooks": 4, "seams": 5, "": 6}
 BENCH_LAYERS = {"harness": 0, "workloads": 1, "peers": 2, "": 3}
 
@@ -95,6 +104,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 CASES = {
+    "kernels": (os.path.join(REPO, "sgl_kernel_sm120"), "sgl_kernel_sm120", KERNEL_LAYERS),
     "overlay": (os.path.join(REPO, "python", "sglang_sm120"), "sglang_sm120", OVERLAY_LAYERS),
     "benchmarks": (os.path.join(REPO, "benchmarks"), "benchmarks", BENCH_LAYERS),
 }
@@ -123,3 +133,33 @@ def test_no_import_circle(case):
     root, package, _ = CASES[case]
     cycle = _cycle(_graph(root, package))
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_every_kernel_module_has_a_layer():
+    modules = _modules(os.path.join(REPO, "sgl_kernel_sm120"), "sgl_kernel_sm120")
+    assert {name.split(".", 1)[1] if "." in name else "" for name in modules} == set(KERNEL_LAYERS)
+
+
+def _module_level_imports(path: str) -> set[str]:
+    """What a module imports when it is imported (its top level, not inside its functions or classes)."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module or "")
+    return out
+
+
+def test_the_kernel_package_knows_nothing_of_the_overlay_and_its_pure_layers_need_no_torch():
+    root = os.path.join(REPO, "sgl_kernel_sm120")
+    modules = _modules(root, "sgl_kernel_sm120")
+    found = []
+    for module, path in modules.items():
+        everything = _imports(module, path, path.endswith("__init__.py"), modules)
+        found += [f"{module} -> {t}" for t in everything if t.split(".")[0] in ("sglang_sm120", "benchmarks")]
+        if module.split(".")[-1] in KERNEL_PURE:
+            found += [f"{module} imports {t} when imported" for t in _module_level_imports(path)
+                      if t.split(".")[0] == "torch"]
+    assert not found, found

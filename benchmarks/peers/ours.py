@@ -97,8 +97,7 @@ class Sm120(Impl):
 
     def dispatch_variant(self, nbytes: int) -> str | None:
         try:
-            v = self.ar.choose_variant(nbytes)
-            return getattr(v, "name", str(v))
+            return self.ar.seed_route(nbytes).variant.name
         except Exception:  # noqa: BLE001
             return None
 

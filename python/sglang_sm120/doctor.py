@@ -187,8 +187,13 @@ def iommu_acs_hints() -> list[str]:
 
 
 NO_GPU_FIX = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_VISIBLE_DEVICES"
-BOUND_FLAGS = ("--max-bs and --draft-tokens here (a server: --cuda-graph-max-bs and --speculative-num-draft-tokens), "
-               f"or --max-bytes (a server: --sm120-allreduce-max-bytes, ${config.MAX_BYTES_ENV})")
+# How a server derives the rows of its bound (core/config.py derive_max_bytes), and what changes them.
+SERVER_ROWS = ("a server's rows are its largest captured CUDA-graph batch (--cuda-graph-max-bs, or the largest of "
+               "--cuda-graph-bs; SGLang 0.5.23 counts the batches it captures, clamped to its request pool) times "
+               "--speculative-num-draft-tokens when a --speculative-algorithm is set")
+BOUND_FLAGS = ("--max-bs and --draft-tokens change them here; --max-bytes here, or --sm120-allreduce-max-bytes or "
+               f"${config.MAX_BYTES_ENV} on a server, sets the bound itself (a derived one is capped at "
+               f"{config.DERIVED_MAX_BYTES_CAP} B)")
 
 
 def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, *, assumed: str = "") -> None:
@@ -196,7 +201,7 @@ def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, 
     derived from, when they are this tool's defaults rather than a server's settings."""
     print(f"bound: {bound.max_bytes} B ({bound.explanation})")
     if assumed:
-        print(f"  {assumed}: this tool's defaults, not your server's; {BOUND_FLAGS} change them")
+        print(f"  {assumed}: this tool's defaults, not your server's; {SERVER_ROWS}; {BOUND_FLAGS}")
     max_tokens = bound.max_bytes // (hidden * element_size)
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
@@ -248,15 +253,16 @@ def report_cluster_launch(found: list[dict]) -> None:
 
 def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
     """What the pinned host-memory workspace (no P2P) would take in its tmpfs at this bound, and what is free."""
-    from sgl_kernel_sm120.ipc_allreduce import DEFAULT_SHM_DIR, SHM_DIR_ENV
-    from sgl_kernel_sm120.variants import Link, oneshot_max_bytes
+    from sgl_kernel_sm120.construction import DEFAULT_SHM_DIR, SHM_DIR_ENV
+    from sgl_kernel_sm120.policy import ELEMENT_BYTES, Memory, kernel_limits, oneshot_max_numel
 
     folder = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
-    max_numel = bound.max_bytes // 2 // 8 * 8
-    oneshot = max(8, min(max_numel, oneshot_max_bytes(world, Link.HOST) // 2 // 8 * 8))
     try:
         from sgl_kernel_sm120 import _ext
 
+        grain = kernel_limits().elems_per_pack
+        max_numel = bound.max_bytes // ELEMENT_BYTES // grain * grain
+        oneshot = oneshot_max_numel(world, Memory.HOST, max_numel, kernel_limits())
         need = int(_ext.ops().host_shared_bytes_for(world, max_numel, oneshot))
     except Exception as exc:
         print(f"host-memory workspace at TP={world}: size unknown ({exc})")
@@ -448,14 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems: list[str] = []
     try:
         # A bad SGLANG_SM120_* value would stop the server at launch: report it the same way, without a traceback.
-        config.check_environment()
+        settings = config.settings_from_environment()
     except config.SettingError as exc:
         print(f"setting error: {exc}")
         return _finish([str(exc)])
-    mode = args.mode or config.mode_from_env()
+    mode = args.mode or settings.mode
     mode_source = "--mode" if args.mode else (f"${config.MODE_ENV}" if os.environ.get(config.MODE_ENV) else "default")
     print(f"mode: {mode} (from {mode_source})")
-    hostmem = config.hostmem_from_env()
+    hostmem = settings.hostmem
     hostmem_source = f"${config.HOSTMEM_ENV}" if os.environ.get(config.HOSTMEM_ENV) else "default"
     print(f"host-memory workspace where P2P is missing: {hostmem} (from {hostmem_source})")
 
@@ -479,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}={os.environ.get(name, '(unset)')}  suggested: {suggested}  ({why})")
 
     section("dispatch by message size (bf16)")
-    explicit = args.max_bytes if args.max_bytes is not None else config.max_bytes_from_env()
+    explicit = args.max_bytes if args.max_bytes is not None else settings.max_bytes
     bound = config.resolve_max_bytes(
         explicit,
         argparse.Namespace(cuda_graph_max_bs=args.max_bs, cuda_graph_bs=None,

@@ -40,6 +40,7 @@ the kernels themselves) is left out there and runs on the GPU machine.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -442,18 +443,23 @@ def _install_dry_run_kernel() -> None:
 
 
 class _DryRunIpcAllReduce:
-    """Exact fp32 sums over the gloo group it is built on; the reference add + RMSNorm. CPU tensors only."""
+    """Exact fp32 sums over the gloo group it is built on; the reference add + RMSNorm. CPU tensors only. What it
+    runs is decided as the real workspace decides it (sgl_kernel_sm120.policy, with the loaded library's limits)."""
+
+    fused_clusters = {"clusters": [], "reason": "CPU dry run: no clusters"}
 
     def __init__(self, group, device, max_numel, dtype=None, *, islands=None, link="auto", memory="device",
                  timeout_s=None, warn_after_s=None):
         import torch.distributed as dist
 
-        from sgl_kernel_sm120.variants import Link
+        from sgl_kernel_sm120 import policy
 
         self.group, self.device, self.max_numel = group, device, int(max_numel)
         self.memory, self.islands, self.num_islands = memory, islands, 1
-        self.link = Link.HOST if memory == "host" else Link.PCIE
+        self.link = policy.Link.HOST if memory == "host" else policy.Link.PCIE
         self.world_size = dist.get_world_size(group)
+        self.shape = policy.WorkspaceShape(self.world_size, memory, self.link, sm_budget=1)
+        self.limits = policy.kernel_limits()
         self.timeout_s = None
         drop = os.environ.get("SGL_SM120_DEBUG_PROBE_DROP", "").strip()  # the kernel's probe debug switch
         if drop and memory == "device":
@@ -466,10 +472,11 @@ class _DryRunIpcAllReduce:
 
     def supports(self, inp) -> bool:
         return (not self._closed and str(inp.dtype) in ("torch.bfloat16", "torch.float16") and inp.is_contiguous()
-                and 0 < inp.numel() <= self.max_numel and inp.numel() % 8 == 0)
+                and 0 < inp.numel() <= self.max_numel and inp.numel() % self.limits.elems_per_pack == 0)
 
-    def supports_add_rmsnorm(self, inp) -> bool:
-        return self.supports(inp) and inp.dim() == 2
+    def supports_add_rmsnorm(self, inp, residual=None, weight=None) -> bool:
+        return (self.supports(inp) and inp.dim() == 2 and (residual is None or residual.shape == inp.shape)
+                and (weight is None or tuple(weight.shape) == (inp.shape[-1],)))
 
     def _sum(self, inp):
         import torch.distributed as dist
@@ -478,11 +485,11 @@ class _DryRunIpcAllReduce:
         dist.all_reduce(acc, group=self.group)
         return acc
 
-    def all_reduce(self, inp, out=None):
+    def launch(self, route, inp, out=None):
         self.calls += 1
         return self._sum(inp).to(inp.dtype)
 
-    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None):
+    def launch_fused(self, route, inp, residual, weight, eps, norm_out=None, residual_out=None):
         from sgl_kernel_sm120 import reference_add_rmsnorm
 
         self.calls += 1
@@ -506,8 +513,8 @@ def _attach_dry_run_backend(tp, mode: str) -> None:
     from sglang_sm120.runtime.communicator import Sm120Communicator
     from sglang_sm120.runtime.registry import set_group_communicator
 
-    comm = Sm120Communicator.for_group(tp, mode=mode, deterministic=False, timeout_s=config.agreement_timeout_s(),
-                                       hostmem=config.hostmem_from_env(), store=default_store(),
+    settings = dataclasses.replace(config.settings_from_environment(), mode=mode)
+    comm = Sm120Communicator.for_group(tp, settings, deterministic=False, store=default_store(),
                                        upstream_note=upstream_pcie.activation_note)
     comm.decision = GateDecision(True, "CPU dry run: gate bypassed by the test harness")
     comm.memory = "device"

@@ -99,12 +99,12 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
             shape = (rows, hidden)
             tag = f"{dtype} {shape} {variant.name}"
             if variant is Variant.ONESHOT and rows * hidden > ar.oneshot_max_numel:
-                # Host memory at 4 and 8 ranks sizes its one-shot slots by the one-shot range only (variants.py):
+                # Host memory at 4 and 8 ranks sizes its one-shot slots by the one-shot range only (policy.py):
                 # forcing one-shot past it is refused, clearly.
                 try:
                     ar.all_reduce(_int_tensor(shape, dtype, 0, dev), variant=variant)
                 except ValueError as err:
-                    if "ONESHOT takes at most" not in str(err):
+                    if "one-shot takes at most" not in str(err):
                         failures.append(f"{tag}: unclear refusal: {err}")
                 else:
                     failures.append(f"{tag}: one-shot past the workspace's one-shot bound was not refused")
@@ -170,9 +170,9 @@ def _scenario_cluster_sizes(rank, world):
             weight = _int_tensor((hidden,), torch.bfloat16, seed + 2000, dev, 1, 4)
             ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS)
             for cluster in (1, 2, 4, 8):
-                ar.fused_cluster = cluster
                 tag = f"[{rows}, {hidden}] cluster {cluster}"
-                norm, res_out = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=Variant.ONESHOT)
+                norm, res_out = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=Variant.ONESHOT,
+                                                          cluster=cluster)
                 if not torch.equal(res_out, ref_res):
                     failures.append(f"{tag}: residual_out differs in {(res_out != ref_res).sum().item()} elements")
                 tol = ULP[torch.bfloat16] * ref_norm.float().abs() + 1e-6
@@ -181,7 +181,6 @@ def _scenario_cluster_sizes(rank, world):
                     failures.append(f"{tag}: norm_out off by more than 1 ulp in {bad} elements")
                 if not _same_on_all_ranks(norm):
                     failures.append(f"{tag}: norm_out is not bitwise identical across ranks")
-        ar.fused_cluster = None
         if ar.scratch_dirty_count():
             failures.append("scratch not clean after the cluster sweep")
     finally:
@@ -470,7 +469,7 @@ def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
     skipper = world - 1
     ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout=on_timeout)
     # Forced one-shot must fit the workspace's one-shot region, which host memory sizes by what host mode uses
-    # (variants.HOST_ONESHOT_MAX_BYTES: 8 KiB at 8 ranks, less than one row of 7168).
+    # (policy.HOST_ONESHOT_MAX_BYTES: 8 KiB at 8 ranks, less than one row of 7168).
     cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024
     x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
     ar.all_reduce(x, variant=Variant.ONESHOT)

@@ -63,7 +63,8 @@ def _worker(rank: int, world: int, plan, hostmem: str) -> None:
     def probe_moves_it_to_host_memory():
         hooks_distributed.wrap_pre_capture(lambda self: None)(runner)
         assert comm.active, f"the host-memory retry did not build: {comm.build_error}"
-        assert comm.memory == "host" and comm.comm.memory == "host", (comm.memory, getattr(comm.comm, "memory", None))
+        assert comm.memory == "host" and comm.workspace.memory == "host", (comm.memory,
+                                                                          getattr(comm.workspace, "memory", None))
         if rank == 0:
             retry = [line for line in lines if "data-path probe failed" in line and "used instead" in line]
             enabled = [line for line in lines if "ENABLED" in line]

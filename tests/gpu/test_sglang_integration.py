@@ -164,7 +164,7 @@ def _scenario(rank: int, world: int, plan) -> None:
     ctx.finish()
 
     def destroyed():
-        assert comm.comm is None, "workspace not released by GroupCoordinator.destroy"
+        assert comm.workspace is None, "workspace not released by GroupCoordinator.destroy"
 
     check("destroy releases the workspace", destroyed)
 

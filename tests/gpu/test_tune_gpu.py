@@ -74,7 +74,7 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str)
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from sglang_sm120.core.config import ByteBound
+    from sglang_sm120.core.config import ByteBound, OverlaySettings
     from sglang_sm120.runtime.communicator import Sm120Communicator
 
     os.environ["SGLANG_SM120_CACHE"] = cache_dir
@@ -87,8 +87,9 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str)
     logging.getLogger("sglang_sm120").addHandler(Collect(level=logging.WARNING))
     device = torch.device("cuda", rank % torch.cuda.device_count())
     comm = Sm120Communicator(name="tp:tune", ranks=list(range(world)), rank_in_group=rank, world_size=world,
-                             cpu_group=dist.group.WORLD, device=device, mode="on", deterministic=False,
-                             timeout_s=120.0, store=_get_default_store())
+                             cpu_group=dist.group.WORLD, device=device, deterministic=False,
+                             settings=OverlaySettings(mode="on", agreement_timeout_s=120.0),
+                             store=_get_default_store())
     assert comm.resolve_gate().enabled, comm.decision
     bound = ByteBound(4 * HIDDEN * 2, "4 rows")
     assert comm.build(HIDDEN, torch.bfloat16, bound, kernel_timeout_s=30.0, tune=tune), comm.build_error
@@ -99,12 +100,14 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str)
             assert len(enabled) == 1 and f"routes: tuned table {comm.routes.path}, measured " in enabled[0], lines
         x = torch.full((2, HIDDEN), float(rank + 1), dtype=torch.bfloat16, device=device)
         if expect == "ours":
-            assert comm.takes(x), comm.routes.describe("bfloat16", bound.max_bytes)
-            out = comm.all_reduce(x)
+            route = comm.takes(x)
+            assert route is not None, comm.routes.describe("bfloat16", bound.max_bytes)
+            out = comm.all_reduce(x, route)
             torch.cuda.synchronize(device)
             assert torch.equal(out, torch.full_like(x, float(sum(range(1, world + 1))))), out
         elif expect == "nccl":
-            assert not comm.takes(x) and not comm.fuses_rows(2), comm.routes.describe("bfloat16", bound.max_bytes)
+            assert comm.takes(x) is None and not comm.fuses_rows(2), comm.routes.describe("bfloat16",
+                                                                                          bound.max_bytes)
     finally:
         comm.close()
 

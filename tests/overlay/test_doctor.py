@@ -230,9 +230,12 @@ def test_the_bound_says_which_rows_are_assumed_defaults_and_which_flags_change_t
     out = capsys.readouterr().out
     assert "bound: 1835008 B" in out
     assert "assumed 32 x 4 rows (--max-bs 32, --draft-tokens 4): this tool's defaults, not your server's; " \
-           "--max-bs and --draft-tokens here (a server: --cuda-graph-max-bs and --speculative-num-draft-tokens), " \
-           "or --max-bytes (a server: --sm120-allreduce-max-bytes, $SGLANG_SM120_ALLREDUCE_MAX_BYTES) change them" \
-           in out, out
+           "a server's rows are its largest captured CUDA-graph batch (--cuda-graph-max-bs, or the largest of " \
+           "--cuda-graph-bs; SGLang 0.5.23 counts the batches it captures, clamped to its request pool) times " \
+           "--speculative-num-draft-tokens when a --speculative-algorithm is set; --max-bs and --draft-tokens " \
+           "change them here; --max-bytes here, or --sm120-allreduce-max-bytes or " \
+           "$SGLANG_SM120_ALLREDUCE_MAX_BYTES on a server, sets the bound itself (a derived one is capped at " \
+           "8388608 B)" in out, out
     doctor.main(["--no-self-test", "--max-bs", "8"])
     out = capsys.readouterr().out
     assert "assumed 8 x 4 rows (--draft-tokens 4)" in out

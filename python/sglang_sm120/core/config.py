@@ -2,11 +2,14 @@
 settings (agreement timeout, host-memory switch, tune timeout), and the byte bound.
 
 `--sm120-allreduce {auto,on,off}`, `--sm120-allreduce-max-bytes N` and
-`--sm120-allreduce-tune {auto,off,force}` are added to SGLang's parser by the server-args seam. Values are stored
-as plain instance attributes of `ServerArgs` (a dataclass in 0.5.13.post1), so they travel inside the pickled
-`ServerArgs` that every scheduler process receives. The
-`sglang.Engine(**kwargs)` API bypasses argparse and would reject unknown keyword arguments, hence the
-environment variables, which spawned scheduler processes inherit.
+`--sm120-allreduce-tune {auto,off,force}` are added to SGLang's parser by the server-args seam. Every setting is
+parsed once, into one `OverlaySettings`, when the ServerArgs record is made: from the environment
+(`settings_from_environment`; `sglang.Engine(**kwargs)` bypasses argparse and would reject unknown keyword
+arguments, hence the variables), then the flags over it (`with_flags`; argparse parsed them with SettingAction).
+The object is stored on the record (SETTINGS_ATTR), which SGLang pickles to every scheduler process (both
+releases pickle the record's instance attributes with it), and the hooks read it there (`settings_of`). Nothing
+is copied into the environment: a process that gets a record rebuilt from its fields alone (SGLang 0.5.13.post1's
+Ray launcher does that) reads its own environment instead, so with Ray set the SGLANG_SM120_* variables.
 
 Precedence: command line > environment > default. Everything here is pure Python and importable without
 SGLang or a GPU.
@@ -15,9 +18,13 @@ SGLang or a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+# The kernels' wait bound: read by sgl_kernel_sm120 itself when no value is passed.
+from sgl_kernel_sm120.watchdog import TIMEOUT_ENV as KERNEL_TIMEOUT_ENV
 
 MODE_ENV = "SGLANG_SM120_ALLREDUCE"
 MAX_BYTES_ENV = "SGLANG_SM120_ALLREDUCE_MAX_BYTES"
@@ -44,10 +51,11 @@ DEFAULT_TUNE_TIMEOUT_S = 180.0
 DEFAULT_AGREEMENT_TIMEOUT_S = 60.0
 MAX_AGREEMENT_TIMEOUT_S = 3600.0
 
-# Names of the attributes stored on ServerArgs instances (and of the argparse destinations).
+# The argparse destinations of the three flags, and the attribute of ServerArgs records that holds the settings.
 MODE_ATTR = "sm120_allreduce"
 MAX_BYTES_ATTR = "sm120_allreduce_max_bytes"
 TUNE_ATTR = "sm120_allreduce_tune"
+SETTINGS_ATTR = "sm120_settings"
 
 # The derived default is capped: past a few MiB NCCL's ring is as fast on PCIe and the IPC scratch
 # (allocated on every rank) would grow with the largest CUDA-graph batch.
@@ -114,54 +122,66 @@ def parse_hostmem(value: object, source: str) -> str:
                          "auto: use pinned host memory where CUDA P2P is missing; off: stay on NCCL there")
 
 
-def hostmem_from_env(environ: Mapping[str, str] | None = None) -> str:
-    environ = os.environ if environ is None else environ
-    raw = environ.get(HOSTMEM_ENV)
-    return DEFAULT_HOSTMEM if raw in (None, "") else parse_hostmem(raw, HOSTMEM_ENV)
-
-
-def mode_from_env(environ: Mapping[str, str] | None = None) -> str:
-    environ = os.environ if environ is None else environ
-    raw = environ.get(MODE_ENV)
-    return DEFAULT_MODE if raw in (None, "") else parse_mode(raw, MODE_ENV)
-
-
-def tune_from_env(environ: Mapping[str, str] | None = None) -> str:
-    environ = os.environ if environ is None else environ
-    raw = environ.get(TUNE_ENV)
-    return DEFAULT_TUNE if raw in (None, "") else parse_tune(raw, TUNE_ENV)
-
-
-def _seconds(environ: Mapping[str, str], name: str, default: float, maximum: float) -> float:
-    raw = environ.get(name)
-    if raw in (None, ""):
-        return default
-    allowed = f"allowed: seconds, a number above 0 and at most {maximum:.0f}"
+def parse_seconds(value: object, source: str) -> float:
+    """A bound of one of the overlay's steps, in seconds: above 0, at most MAX_AGREEMENT_TIMEOUT_S."""
+    allowed = f"allowed: seconds, a number above 0 and at most {MAX_AGREEMENT_TIMEOUT_S:.0f}"
     try:
-        value = float(raw)
+        seconds = float(value)
     except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number; {allowed}") from None
-    if not 0 < value <= maximum:  # also rejects nan
-        raise SettingError(f"{name}={raw!r} is out of range; {allowed}")
-    return value
+        raise SettingError(f"{source}={value!r} is not a number; {allowed}") from None
+    if not 0 < seconds <= MAX_AGREEMENT_TIMEOUT_S:  # also rejects nan
+        raise SettingError(f"{source}={value!r} is out of range; {allowed}")
+    return seconds
 
 
-def tune_timeout_s(environ: Mapping[str, str] | None = None) -> float:
-    return _seconds(os.environ if environ is None else environ, TUNE_TIMEOUT_ENV, DEFAULT_TUNE_TIMEOUT_S,
-                    MAX_AGREEMENT_TIMEOUT_S)
+@dataclass(frozen=True)
+class OverlaySettings:
+    """Every setting of the overlay, parsed."""
+
+    mode: str = DEFAULT_MODE
+    max_bytes: int | None = None  # None: derive from the model and the CUDA-graph batch sizes
+    tune: str = DEFAULT_TUNE
+    hostmem: str = DEFAULT_HOSTMEM
+    agreement_timeout_s: float = DEFAULT_AGREEMENT_TIMEOUT_S
+    tune_timeout_s: float = DEFAULT_TUNE_TIMEOUT_S
 
 
-def max_bytes_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+# (field, variable, parser) of every setting the environment can give.
+ENVIRONMENT = (
+    ("mode", MODE_ENV, parse_mode),
+    ("max_bytes", MAX_BYTES_ENV, parse_max_bytes),
+    ("tune", TUNE_ENV, parse_tune),
+    ("hostmem", HOSTMEM_ENV, parse_hostmem),
+    ("agreement_timeout_s", AGREEMENT_TIMEOUT_ENV, parse_seconds),
+    ("tune_timeout_s", TUNE_TIMEOUT_ENV, parse_seconds),
+)
+# (field, argparse destination) of the flags.
+FLAGS = (("mode", MODE_ATTR), ("max_bytes", MAX_BYTES_ATTR), ("tune", TUNE_ATTR))
+
+
+def settings_from_environment(environ: Mapping[str, str] | None = None) -> OverlaySettings:
+    """The settings the SGLANG_SM120_* variables give (unset or empty: the default). SettingError names the first
+    bad one: called before SGLang's own setup, so a typo stops the launch at once."""
     environ = os.environ if environ is None else environ
-    return parse_max_bytes(environ.get(MAX_BYTES_ENV), MAX_BYTES_ENV)
+    given = {}
+    for field, name, parse in ENVIRONMENT:
+        raw = environ.get(name)
+        if raw not in (None, ""):
+            given[field] = parse(raw, name)
+    return OverlaySettings(**given)
 
 
-def agreement_timeout_s(environ: Mapping[str, str] | None = None) -> float:
-    return _seconds(os.environ if environ is None else environ, AGREEMENT_TIMEOUT_ENV, DEFAULT_AGREEMENT_TIMEOUT_S,
-                    MAX_AGREEMENT_TIMEOUT_S)
+def with_flags(settings: OverlaySettings, namespace: object) -> OverlaySettings:
+    """`settings` with the flags the command line gave (argparse's namespace, whose values SettingAction parsed)."""
+    given = {field: getattr(namespace, dest) for field, dest in FLAGS if getattr(namespace, dest, None) is not None}
+    return dataclasses.replace(settings, **given)
 
 
-KERNEL_TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"  # read by sgl_kernel_sm120 itself when no value is passed
+def settings_of(server_args: object | None, environ: Mapping[str, str] | None = None) -> OverlaySettings:
+    """The settings a process uses: those parsed when its ServerArgs record was made (stored on it), else, for a
+    record rebuilt from its fields or no record at all, this process's environment."""
+    stored = getattr(server_args, SETTINGS_ATTR, None) if server_args is not None else None
+    return stored if isinstance(stored, OverlaySettings) else settings_from_environment(environ)
 
 
 def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | None = None) -> tuple[float | None, str]:
@@ -175,17 +195,6 @@ def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | No
     if isinstance(dist_timeout, int | float) and not isinstance(dist_timeout, bool) and dist_timeout > 0:
         return float(dist_timeout), "--dist-timeout"
     return None, "sgl_kernel_sm120 default"
-
-
-def check_environment(environ: Mapping[str, str] | None = None) -> None:
-    """Parse every SGLANG_SM120_* variable now, raising SettingError for the first bad one. Called before
-    SGLang's own setup (argument parsing, ServerArgs construction), so a typo stops the launch at once."""
-    mode_from_env(environ)
-    max_bytes_from_env(environ)
-    tune_from_env(environ)
-    agreement_timeout_s(environ)
-    tune_timeout_s(environ)
-    hostmem_from_env(environ)
 
 
 class SettingAction(argparse.Action):
@@ -261,27 +270,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             f"table). Environment equivalent: {TUNE_ENV}."
         ),
     )
-
-
-@dataclass(frozen=True)
-class OverlaySettings:
-    mode: str
-    max_bytes: int | None  # None: derive from the model and the CUDA-graph batch sizes
-    tune: str = DEFAULT_TUNE
-
-
-def settings_from_server_args(server_args: object | None, environ: Mapping[str, str] | None = None) -> OverlaySettings:
-    """The settings a process should use: those stored on `server_args`, else the environment."""
-    mode = getattr(server_args, MODE_ATTR, None) if server_args is not None else None
-    max_bytes = getattr(server_args, MAX_BYTES_ATTR, None) if server_args is not None else None
-    mode = mode_from_env(environ) if mode is None else parse_mode(mode, f"ServerArgs.{MODE_ATTR}")
-    if max_bytes is None:
-        max_bytes = max_bytes_from_env(environ)
-    else:
-        max_bytes = parse_max_bytes(max_bytes, f"ServerArgs.{MAX_BYTES_ATTR}")
-    tune = getattr(server_args, TUNE_ATTR, None) if server_args is not None else None
-    tune = tune_from_env(environ) if tune is None else parse_tune(tune, f"ServerArgs.{TUNE_ATTR}")
-    return OverlaySettings(mode=mode, max_bytes=max_bytes, tune=tune)
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def attach(group) -> Sm120Communicator | None:
     if getattr(group, "device", None) is None or group.device.type != "cuda":
         return None
     server_args = runtime_server_args()
-    settings = config.settings_from_server_args(server_args)
+    settings = config.settings_of(server_args)
     if settings.mode == "off":
         if group.rank_in_group == 0:
             logger.warning("%s", activation_line(False, group.unique_name, group.world_size, "off",
@@ -127,10 +127,8 @@ def attach(group) -> Sm120Communicator | None:
         return None
     comm = Sm120Communicator.for_group(
         group,
-        mode=settings.mode,
+        settings,
         deterministic=deterministic_inference(server_args),
-        timeout_s=config.agreement_timeout_s(),
-        hostmem=config.hostmem_from_env(),
         store=default_store(),
         upstream_note=upstream_pcie.activation_note,
     )
@@ -207,12 +205,13 @@ def wrap_group_all_reduce(original):
     @functools.wraps(original)
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         comm = group_communicator(self)
-        if comm is None or comm.comm is None:
+        if comm is None or comm.workspace is None:
             return original(self, input_)
         # Checked before SGLang's own dispatch on purpose: on NVLink machines SGLang enables
         # CustomAllReduceV2, which comes first there; with the backend on, eligible tensors are ours.
-        if not _must_use_original(input_) and comm.takes(input_):
-            return comm.all_reduce(input_)
+        route = None if _must_use_original(input_) else comm.takes(input_)
+        if route is not None:
+            return comm.all_reduce(input_, route)
         comm.stats["fallback"] += 1
         return original(self, input_)
 
@@ -260,7 +259,7 @@ def prepare_tp_backend(
     comm = group_communicator(group)
     if comm is None or not comm.gate_enabled or comm.build_attempted:
         return comm
-    settings = config.settings_from_server_args(server_args)
+    settings = comm.settings  # parsed once, when the group was attached
     element_size = torch.empty((), dtype=dtype).element_size()
     bound = config.resolve_max_bytes(
         settings.max_bytes, server_args, hidden_size, element_size, decode_rows=decode_rows

@@ -33,7 +33,7 @@ KEEP_MLP_ALLREDUCE = "_sm120_keep_mlp_allreduce"
 def fusion_backend():
     """The TP backend if it is built and fused calls (attention-TP or MoE group) all reduce over its group."""
     comm = tp_communicator()
-    if comm is None or comm.comm is None or not comm.fusion_groups_ok:
+    if comm is None or comm.workspace is None or not comm.fusion_groups_ok:
         return None
     return comm
 
@@ -97,8 +97,9 @@ def replace_forward_with_allreduce_fusion(original):
             fresh_residual = True
         else:
             fresh_residual = False
-        if norm_matches_kernel(norm_module) and comm.takes_fused(x, residual, weight):
-            return comm.all_reduce_add_rmsnorm(x, residual, weight, norm_module.variance_epsilon)
+        route = comm.takes_fused(x, residual, weight) if norm_matches_kernel(norm_module) else None
+        if route is not None:
+            return comm.all_reduce_add_rmsnorm(x, residual, weight, norm_module.variance_epsilon, route)
         # Hazard (b): never hand back an un-reduced norm. Reduce (sm120 plain kernel or NCCL, whichever the
         # dispatch picks) and norm with the module's own forward, which updates its inputs in place: give it
         # a residual copy so the caller's residual is not written (hazard (c)).

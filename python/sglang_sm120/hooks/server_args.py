@@ -1,15 +1,17 @@
 """Replacements for ServerArgs seams: the three flags, and how their values reach every process.
 
-- `add_cli_args` (staticmethod): adds the flags, so they show in `--help`.
-- `from_cli_args` (classmethod): checks the SGLANG_SM120_* environment before SGLang builds anything (a bad
-  value ends the launch with one line naming it, like argparse's own errors), then copies the parsed values
-  onto the instance and into the environment.
-- `__post_init__`: checks the environment first for the same reason, then fills the values from it when the
-  instance did not come from argparse (`sglang.Engine(**kwargs)`: a bad value raises `config.SettingError`
-  there), and keeps FlashInfer's TRT-LLM all-reduce fusion off on SM120.
-
-Instance attributes of the ServerArgs dataclass survive the pickling that hands it to scheduler processes;
-the environment copy covers code that rebuilds ServerArgs from its fields (dataclasses.replace/asdict).
+Every setting is parsed once, into one config.OverlaySettings stored on the ServerArgs record
+(config.SETTINGS_ATTR): SGLang hands the record to every scheduler process by pickling it (multiprocessing's
+spawn), and the pickle carries the record's instance attributes (0.5.13.post1: the dataclass's __dict__;
+0.5.23: its __reduce__ passes __dict__ along), so the hooks there read the settings the launcher parsed.
+Nothing is written into the environment.
+- `add_cli_args` (staticmethod): adds the flags, so they show in `--help` (argparse parses each value once).
+- `__post_init__`: the environment's settings (a bad value raises `config.SettingError` here, before SGLang's
+  own checks), stored on the record; this alone serves `sglang.Engine(**kwargs)`, which bypasses argparse; and
+  keeps FlashInfer's TRT-LLM all-reduce fusion off on SM120.
+- `from_cli_args` (classmethod): lays the flags over the environment's settings (those `__post_init__` stored,
+  or, where it has none, 0.5.23, parsed here); a bad variable ends the launch with one line naming it, like
+  argparse's own errors, instead of a traceback.
 
 SGLang 0.5.23 changed this concern; its seam table (seams/v0_5_23.py) uses the hooks of the last section:
 - ServerArgs is a msgspec struct whose `__post_init__` does nothing, and msgspec binds that hook when the
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 
 from ..core import config
@@ -50,7 +51,7 @@ def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int]
     """FlashInfer's TRT-LLM fusion has no SM12x kernels (its JIT stops with "No supported CUDA architectures
     found for major versions [9, 10]"), and enabling it would make the pre-capture hook build its workspace.
     Returns True if it switched the flag off."""
-    if getattr(server_args, config.MODE_ATTR, "auto") == "off":
+    if config.settings_of(server_args).mode == "off":
         return False
     if not getattr(server_args, "enable_flashinfer_allreduce_fusion", False):
         return False
@@ -65,13 +66,8 @@ def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int]
     return True
 
 
-def store_settings(server_args, mode: str | None, max_bytes: int | None, tune: str | None = None) -> None:
-    if mode is not None:
-        setattr(server_args, config.MODE_ATTR, config.parse_mode(mode, "--sm120-allreduce"))
-    if max_bytes is not None:
-        setattr(server_args, config.MAX_BYTES_ATTR, config.parse_max_bytes(max_bytes, "--sm120-allreduce-max-bytes"))
-    if tune is not None:
-        setattr(server_args, config.TUNE_ATTR, config.parse_tune(tune, "--sm120-allreduce-tune"))
+def store_settings(server_args, settings: config.OverlaySettings) -> None:
+    setattr(server_args, config.SETTINGS_ATTR, settings)
 
 
 def wrap_add_cli_args(original):
@@ -85,11 +81,11 @@ def wrap_add_cli_args(original):
     return staticmethod(add_cli_args)
 
 
-def exit_on_setting_error(check) -> None:
-    """Run `check`; on a SettingError end the command-line launch with its one-line message (exit code 2, as
-    argparse does for a bad flag) instead of a traceback from deep inside SGLang's setup."""
+def exit_on_setting_error(check):
+    """Run `check` and return what it returns; on a SettingError end the command-line launch with its one-line
+    message (exit code 2, as argparse does for a bad flag) instead of a traceback from deep inside SGLang's setup."""
     try:
-        check()
+        return check()
     except config.SettingError as exc:
         print(f"error: sglang_sm120: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -100,19 +96,13 @@ def wrap_from_cli_args(original):
 
     @functools.wraps(func)
     def from_cli_args(cls, args):
-        exit_on_setting_error(config.check_environment)
-        server_args = func(cls, args)
-        mode = getattr(args, config.MODE_ATTR, None)
-        max_bytes = getattr(args, config.MAX_BYTES_ATTR, None)
-        tune = getattr(args, config.TUNE_ATTR, None)
-        store_settings(server_args, mode, max_bytes, tune)
-        # Processes started later (schedulers, detokenizer) inherit the environment.
-        if mode is not None:
-            os.environ[config.MODE_ENV] = getattr(server_args, config.MODE_ATTR)
-        if max_bytes is not None:
-            os.environ[config.MAX_BYTES_ENV] = str(getattr(server_args, config.MAX_BYTES_ATTR))
-        if tune is not None:
-            os.environ[config.TUNE_ENV] = getattr(server_args, config.TUNE_ATTR)
+        # 0.5.13.post1: SGLang's from_cli_args builds the record, whose __post_init__ (ours first) parses and
+        # stores the environment's settings; 0.5.23 only builds the record here (resolution comes later).
+        server_args = exit_on_setting_error(lambda: func(cls, args))
+        stored = getattr(server_args, config.SETTINGS_ATTR, None)
+        if not isinstance(stored, config.OverlaySettings):
+            stored = exit_on_setting_error(config.settings_from_environment)
+        store_settings(server_args, config.with_flags(stored, args))
         keep_flashinfer_fusion_off_on_sm120(server_args)
         return server_args
 
@@ -123,14 +113,9 @@ def wrap_post_init(original):
     @functools.wraps(original)
     def __post_init__(self):
         # Before SGLang's own checks (which need a GPU and take time): a typo in a variable raises at once.
-        config.check_environment()
+        settings = config.settings_from_environment()
         original(self)
-        if getattr(self, config.MODE_ATTR, None) is None:
-            setattr(self, config.MODE_ATTR, config.mode_from_env())
-        if getattr(self, config.MAX_BYTES_ATTR, None) is None:
-            setattr(self, config.MAX_BYTES_ATTR, config.max_bytes_from_env())
-        if getattr(self, config.TUNE_ATTR, None) is None:
-            setattr(self, config.TUNE_ATTR, config.tune_from_env())
+        store_settings(self, settings)
         keep_flashinfer_fusion_off_on_sm120(self)
 
     return __post_init__
@@ -148,15 +133,10 @@ DECLARATION_SOURCE = "sglang_sm120"
 
 
 def fill_settings_from_env(server_args) -> None:
-    """Values not set from the command line come from the environment. Invalid values raise here, naming
-    the variable, before SGLang starts anything."""
-    config.check_environment()
-    if getattr(server_args, config.MODE_ATTR, None) is None:
-        setattr(server_args, config.MODE_ATTR, config.mode_from_env())
-    if getattr(server_args, config.MAX_BYTES_ATTR, None) is None:
-        setattr(server_args, config.MAX_BYTES_ATTR, config.max_bytes_from_env())
-    if getattr(server_args, config.TUNE_ATTR, None) is None:
-        setattr(server_args, config.TUNE_ATTR, config.tune_from_env())
+    """A record made without argparse (`sglang.Engine(**kwargs)`) gets the environment's settings. Invalid values
+    raise here, naming the variable, before SGLang starts anything."""
+    if not isinstance(getattr(server_args, config.SETTINGS_ATTR, None), config.OverlaySettings):
+        store_settings(server_args, config.settings_from_environment())
 
 
 class RunsFirst:
@@ -208,8 +188,7 @@ def keep_flashinfer_fusion_off_on_sm12x(server_args, capability: tuple[int, int]
     it did. Must run during resolution (declarations are refused on a published record)."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    mode = getattr(server_args, config.MODE_ATTR, None) or config.mode_from_env()
-    if mode == "off":
+    if config.settings_of(server_args).mode == "off":
         return False
     requested = resolution_result(server_args, FUSION_FIELD)
     if requested is None:

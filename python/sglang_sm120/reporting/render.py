@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..routing.table import NCCL, Route, RoutingTable, lookup
+from ..routing.table import NCCL, RoutingTable, lookup, parse_route, route_id, route_label
 
 
 def _cell(value: Any) -> str:
@@ -20,7 +20,7 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _short(cid: str) -> str:
-    return Route.parse(cid).label
+    return route_label(parse_route(cid))
 
 
 def key_markdown(key: Mapping[str, Any]) -> str:
@@ -43,7 +43,7 @@ def key_markdown(key: Mapping[str, Any]) -> str:
 def ranges_markdown(table: RoutingTable) -> str:
     rows = []
     for entry in sorted(table.entries, key=lambda e: (e.dtype, e.kind, e.low)):
-        rows.append([entry.dtype, entry.kind, entry.low, entry.high, entry.route.label])
+        rows.append([entry.dtype, entry.kind, entry.low, entry.high, route_label(entry.route)])
     return md_table(["dtype", "kind", "from B", "to B", "route"], rows)
 
 
@@ -60,7 +60,7 @@ def measurements_markdown(table: RoutingTable, dtype: str, kind: str) -> str:
         for cid in ids:
             if cid in p.times:
                 text = f"{p.times[cid]:.2f}"
-                row.append(f"**{text}**" if chosen is not None and chosen.id == cid else text)
+                row.append(f"**{text}**" if route_id(chosen) == cid else text)
             elif cid in p.failed:
                 why = p.failed[cid]
                 row.append("n/a" if "not available" in why else "pruned" if why.startswith("pruned")

@@ -1,11 +1,11 @@
 """The routing table: for each message size (bytes, dtype, plain or fused) the route that serves it, with the
 measured time of every candidate, keyed by the box it was measured on.
 
-A route is NCCL (for a fused call: NCCL followed by SGLang's own add + RMSNorm) or one configuration of our
-kernels: variant (ONESHOT, TWOSHOT, ISLAND) x transport (push, staged, pull) x workspace memory (device, host),
-plus its launch shape: the CTAs the launch may use (None: the kernels' own cap, the SM budget or staged push's
-STAGED_MAX_CTAS) and, for the fused one-shot, the CTAs a row is spread over (None: the kernels' own rule). A tuned
-route names both: it is the launch that was measured.
+A route is one launch of our kernels (`sgl_kernel_sm120.policy.Route`: variant x transport x workspace memory,
+plus the launch shape that was measured, its CTA cap and, for the fused one-shot, the CTAs a row is spread over),
+or NCCL (for a fused call: NCCL followed by SGLang's own add + RMSNorm). The file writes a route as its id,
+'sm120/ONESHOT/push/device/b188/c4' or 'nccl'; this module holds NCCL as None, as every caller of `lookup` reads
+None: the size goes to NCCL.
 
 The rule that turns measurements into routes (`choose`), incumbent NCCL:
 - a candidate is only eligible at a size where it beat NCCL there by at least MIN_GAIN (2%), and only inside a
@@ -34,17 +34,14 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from sgl_kernel_sm120.policy import DTYPES, Memory, Route
+
 # The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
 # measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
 FORMAT_VERSION = 1
 TUNE_VERSION = 2
 
-VARIANTS = ("ONESHOT", "TWOSHOT", "ISLAND")
-TRANSPORTS = ("push", "staged", "pull")
-MEMORIES = ("device", "host")
 KINDS = ("plain", "fused")
-DTYPES = ("bfloat16", "float16")
-CLUSTERS = (1, 2, 4, 8)  # CTAs one row of the fused one-shot is spread over
 NCCL = "nccl"
 OURS = "sm120"
 
@@ -64,72 +61,27 @@ class TableError(ValueError):
     """A table document that does not have the shape this module writes."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Route:
-    backend: str  # NCCL | OURS
-    variant: str | None = None
-    transport: str | None = None
-    memory: str | None = None
-    cluster: int | None = None  # fused one-shot only; None: the kernel's own rule
-    ctas: int | None = None  # the launch's CTA cap; None: the kernels' own (the SM budget; staged: its cap)
-
-    def __post_init__(self):
-        if self.backend == NCCL:
-            if any(v is not None for v in (self.variant, self.transport, self.memory, self.cluster, self.ctas)):
-                raise TableError("an NCCL route has no variant, transport, memory, cluster or CTAs")
-            return
-        if self.backend != OURS:
-            raise TableError(f"unknown backend {self.backend!r}")
-        if self.variant not in VARIANTS:
-            raise TableError(f"unknown variant {self.variant!r} (known: {', '.join(VARIANTS)})")
-        if self.transport not in TRANSPORTS:
-            raise TableError(f"unknown transport {self.transport!r} (known: {', '.join(TRANSPORTS)})")
-        if self.memory not in MEMORIES:
-            raise TableError(f"unknown memory {self.memory!r} (known: {', '.join(MEMORIES)})")
-        if self.cluster is not None and (self.cluster not in CLUSTERS or self.variant != "ONESHOT"):
-            raise TableError(f"cluster {self.cluster!r}: the fused one-shot spreads a row over {CLUSTERS} CTAs")
-        if self.ctas is not None and (isinstance(self.ctas, bool) or not isinstance(self.ctas, int) or self.ctas < 1):
-            raise TableError(f"ctas {self.ctas!r}: a launch takes a positive number of CTAs")
-        if self.ctas is not None and self.cluster is not None and self.ctas < self.cluster:
-            raise TableError(f"ctas {self.ctas} cannot hold one cluster of {self.cluster} CTAs")
-
-    @property
-    def ours(self) -> bool:
-        return self.backend == OURS
-
-    @property
-    def id(self) -> str:
-        """'nccl' or 'sm120/ONESHOT/push/device' (+ '/b94' for at most 94 CTAs, + '/c8' for a row over an 8-CTA
-        cluster)."""
-        if not self.ours:
-            return NCCL
-        tail = (f"/b{self.ctas}" if self.ctas is not None else "") + (f"/c{self.cluster}" if self.cluster is not None
-                                                                      else "")
-        return f"{OURS}/{self.variant}/{self.transport}/{self.memory}{tail}"
-
-    @property
-    def label(self) -> str:
-        """The id without the backend prefix: what logs and reports show ('NCCL' for NCCL)."""
-        return "NCCL" if not self.ours else self.id[len(OURS) + 1:]
-
-    @classmethod
-    def parse(cls, text: str) -> Route:
-        if text == NCCL:
-            return NCCL_ROUTE
-        parts = str(text).split("/")
-        if len(parts) < 4 or parts[0] != OURS:
-            raise TableError(f"bad route {text!r}: expected 'nccl' or 'sm120/VARIANT/TRANSPORT/MEMORY[/bN][/cN]'")
-        shape: dict[str, int] = {}
-        for part in parts[4:]:
-            letter, number = part[:1], part[1:]
-            name = {"b": "ctas", "c": "cluster"}.get(letter)
-            if name is None or not number.isdigit() or name in shape or (name == "ctas" and "cluster" in shape):
-                raise TableError(f"bad route {text!r}: the launch parts are /bN (CTAs), then /cN (cluster)")
-            shape[name] = int(number)
-        return cls(OURS, parts[1], parts[2], parts[3], **shape)
+def route_id(route: Route | None) -> str:
+    """'nccl' or 'sm120/' + the route's id ('sm120/ONESHOT/push/device/b94/c8')."""
+    return NCCL if route is None else f"{OURS}/{route.id}"
 
 
-NCCL_ROUTE = Route(NCCL)
+def route_label(route: Route | None) -> str:
+    """What logs and reports show: 'NCCL', or the route's id without the backend prefix."""
+    return "NCCL" if route is None else route.id
+
+
+def parse_route(text: str) -> Route | None:
+    """The route of an id written by route_id (None: NCCL); TableError naming what is wrong."""
+    if text == NCCL:
+        return None
+    backend, _, launch = str(text).partition("/")
+    if backend != OURS:
+        raise TableError(f"bad route {text!r}: expected 'nccl' or '{OURS}/VARIANT/TRANSPORT/MEMORY[/bN][/cN][/tN]'")
+    try:
+        return Route.parse(launch)
+    except ValueError as exc:
+        raise TableError(f"bad route {text!r}: {exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +97,13 @@ class Point:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """Sizes low..high bytes (inclusive) of one dtype and kind go to `route`."""
+    """Sizes low..high bytes (inclusive) of one dtype and kind go to `route` (None: NCCL)."""
 
     dtype: str
     kind: str
     low: int
     high: int
-    route: Route
+    route: Route | None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -176,7 +128,8 @@ def _in_long_runs(flags: Sequence[bool], length: int) -> list[bool]:
     return out
 
 
-def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int = SUSTAIN) -> list[Route]:
+def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN,
+           sustain: int = SUSTAIN) -> list[Route | None]:
     """The route of every point (ascending sizes), by the rule in the module docstring."""
     if any(b.nbytes <= a.nbytes for a, b in zip(points, points[1:], strict=False)):
         raise ValueError("points must be in strictly ascending size order")
@@ -186,7 +139,7 @@ def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int 
         cid: _in_long_runs([_beats(t, n, min_gain) for t, n in zip(times[cid], times[NCCL], strict=True)], sustain)
         for cid in ours
     }
-    chosen: list[Route] = []
+    chosen: list[Route | None] = []
     current = NCCL
     for i in range(len(points)):
         contenders = [cid for cid in ours if sustained[cid][i]]
@@ -209,21 +162,21 @@ def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int 
             ]
             if qualified:
                 current = fastest(qualified)
-        chosen.append(Route.parse(current))
+        chosen.append(parse_route(current))
     return chosen
 
 
-def ranges(points: Sequence[Point], routes: Sequence[Route], dtype: str, kind: str) -> list[Entry]:
+def ranges(points: Sequence[Point], routes: Sequence[Route | None], dtype: str, kind: str) -> list[Entry]:
     """Byte ranges from per-point routes: each measured size takes its own route; the sizes strictly between two
     measured ones take their route only where both chose the same route of ours, else NCCL; the sizes below the
     smallest measured one (less than the one row a tune starts at) take its route. Adjacent equal routes merge."""
     pieces: list[Entry] = []
-    previous: tuple[Point, Route] | None = None
+    previous: tuple[Point, Route | None] | None = None
     for point, route in zip(points, routes, strict=True):
         low = 1 if previous is None else previous[0].nbytes + 1
         if point.nbytes > low:
-            agreed = previous is None or (route.ours and previous[1] == route)
-            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, route if agreed else NCCL_ROUTE))
+            agreed = previous is None or (route is not None and previous[1] == route)
+            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, route if agreed else None))
         pieces.append(Entry(dtype, kind, point.nbytes, point.nbytes, route))
         previous = (point, route)
     merged: list[Entry] = []
@@ -261,8 +214,7 @@ def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[i
     """The table key of a group from every rank's local facts (rank order; fields LOCAL_FIELDS) and the group's
     islands, P2P matrix, workspace memory and launch facts (core/facts.launch_facts of the built workspace). A
     version that differs between ranks is kept as 'a | b'."""
-    if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
+    memory = Memory(memory).value
     key: dict[str, Any] = {
         "world_size": len(local),
         "gpus": [{"uuid": f.get("uuid"), "pci_bus_id": f.get("pci_bus_id"), "name": f.get("name")} for f in local],
@@ -380,7 +332,7 @@ class RoutingTable:
             "rule": self.rule,
             "incumbents": self.incumbents,
             "notes": self.notes,
-            "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": e.route.id}
+            "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": route_id(e.route)}
                         for e in self.entries],
             "measurements": [
                 {"dtype": dtype, "kind": kind, "rows": p.rows, "bytes": p.nbytes, "timed": len(p.times),
@@ -411,7 +363,7 @@ class RoutingTable:
         for raw in _list(doc["entries"], "entries"):
             try:
                 entry = Entry(str(raw["dtype"]), str(raw["kind"]), int(raw["low"]), int(raw["high"]),
-                              Route.parse(raw["route"]))
+                              parse_route(raw["route"]))
             except (KeyError, TypeError, ValueError) as exc:
                 raise TableError(f"bad entry {raw!r}: {exc}") from None
             if entry.kind not in KINDS or entry.dtype not in DTYPES or not 1 <= entry.low <= entry.high:
@@ -428,7 +380,7 @@ class RoutingTable:
                 times = {str(k): float(v) for k, v in dict(raw["times"]).items()}
                 failed = {str(k): str(v) for k, v in dict(raw.get("failed") or {}).items()}
                 for cid in list(times) + list(failed):
-                    Route.parse(cid)
+                    parse_route(cid)
                 point = Point(int(raw["rows"]), int(raw["bytes"]), times, failed)
                 measurements.setdefault((str(raw["dtype"]), str(raw["kind"])), []).append(point)
             except (KeyError, TypeError, ValueError) as exc:
@@ -494,7 +446,7 @@ def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = Non
         if up_to is not None and entry.low > up_to:
             break
         high = entry.high if up_to is None else min(entry.high, up_to)
-        parts.append(f"{entry.route.label} up to {high} B")
+        parts.append(f"{route_label(entry.route)} up to {high} B")
     return ", ".join(parts) or "none"
 
 

@@ -13,10 +13,12 @@ Life cycle (each step collective over the TP group, each bounded in time, each a
    pinned host memory when P2P is missing. A device build whose data-path probe fails on the ranks
    (`IpcAllReduceProbeError`: the driver allows P2P but peer writes or loads lose data) is retried once in host memory,
    unless SGLANG_SM120_HOSTMEM=off; the retry is decided from the agreed outcomes, so every rank takes it.
-   Then the routes (runtime/tables.py): the tuned table of this box, a quick tune at start-up, the seeds when
-   the user asks for them, or NCCL for every size when no measured table can be used; every size goes to our
-   kernels only where the table says they beat NCCL (`RouteBook`, runtime/routes.py).
-3. `all_reduce` / `all_reduce_add_rmsnorm` for eligible tensors, counted in `stats`.
+   Then the routes (runtime/route_resolution.py): the tuned table of this box, a quick tune at start-up, the
+   seeds when the user asks for them, or NCCL for every size when no measured table can be used; every size goes
+   to our kernels only where the table says they beat NCCL (`RouteBook`, routing/book.py).
+3. `takes` / `takes_fused`: the one check of a call on its way in (the workspace takes the tensor, and the route
+   book's route of its size and dtype), which answers the route to run or None (NCCL); `all_reduce` /
+   `all_reduce_add_rmsnorm` launch that route without checking again, counted in `stats`.
 4. `close()` from `GroupCoordinator.destroy`.
 
 Any failure at 1 or 2 leaves every rank on SGLang's own path, with the reason logged.
@@ -32,16 +34,15 @@ from typing import Any
 import torch
 
 from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
-from sgl_kernel_sm120.variants import describe_schedule
+from sgl_kernel_sm120.policy import Route, describe_schedule
 
-from ..core import config, exchange
-from ..core.config import HOSTMEM_ENV, ByteBound
+from ..core import exchange
+from ..core.config import HOSTMEM_ENV, ByteBound, OverlaySettings
 from ..core.facts import group_facts, launch_facts, local_facts
 from ..core.gate import GateDecision, decide
 from ..core.topology import kernel_islands, probe
-from ..tuning.candidates import KernelOffer, apply_cluster, detect_offer
-from .routes import ALL_NCCL, TABLE, RouteBook
-from .tables import resolve_routes
+from ..routing.book import ALL_NCCL, TABLE, RouteBook
+from .route_resolution import resolve_routes
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -85,12 +86,10 @@ class Sm120Communicator:
         world_size: int,
         cpu_group: Any,
         device: torch.device,
-        mode: str,
+        settings: OverlaySettings,
         deterministic: bool,
-        timeout_s: float,
         store: Any = None,
         group_coordinator: Any = None,
-        hostmem: str = "auto",
         upstream_note: Callable[[bool], str] | None = None,
     ):
         self.name = name
@@ -99,11 +98,9 @@ class Sm120Communicator:
         self.world_size = world_size
         self.cpu_group = cpu_group
         self.device = device
-        self.mode = mode
+        self.settings = settings  # the user's, parsed once (core/config.py)
         self.deterministic = deterministic
-        self.timeout_s = timeout_s
         self.store = store
-        self.hostmem = hostmem  # "auto" | "off": may a group without working P2P use host memory?
         self._group_ref = weakref.ref(group_coordinator) if group_coordinator is not None else None
         # enabled -> what the activation line adds about SGLang's own PCIe-IPC all-reduce (given by the hooks).
         self.upstream_note = upstream_note or _no_note
@@ -113,7 +110,7 @@ class Sm120Communicator:
         self.p2p: list[list[bool]] | None = None  # the gate's P2P matrix: part of the routing-table key
         # Which sizes go to our kernels, and how (set at build; none until then).
         self.routes: RouteBook = RouteBook.all_nccl("the workspace is not built yet")
-        self.comm = None  # sgl_kernel_sm120.IpcAllReduce once built
+        self.workspace = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted = False
         self.build_error: str | None = None
         self.max_bytes = 0
@@ -136,7 +133,7 @@ class Sm120Communicator:
     # ------------------------------------------------------------------------------------------------------
     @classmethod
     def for_group(
-        cls, group, mode: str, deterministic: bool, timeout_s: float, hostmem: str = "auto", *, store: Any = None,
+        cls, group, settings: OverlaySettings, deterministic: bool, *, store: Any = None,
         upstream_note: Callable[[bool], str] | None = None,
     ) -> Sm120Communicator:
         """The backend of a GroupCoordinator-like `group`; `store`: the c10d store the ranks agree over."""
@@ -147,14 +144,26 @@ class Sm120Communicator:
             world_size=group.world_size,
             cpu_group=group.cpu_group,
             device=group.device,
-            mode=mode,
+            settings=settings,
             deterministic=deterministic,
-            timeout_s=timeout_s,
             store=store,
             group_coordinator=group,
-            hostmem=hostmem,
             upstream_note=upstream_note,
         )
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def hostmem(self) -> str:
+        """"auto" | "off": may a group without working P2P use host memory?"""
+        return self.settings.hostmem
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound of every agreement of this backend."""
+        return self.settings.agreement_timeout_s
 
     @property
     def group_coordinator(self):
@@ -166,7 +175,7 @@ class Sm120Communicator:
 
     @property
     def active(self) -> bool:
-        return self.comm is not None
+        return self.workspace is not None
 
     def _scope(self, step: str) -> str:
         return f"{self.name}/{'-'.join(map(str, self.ranks))}/{step}"
@@ -308,13 +317,11 @@ class Sm120Communicator:
                 "(no P2P needed) is used instead (%s=off refuses it)", self.name, pairs, HOSTMEM_ENV,
             )
 
-        self.memory = getattr(comm, "memory", memory)
+        self.memory = comm.shape.memory.value
         if self.memory == "host":
             self.islands = None
-        link = getattr(comm, "link", None)
-        if link is not None:
-            self.link = str(getattr(link, "value", link))
-        self.comm = comm
+        self.link = comm.shape.link.value
+        self.workspace = comm
         self.dtype = dtype
         self.hidden_size = int(hidden_size)
         self.max_bytes = max_numel * element_size
@@ -326,32 +333,21 @@ class Sm120Communicator:
         return True
 
     def _resolve_routes(self, tune: str) -> RouteBook:
-        """Collective (runtime/tables.py): the table of this box, a quick tune, or the seeds. Never raises."""
-        comm = self.comm
-        try:
-            # This rank's view; runtime/tables.py ends the group on NCCL unless every rank's is the same.
-            offer = detect_offer(type(comm))
-        except Exception:  # a stand-in workspace class, or a broken install: push, per-call variant only
-            offer = KernelOffer()
-        try:
-            tune_timeout = config.tune_timeout_s()
-        except config.SettingError as exc:
-            self._log_rank0(logging.WARNING, "sglang_sm120: %s; using the default", exc)
-            tune_timeout = config.DEFAULT_TUNE_TIMEOUT_S
+        """Collective (runtime/route_resolution.py): the table of this box, a quick tune, the seeds, or NCCL.
+        Never raises."""
+        ws = self.workspace
         return resolve_routes(
-            agree=self._agree, rank=self.rank_in_group, world=self.world_size, device=self.device,
-            memory=self.memory, islands=getattr(comm, "islands", None), link=self.link, p2p=self.p2p, offer=offer,
-            num_islands=int(getattr(comm, "num_islands", 1) or 1), hidden=int(self.hidden_size), dtype=self.dtype,
-            max_bytes=self.max_bytes, tune=tune, tune_timeout_s=tune_timeout, launch_facts=launch_facts(comm),
-            log=lambda level, text: self._log_rank0(level, "%s", text),
+            agree=self._agree, rank=self.rank_in_group, world=self.world_size, device=self.device, shape=ws.shape,
+            limits=ws.limits, islands=getattr(ws, "islands", None), p2p=self.p2p, hidden=int(self.hidden_size),
+            dtype=self.dtype, max_bytes=self.max_bytes, tune=tune, tune_timeout_s=self.settings.tune_timeout_s,
+            launch_facts=launch_facts(ws), log=lambda level, text: self._log_rank0(level, "%s", text),
         )
 
     def serving_summary(self) -> str:
         """What the built workspace serves, for the activation line: bound, schedule (the table's routes, or the
         seeds' variants), fused bound, islands, and where the routes come from."""
-        comm = self.comm
-        link = getattr(comm, "link", self.link)
-        link = getattr(link, "value", link)
+        comm = self.workspace
+        link = comm.shape.link.value
         islands = getattr(comm, "islands", None)
         if self.routes.source == ALL_NCCL:
             return (f"attached, but every all-reduce goes to NCCL (SGLang's own path): {self.routes.source_line()}; "
@@ -360,7 +356,7 @@ class Sm120Communicator:
         if self.routes.source == TABLE:
             schedule = f"where the table routes them, {self.routes.describe(_dtype_name(self.dtype), self.max_bytes)}"
         else:
-            schedule = describe_schedule(self.max_bytes, self.world_size, link, getattr(comm, "num_islands", 1))
+            schedule = describe_schedule(self.max_bytes, self.world_size, link, comm.shape.num_islands)
         transport = f"transport: {transport_text(self.memory)}"
         if self.memory_note:
             transport += f", because {self.memory_note}"
@@ -417,7 +413,7 @@ class Sm120Communicator:
 
     def _give_up(self, reason: str) -> bool:
         self.build_error = reason
-        self.comm = None
+        self.workspace = None
         self.memory = None
         # Every rank keeps its own view in its log; the user-facing verdict is one line, from rank 0.
         logger.info("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
@@ -425,62 +421,54 @@ class Sm120Communicator:
         return False
 
     # ------------------------------------------------------------------------------------------------------
-    # Eligibility: pure functions of shape, dtype, contiguity and configuration fixed at build time, so every
-    # rank of the group takes the same path for the same call (a mismatch would leave a kernel waiting).
-    def _route(self, inp: torch.Tensor, fused: bool):
-        return self.routes.call(inp.numel() * inp.element_size(), _dtype_name(inp.dtype), fused)
+    # Dispatch: a pure function of shape, dtype, contiguity and configuration fixed at build time, so every rank of
+    # the group takes the same path for the same call (a mismatch would leave a kernel waiting). A call is checked
+    # once, here: the workspace takes the tensor (its device, dtype, contiguity and its bound, which is the byte
+    # bound), and the route book's route for its size and dtype is one the workspace runs as measured (decided once
+    # per size at build, routing/book.py). The launch that follows trusts both.
+    def takes(self, inp: torch.Tensor) -> Route | None:
+        """The route of ours for this plain all-reduce; None: SGLang's own path (NCCL)."""
+        ws = self.workspace
+        if ws is None or not ws.supports(inp):
+            return None
+        return self.routes.route(inp.numel() * inp.element_size(), _dtype_name(inp.dtype), False)
 
-    def takes(self, inp: torch.Tensor) -> bool:
-        comm = self.comm
-        # The kernel's supports() also checks device, dtype, contiguity and its own numel bound; the routes say
-        # whether this size is ours at all (a table sends the sizes NCCL won to NCCL).
-        return (comm is not None and inp.numel() * inp.element_size() <= self.max_bytes and bool(comm.supports(inp))
-                and self._route(inp, False) is not None)
-
-    def takes_fused(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-        comm = self.comm
-        if comm is None or inp.dim() != 2:
-            return False
-        if residual.shape != inp.shape or residual.dtype != inp.dtype or residual.device != inp.device:
-            return False
-        if tuple(weight.shape) != (inp.shape[-1],) or weight.dtype != inp.dtype or weight.device != inp.device:
-            return False
-        if inp.numel() * inp.element_size() > self.max_bytes:
-            return False
-        supports = getattr(comm, "supports_add_rmsnorm", comm.supports)
-        return bool(supports(inp)) and self._route(inp, True) is not None
+    def takes_fused(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Route | None:
+        """The route of ours for this fused all-reduce + residual-add + RMSNorm; None: all-reduce, then norm."""
+        ws = self.workspace
+        if ws is None or not ws.supports_add_rmsnorm(inp, residual, weight):
+            return None
+        return self.routes.route(inp.numel() * inp.element_size(), _dtype_name(inp.dtype), True)
 
     def fuses_rows(self, num_tokens: int) -> bool:
         """The fusion gate's question: are fused calls of `num_tokens` rows (of the model's hidden size and
         dtype) ours? Where the table routes them to NCCL, SGLang keeps its all-reduce + add + RMSNorm."""
-        if self.comm is None or self.hidden_size is None or not 0 < int(num_tokens) <= self.max_fused_tokens:
+        if self.workspace is None or self.hidden_size is None or not 0 < int(num_tokens) <= self.max_fused_tokens:
             return False
         element = torch.empty((), dtype=self.dtype).element_size() if self.dtype is not None else 2
         nbytes = int(num_tokens) * self.hidden_size * element
-        return self.routes.call(nbytes, _dtype_name(self.dtype), True) is not None
+        return self.routes.route(nbytes, _dtype_name(self.dtype), True) is not None
 
-    def all_reduce(self, inp: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, inp: torch.Tensor, route: Route) -> torch.Tensor:
+        """Runs `route`, which takes(inp) gave."""
         self.stats["sm120"] += 1
-        _, kwargs = self._route(inp, False)
-        return self.comm.all_reduce(inp, **kwargs)
+        return self.workspace.launch(route, inp)
 
-    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps: float):
+    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps: float, route: Route):
+        """Runs `route`, which takes_fused(inp, residual, weight) gave."""
         self.stats["sm120_fused"] += 1
-        route, kwargs = self._route(inp, True)
-        if route is not None:
-            kwargs = apply_cluster(self.comm, route, self.routes.offer, kwargs)
-        return self.comm.all_reduce_add_rmsnorm(inp, residual, weight, eps, **kwargs)
+        return self.workspace.launch_fused(route, inp, residual, weight, eps)
 
     # ------------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        comm, self.comm = self.comm, None
+        comm, self.workspace = self.workspace, None
         if comm is not None:
             _close_quietly(comm, collective=True)
 
     def device_calls(self) -> int | None:
         """Calls the kernels completed, counted on the GPU (CUDA-graph replays included; the Python-side `stats`
         see a captured call once). None when there is no workspace or the read failed."""
-        comm = self.comm
+        comm = self.workspace
         if comm is None:
             return None
         try:
@@ -503,7 +491,7 @@ class Sm120Communicator:
             "link": self.link,
             "memory": self.memory,  # "device" (CUDA IPC over P2P) | "host" (pinned host memory) | None
             "memory_note": self.memory_note,
-            "fused_clusters": dict(getattr(self.comm, "fused_clusters", {}) or {}) if self.comm is not None else None,
+            "fused_clusters": dict(self.workspace.fused_clusters) if self.workspace is not None else None,
             "routes": self.routes.as_dict(_dtype_name(self.dtype) if self.dtype else None, self.max_bytes),
             "stats": dict(self.stats),
             "device_calls": self.device_calls(),

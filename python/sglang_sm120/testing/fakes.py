@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_sm120 import policy
 from sgl_kernel_sm120.errors import IpcAllReduceProbeError
-from sgl_kernel_sm120.variants import Link
+from sgl_kernel_sm120.policy import Link, Route, WorkspaceShape
 
 
 class FakeIpcAllReduce:
     """Stands in for sgl_kernel_sm120.IpcAllReduce on CPU: "all-reduces" by multiplying by world_size (what
-    identical inputs on every rank would sum to).
+    identical inputs on every rank would sum to). It launches nothing, but what it runs is decided as the real one
+    decides it: by sgl_kernel_sm120.policy with the limits of the library the tests load (read when this module is
+    imported, before a test may stand a fake package in for sgl_kernel_sm120).
 
     Mirrors the constructor's `memory` argument: "device" keeps the given link, "host" reports
     `link == Link.HOST` and refuses islands, as the real one does. `failing(...)` makes a subclass whose device
     builds raise IpcAllReduceProbeError (and, optionally, whose host builds fail too), for the retry logic."""
 
     instances: list[FakeIpcAllReduce] = []
+    limits = policy.kernel_limits()
     # Set on the subclasses `failing()` makes: the probe table a device build fails with, and the error text a
     # host build fails with.
     probe_pairs: list[tuple[int, int, str]] | None = None
@@ -24,6 +28,7 @@ class FakeIpcAllReduce:
     host_error_type: type[Exception] = RuntimeError
     # What the real workspace reports about the fused one-shot's cluster launch (agreed over the group).
     fused_clusters = {"clusters": [8, 4, 2], "reason": "fake: clusters assumed to work"}
+    sm_budget = 188
 
     def __init__(self, group=None, device=None, max_numel=0, dtype=torch.bfloat16, *, islands=None, link="auto",
                  memory="device", timeout_s=None, warn_after_s=None, on_timeout="trap", world_size=2, fail=None):
@@ -44,11 +49,12 @@ class FakeIpcAllReduce:
         self.memory, self.world_size = memory, world_size
         self.islands = islands
         self.num_islands = len(islands) if islands else 1
-        self.link = Link.HOST if memory == "host" else link
+        self.link = Link.HOST if memory == "host" else Link(link if link in ("nvlink", "pcie") else "pcie")
+        self.shape = WorkspaceShape(world_size, memory, self.link, self.num_islands,
+                                    clusters=tuple(self.fused_clusters["clusters"]), sm_budget=self.sm_budget)
         self.closed = False
         self.calls: list[str] = []
-        self.variants: list = []  # the `variant` argument of every call (None: the kernels' own choice)
-        self.fused_cluster = None  # as on the real workspace: read at each fused call
+        self.routes_run: list[Route] = []  # the route of every call, in order
         FakeIpcAllReduce.instances.append(self)
 
     @classmethod
@@ -76,17 +82,23 @@ class FakeIpcAllReduce:
             and inp.numel() % 8 == 0
         )
 
-    def supports_add_rmsnorm(self, inp: torch.Tensor) -> bool:
-        return self.supports(inp) and inp.dim() == 2
+    def supports_add_rmsnorm(self, inp: torch.Tensor, residual=None, weight=None) -> bool:
+        if not (self.supports(inp) and inp.dim() == 2):
+            return False
+        if residual is not None and (residual.shape != inp.shape or residual.dtype != inp.dtype
+                                     or residual.device != inp.device):
+            return False
+        return weight is None or (tuple(weight.shape) == (inp.shape[-1],) and weight.dtype == inp.dtype
+                                  and weight.device == inp.device)
 
-    def all_reduce(self, inp, out=None, *, variant=None):
+    def launch(self, route: Route, inp, out=None):
         self.calls.append("all_reduce")
-        self.variants.append(variant)
+        self.routes_run.append(route)
         return (inp.float() * self.world_size).to(inp.dtype)
 
-    def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None, *, variant=None):
+    def launch_fused(self, route: Route, inp, residual, weight, eps, norm_out=None, residual_out=None):
         self.calls.append("all_reduce_add_rmsnorm")
-        self.variants.append((variant, self.fused_cluster))
+        self.routes_run.append(route)
         residual_out = (inp.float() * self.world_size + residual.float()).to(inp.dtype)
         r = residual_out.float()
         norm = (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(inp.dtype)

@@ -56,7 +56,7 @@ def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | No
     memory = spec.memory
     if memory is None:
         connected = p2p is not None and all(all(row) for row in p2p)
-        if not connected and config.hostmem_from_env() == "off":
+        if not connected and config.settings_from_environment().hostmem == "off":
             raise RuntimeError(f"CUDA P2P is missing between some GPUs and {config.HOSTMEM_ENV}=off refuses the "
                                "host-memory workspace: nothing of ours to tune")
         memory = "device" if connected else "host"

@@ -8,7 +8,7 @@ the CUDA context of the process that ran it. So candidates run in child processe
 - `tune_with_retries` (used by `python -m sglang_sm120.tune`) then excludes that candidate, from that size up,
   with the reason, and starts the group again; the table records it as failed;
 - a starting server runs one child per rank (`run_rank_child`) once, without retries: any failure there means
-  NCCL (runtime/tables.py), and the candidate a crashed or hung child was running is blamed (`culprit_of`);
+  NCCL (runtime/route_resolution.py), and the candidate a crashed or hung child was running is blamed (`culprit_of`);
 - the blamed candidates are kept in the cache (routing/cache.py) and excluded by every later tune of the key.
 A child's own Python error (an `error` event) is not retried: it is not a candidate's fault.
 

@@ -1,10 +1,10 @@
 """The CUDA side of a tune, for one rank: the workspace the candidates run on, their inputs, one call of each
 candidate, and its verification and timing (the `Measurer` interface of tuning/tuner.py).
 
-Ran on 1x H200 (ranks sharing it), 2026-12-02, before the checked graph burst (tuning/burst.py) and the launch
-shapes (`blocks=`, `cluster=` per call) existed; those have not run on a GPU yet. Written against
-sgl_kernel_sm120.IpcAllReduce (per-call `variant=`, `transport=`, `blocks=`, `cluster=`), whose offer it
-detects (tuning/candidates.py) and uses only where present.
+Ran on 1x H200 (ranks sharing it), 2026-12-02, before the checked graph burst (tuning/burst.py), the launch
+shapes and the routes as data existed; those have not run on a GPU yet. A candidate is a
+sgl_kernel_sm120.policy.Route, which IpcAllReduce.launch / launch_fused run as given, after one check of the
+call's arguments (`refusal`) when the run is set up.
 
 Choices:
 - one workspace (bf16-sized; fp16 has the same element size), built with on_timeout="exit" and a short wait
@@ -21,10 +21,10 @@ Choices:
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-from ..routing.table import Route
-from . import candidates as cand
+from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
+
+from ..routing.table import route_id
 from . import timing
 from .burst import CandidateRun, CudaBackend
 from .calls import CallBank
@@ -35,23 +35,20 @@ logger = logging.getLogger("sglang_sm120")
 CLOSE_BARRIER_S = 30.0
 
 
-def workspace_shape(ws, world: int) -> dict[str, Any]:
-    """A Measurer's `shape()`: the GroupShape fields as a built workspace of a `world`-rank group sees them."""
-    return {
-        "world_size": int(world),
-        "memory": ws.memory,
-        "num_islands": int(ws.num_islands),
-        "oneshot_max_bytes": int(ws.oneshot_max_numel) * 2,
-        "clusters": sorted(int(c) for c in ws.fused_clusters.get("clusters", [])),
-        "sm_budget": int(getattr(ws, "sm_budget", 0) or 0),
-        "staged_ctas": _staged_ctas(),
-    }
+def checked_calls(ws, route: Route, kind: str, weight, eps):
+    """`make_call` of a CandidateRun on workspace `ws`: each call's arguments are checked once, when the run is set
+    up (the check raises on a route or tensor the workspace cannot run), and the calls launch without a check."""
+    fused = kind == "fused"
 
+    def make(rank: int, x, residual, outs):
+        why = ws.refusal(x, route, fused=fused, residual=residual, weight=weight, outs=outs)
+        if why:
+            raise ValueError(f"{route.id} cannot run here: {why}")
+        if not fused:
+            return lambda: ws.launch(route, x, outs[0])
+        return lambda: ws.launch_fused(route, x, residual, weight, eps, outs[0], outs[1])
 
-def _staged_ctas() -> int:
-    from sgl_kernel_sm120.variants import STAGED_MAX_CTAS
-
-    return int(STAGED_MAX_CTAS)
+    return make
 
 
 class CudaMeasurer:
@@ -62,7 +59,6 @@ class CudaMeasurer:
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.cpu_group, self.nccl_group, self.spec = cpu_group, nccl_group, spec
         self.islands, self.link, self.memory, self.seed = islands, link, memory, seed
-        self.offer = cand.detect_offer()
         self.norm_name, self.norm = find_fused_add_rmsnorm()
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
         self._ws = None
@@ -79,16 +75,18 @@ class CudaMeasurer:
 
             from sgl_kernel_sm120 import IpcAllReduce
 
-            extra = {"transport": "auto"} if self.offer.ctor_transport else {}
             self._ws = IpcAllReduce(
                 self.cpu_group, self.device, self.max_numel, torch.bfloat16, islands=self.islands,
                 link=self.link or "auto", memory=self.memory, timeout_s=float(self.spec.kernel_timeout_s),
-                on_timeout="exit", **extra,
+                on_timeout="exit",
             )
         return self._ws
 
-    def shape(self) -> dict[str, Any]:
-        return workspace_shape(self._workspace(), self.world)
+    def shape(self) -> WorkspaceShape:
+        return self._workspace().shape
+
+    def limits(self) -> KernelLimits:
+        return self._workspace().limits
 
     def incumbent(self, kind: str) -> str:
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"
@@ -134,40 +132,28 @@ class CudaMeasurer:
 
         return nccl_then_norm
 
-    def _make_call(self, route: Route, kind: str, bank: CallBank):
-        ws = self._workspace()
-        kwargs = cand.call_kwargs(route, self.offer)
-        if kind == "fused":
-            kwargs = cand.apply_cluster(ws, route, self.offer, kwargs)
-
-        def make(rank: int, x, residual, outs):
-            if kind == "plain":
-                return lambda: ws.all_reduce(x, outs[0], **kwargs)
-            return lambda: ws.all_reduce_add_rmsnorm(x, residual, bank.weight, bank.eps, outs[0], outs[1], **kwargs)
-
-        return make
-
     def _drop_run(self) -> None:
         if self._run is not None:
             self._run[1].close()
         self._run = None
 
     # -- the Measurer interface ------------------------------------------------------------------------------
-    def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
+    def verify(self, route: Route | None, kind: str, dtype: str, rows: int) -> str:
         self._drop_run()
         bank = self._bank_for(kind, dtype, rows)
         ws = self._workspace()
-        run = CandidateRun(bank, route.id, [self.rank], int(self.spec.calls), self._make_call(route, kind, bank),
-                           self.backend, ws.synchronize)  # synchronize raises a timed-out wait's error (exit mode)
+        make = checked_calls(ws, route, kind, getattr(bank, "weight", None), bank.eps)
+        run = CandidateRun(bank, route_id(route), [self.rank], int(self.spec.calls), make, self.backend,
+                           ws.synchronize)  # synchronize raises a timed-out wait's error (exit mode)
         self._run = ((route, kind, dtype, rows), run)
         return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
 
-    def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
+    def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
         import torch
 
-        if route.ours:
+        if route is not None:
             if self._run is None or self._run[0] != (route, kind, dtype, rows):
-                raise RuntimeError(f"time({route.id}) without its verify(): the checked graph is the timed one")
+                raise RuntimeError(f"time({route_id(route)}) without its verify(): the checked graph is the timed one")
             try:
                 return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
             finally:

@@ -18,13 +18,13 @@ Ran on no GPU yet (written 2026-12-02, after the session's device time ran out).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from ..routing.table import Route
-from . import candidates as cand
+from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
+
+from ..routing.table import route_id
 from .burst import CandidateRun, CudaBackend
 from .calls import CallBank
-from .measure import workspace_shape
+from .measure import checked_calls
 
 
 def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
@@ -47,15 +47,13 @@ class LocalGroupMeasurer:
     IpcAllReduce.local_group on CUDA; the CPU tests pass fakes."""
 
     def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None, seed: int = 0,
-                 make_group: Callable | None = None, close_group: Callable | None = None, backend=None,
-                 offer: cand.KernelOffer | None = None):
+                 make_group: Callable | None = None, close_group: Callable | None = None, backend=None):
         import torch
 
         if spec.debug_nccl_us is None:
             raise ValueError("a one-process group cannot run NCCL: its time must be injected (debug_nccl_us)")
         self.world, self.device, self.spec = int(world), torch.device(device), spec
         self.islands, self.link, self.seed = islands, link, seed
-        self.offer = offer if offer is not None else cand.detect_offer()
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
         self._make_group, self._close_group = make_group or _cuda_group, close_group or _close_cuda_group
         self.backend = backend if backend is not None else CudaBackend(self.device, self.world)
@@ -71,8 +69,11 @@ class LocalGroupMeasurer:
                                            self.link)
         return self._comms
 
-    def shape(self) -> dict[str, Any]:
-        return workspace_shape(self._group()[0], self.world)
+    def shape(self) -> WorkspaceShape:
+        return self._group()[0].shape
+
+    def limits(self) -> KernelLimits:
+        return self._group()[0].limits
 
     def incumbent(self, kind: str) -> str:
         return "NCCL, not run (one process; its time injected)"
@@ -97,17 +98,11 @@ class LocalGroupMeasurer:
         return self._bank[1]
 
     def _make_call(self, route: Route, kind: str):
-        comms = self._group()
-        kwargs = cand.call_kwargs(route, self.offer)
-        eps = self._bank[1].eps
-        weight = self._bank[1].weight if kind == "fused" else None
+        bank = self._bank[1]
+        per_rank = [checked_calls(ws, route, kind, getattr(bank, "weight", None), bank.eps) for ws in self._group()]
 
         def make(rank: int, x, residual, outs):
-            ws = comms[rank]
-            if kind == "plain":
-                return lambda: ws.all_reduce(x, outs[0], **kwargs)
-            fused = cand.apply_cluster(ws, route, self.offer, kwargs)
-            return lambda: ws.all_reduce_add_rmsnorm(x, residual, weight, eps, outs[0], outs[1], **fused)
+            return per_rank[rank](rank, x, residual, outs)
 
         return make
 
@@ -123,19 +118,19 @@ class LocalGroupMeasurer:
         self._run = None
 
     # -- the Measurer interface ------------------------------------------------------------------------------
-    def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
-        if not route.ours:
+    def verify(self, route: Route | None, kind: str, dtype: str, rows: int) -> str:
+        if route is None:
             raise ValueError("NCCL cannot run in a one-process group (its time is injected)")
         self._drop_run()
         bank = self._bank_for(kind, dtype, rows)
-        run = CandidateRun(bank, route.id, range(self.world), int(self.spec.calls), self._make_call(route, kind),
+        run = CandidateRun(bank, route_id(route), range(self.world), int(self.spec.calls), self._make_call(route, kind),
                            self.backend, self._raise_timeouts)
         self._run = ((route, kind, dtype, rows), run)
         return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
 
-    def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
+    def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
         if self._run is None or self._run[0] != (route, kind, dtype, rows):
-            raise RuntimeError(f"time({route.id}) without its verify(): the checked graph is the timed one")
+            raise RuntimeError(f"time({route_id(route)}) without its verify(): the checked graph is the timed one")
         try:
             return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
         finally:

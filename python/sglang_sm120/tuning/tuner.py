@@ -28,14 +28,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..routing.table import NCCL_ROUTE, Point, Route, RoutingTable
+from sgl_kernel_sm120.policy import DTYPES, ELEMENT_BYTES, KernelLimits, Route, WorkspaceShape
+
+from ..routing.table import NCCL, Point, RoutingTable, route_id
 from . import candidates as cand
 from .timing import aggregate_iteration_times, short_error
 from .verify import reduce_verdicts
 
 logger = logging.getLogger("sglang_sm120")
 
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2}
 # Full tune: every row count up to 16 (the decode/verify sizes that matter most, and the two consecutive sizes the
 # rule needs), then steps of about 25%; quick: the sizes below, each at most doubling.
 FULL_DENSE_ROWS = 16
@@ -133,22 +134,22 @@ class TuneSpec:
 
 class Measurer(Protocol):
     """The GPU side of one rank (tuning/measure.py). Every method that builds or frees a workspace is
-    collective: the Tuner calls them on every rank at the same point."""
+    collective: the Tuner calls them on every rank at the same point. A route of None is NCCL."""
 
-    offer: cand.KernelOffer
+    def shape(self) -> WorkspaceShape:
+        """What this rank's workspace runs; the Tuner agrees it across the ranks."""
 
-    def shape(self) -> dict[str, Any]:
-        """This rank's view of the GroupShape fields (world_size, memory, num_islands, oneshot_max_bytes,
-        clusters); the Tuner agrees them."""
+    def limits(self) -> KernelLimits:
+        """The limits of the kernel library this rank loads; the Tuner agrees them across the ranks."""
 
     def incumbent(self, kind: str) -> str:
         """What the NCCL route runs for `kind`, in words (e.g. 'NCCL + sgl_kernel.fused_add_rmsnorm')."""
 
-    def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
+    def verify(self, route: Route | None, kind: str, dtype: str, rows: int) -> str:
         """Run the candidate eagerly on the verify inputs, check it exact; the digest of the outputs. Raises on
         any failure (wrong values, a timed-out wait, an exception)."""
 
-    def time(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
+    def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
         """This rank's us per call, one value per timed replay. Raises on failure."""
 
     def reset(self) -> None:
@@ -172,21 +173,18 @@ class Tuner:
             raise TuneError(f"gather returned {len(out)} answers for {self.world} ranks")
         return out
 
-    def _agree_setup(self) -> tuple[cand.GroupShape, cand.KernelOffer]:
-        views = self._agreed({"shape": self.measurer.shape(), "offer": self.measurer.offer.as_dict()})
-        shapes = [v["shape"] for v in views]
-        if any(s != shapes[0] for s in shapes):
-            raise TuneError(f"ranks see different workspaces: {shapes}")
-        s = shapes[0]
-        shape = cand.GroupShape(int(s["world_size"]), str(s["memory"]), int(s.get("num_islands", 1)),
-                                int(s.get("oneshot_max_bytes", 1 << 62)), tuple(s.get("clusters") or ()),
-                                int(s.get("sm_budget") or 0), int(s.get("staged_ctas") or 8))
-        offer = cand.agree_offer(cand.KernelOffer.from_dict(v["offer"]) for v in views)
-        return shape, offer
+    def _agree_setup(self) -> tuple[WorkspaceShape, KernelLimits]:
+        views = self._agreed({"shape": self.measurer.shape().as_dict(), "limits": self.measurer.limits().as_dict()})
+        for field, what in (("shape", "workspaces"), ("limits", "kernel libraries")):
+            seen = [v[field] for v in views]
+            if any(s != seen[0] for s in seen):
+                raise TuneError(f"ranks see different {what}: {seen}")
+        return WorkspaceShape.from_dict(views[0]["shape"]), KernelLimits(**views[0]["limits"])
 
-    def _verify_and_time(self, route: Route, kind: str, dtype: str, rows: int) -> tuple[float | None, str | None]:
+    def _verify_and_time(self, route: Route | None, kind: str, dtype: str,
+                         rows: int) -> tuple[float | None, str | None]:
         """(median us of the slowest rank, None) or (None, why it failed): the same on every rank."""
-        if route.ours:
+        if route is not None:
             local: tuple[str | None, str | None] = (None, None)
             try:
                 local = (None, self.measurer.verify(route, kind, dtype, rows))
@@ -197,7 +195,7 @@ class Tuner:
                 return None, verdict
         times, err = None, None
         try:
-            if not route.ours and self.spec.debug_nccl_us is not None:
+            if route is None and self.spec.debug_nccl_us is not None:
                 times = [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)
             else:
                 times = self.measurer.time(route, kind, dtype, rows)
@@ -212,26 +210,27 @@ class Tuner:
         except ValueError as exc:
             return None, f"timing: {exc}"
 
-    def _measure(self, dtype: str, kind: str, shape: cand.GroupShape, offer: cand.KernelOffer) -> list[Point]:
+    def _measure(self, dtype: str, kind: str, shape: WorkspaceShape, limits: KernelLimits) -> list[Point]:
         points: list[Point] = []
         sticky: dict[str, str] = {}  # candidate id -> why it is no longer tried at larger sizes
         losing: dict[str, int] = {}  # candidate id -> consecutive sizes it was slower than PRUNE_FACTOR x NCCL
-        element = ELEMENT_BYTES[dtype]
         for rows in self.spec.rows:
-            nbytes = rows * self.spec.hidden * element
-            ours, skipped = cand.candidates(kind, nbytes, self.spec.hidden, shape, offer, self.spec.quick)
+            nbytes = rows * self.spec.hidden * ELEMENT_BYTES
+            ours = cand.candidates(kind, nbytes, self.spec.hidden, shape, limits, self.spec.quick)
             times: dict[str, float] = {}
-            failed: dict[str, str] = dict(skipped)
-            left = [r for r in ours if not sticky.get(r.id) and not self.spec.excluded(dtype, kind, r.id, nbytes)]
+            failed: dict[str, str] = {}
+            left = [r for r in ours
+                    if not sticky.get(route_id(r)) and not self.spec.excluded(dtype, kind, route_id(r), nbytes)]
             if not left:
                 for route in ours:
-                    failed[route.id] = sticky.get(route.id) or self.spec.excluded(dtype, kind, route.id, nbytes)
+                    cid = route_id(route)
+                    failed[cid] = sticky.get(cid) or self.spec.excluded(dtype, kind, cid, nbytes)
                 if ours:
-                    failed.setdefault(NCCL_ROUTE.id, "not timed: no candidate of ours left to compare with")
+                    failed.setdefault(NCCL, "not timed: no candidate of ours left to compare with")
                 points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
                 continue
-            for route in [NCCL_ROUTE] + ours:
-                cid = route.id
+            for route in [None, *ours]:
+                cid = route_id(route)
                 why = sticky.get(cid) or self.spec.excluded(dtype, kind, cid, nbytes)
                 if why:
                     failed[cid] = why
@@ -244,14 +243,14 @@ class Tuner:
                     continue
                 failed[cid] = why
                 sticky[cid] = f"failed at {nbytes} B: {why}"
-                if route.ours:
+                if route is not None:
                     self.measurer.reset()
                 else:
                     self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
                                       "routed to our kernels, for want of an NCCL time to beat")
-            nccl = times.get(NCCL_ROUTE.id)
+            nccl = times.get(NCCL)
             for cid, us in times.items():
-                if cid == NCCL_ROUTE.id or nccl is None:
+                if cid == NCCL or nccl is None:
                     continue
                 losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
                 if losing[cid] >= PRUNE_SIZES:
@@ -262,17 +261,17 @@ class Tuner:
 
     def run(self) -> RoutingTable:
         start = self.clock()
-        shape, offer = self._agree_setup()
+        shape, limits = self._agree_setup()
         measurements: dict[tuple[str, str], list[Point]] = {}
         for dtype in self.spec.dtypes:
-            if dtype not in ELEMENT_BYTES:
-                raise TuneError(f"dtype {dtype!r} is not one the kernels take ({', '.join(ELEMENT_BYTES)})")
+            if dtype not in DTYPES:
+                raise TuneError(f"dtype {dtype!r} is not one the kernels take ({', '.join(DTYPES)})")
             for kind in self.spec.kinds:
-                measurements[(dtype, kind)] = self._measure(dtype, kind, shape, offer)
+                measurements[(dtype, kind)] = self._measure(dtype, kind, shape, limits)
         measure_s = self.clock() - start
         clocks = self._agreed((_utc_now(), measure_s))
         stamp, slowest = clocks[0][0], max(seconds for _, seconds in clocks)  # one clock for the table: rank 0's
-        max_bytes = self.spec.max_rows * self.spec.hidden * max(ELEMENT_BYTES[d] for d in self.spec.dtypes)
+        max_bytes = self.spec.max_rows * self.spec.hidden * ELEMENT_BYTES
         notes = list(self.notes)
         if self.spec.debug_nccl_us is not None:
             notes.append(f"DEBUG: NCCL was not measured; its time was set to {self.spec.debug_nccl_us} us "
@@ -281,9 +280,7 @@ class Tuner:
             key=self.key,
             measured=stamp,
             workload={"hidden": self.spec.hidden, "rows": self.spec.rows, "dtypes": list(self.spec.dtypes),
-                      "kinds": list(self.spec.kinds), "max_bytes": max_bytes, "memory": shape.memory,
-                      "world_size": shape.world_size, "islands": shape.num_islands,
-                      "transports": list(offer.transports)},
+                      "kinds": list(self.spec.kinds), "max_bytes": max_bytes, "workspace": shape.as_dict()},
             measurements=measurements,
             quick=self.spec.quick,
             durations={"measure": round(slowest, 3)},

@@ -107,64 +107,43 @@ def test_good_flag_values_parse():
 )
 def test_bad_environment_values_are_one_line_errors(name, value, needle):
     with pytest.raises(config.SettingError) as caught:
-        config.check_environment({name: value})
+        config.settings_from_environment({name: value})
     assert str(caught.value).startswith(needle) and "\n" not in str(caught.value), str(caught.value)
 
 
-def test_good_environment_passes_the_check():
-    config.check_environment({config.MODE_ENV: "off", config.MAX_BYTES_ENV: "auto",
-                              config.AGREEMENT_TIMEOUT_ENV: "30"})
-    config.check_environment({})
-
-
-def test_hostmem_from_env():
-    assert config.hostmem_from_env({}) == "auto"
-    assert config.hostmem_from_env({config.HOSTMEM_ENV: ""}) == "auto"
-    assert config.hostmem_from_env({config.HOSTMEM_ENV: " OFF "}) == "off"
-    assert config.hostmem_from_env({config.HOSTMEM_ENV: "auto"}) == "auto"
-    config.check_environment({config.HOSTMEM_ENV: "off"})
+def test_the_environment_is_parsed_into_one_settings_object():
+    assert config.settings_from_environment({}) == config.OverlaySettings()
+    assert config.settings_from_environment({name: "" for _, name, _ in config.ENVIRONMENT}) == \
+        config.OverlaySettings()
+    env = {config.MODE_ENV: " OFF ", config.MAX_BYTES_ENV: "1024", config.TUNE_ENV: "Force",
+           config.HOSTMEM_ENV: "off", config.AGREEMENT_TIMEOUT_ENV: "30", config.TUNE_TIMEOUT_ENV: "90"}
+    assert config.settings_from_environment(env) == config.OverlaySettings(
+        mode="off", max_bytes=1024, tune="force", hostmem="off", agreement_timeout_s=30.0, tune_timeout_s=90.0)
+    assert config.settings_from_environment({config.MAX_BYTES_ENV: "auto"}).max_bytes is None
     with pytest.raises(config.SettingError, match=r"allowed: auto, off \(auto: use pinned host memory"):
-        config.hostmem_from_env({config.HOSTMEM_ENV: "sometimes"})
+        config.settings_from_environment({config.HOSTMEM_ENV: "sometimes"})
 
 
-def test_env_equivalents():
-    assert config.mode_from_env({}) == "auto"
-    assert config.mode_from_env({config.MODE_ENV: "off"}) == "off"
-    assert config.max_bytes_from_env({config.MAX_BYTES_ENV: "1024"}) == 1024
-    assert config.max_bytes_from_env({}) is None
-    with pytest.raises(config.SettingError, match=config.MODE_ENV):
-        config.mode_from_env({config.MODE_ENV: "sometimes"})
-
-
-def test_the_tune_setting_from_flag_and_environment():
-    assert _parser().parse_args(["--sm120-allreduce-tune", " Force"]).sm120_allreduce_tune == "force"
+def test_the_flags_lay_over_the_environment():
+    parsed = _parser().parse_args(["--sm120-allreduce-tune", " Force", "--sm120-allreduce", "on"])
+    assert parsed.sm120_allreduce_tune == "force"  # argparse parsed it, once (SettingAction)
     assert _parser().parse_args([]).sm120_allreduce_tune is None
-    assert config.tune_from_env({}) == "auto" and config.tune_from_env({config.TUNE_ENV: ""}) == "auto"
-    assert config.tune_from_env({config.TUNE_ENV: "OFF"}) == "off"
-    assert config.tune_timeout_s({}) == config.DEFAULT_TUNE_TIMEOUT_S
-    assert config.tune_timeout_s({config.TUNE_TIMEOUT_ENV: "30"}) == 30.0
+    env = config.settings_from_environment({config.TUNE_ENV: "off", config.MAX_BYTES_ENV: "4096"})
+    assert config.with_flags(env, parsed) == config.OverlaySettings(mode="on", max_bytes=4096, tune="force")
+    assert config.with_flags(env, _parser().parse_args([])) == env
 
+
+def test_a_process_reads_the_settings_stored_on_its_server_args_else_its_environment():
     class Args:
-        sm120_allreduce = "auto"
-        sm120_allreduce_max_bytes = None
-        sm120_allreduce_tune = "force"
+        pass
 
-    assert config.settings_from_server_args(Args(), {config.TUNE_ENV: "off"}).tune == "force"
-    assert config.settings_from_server_args(None, {config.TUNE_ENV: "off"}).tune == "off"
-    Args.sm120_allreduce_tune = "sometimes"
-    with pytest.raises(config.SettingError, match="ServerArgs.sm120_allreduce_tune='sometimes'"):
-        config.settings_from_server_args(Args(), {})
-
-
-def test_settings_prefer_server_args_then_env():
-    class Args:
-        sm120_allreduce = "on"
-        sm120_allreduce_max_bytes = 2048
-
+    stored = config.OverlaySettings(mode="on", max_bytes=2048)
+    args = Args()
+    setattr(args, config.SETTINGS_ATTR, stored)
     env = {config.MODE_ENV: "off", config.MAX_BYTES_ENV: "4096"}
-    assert config.settings_from_server_args(Args(), env) == config.OverlaySettings("on", 2048)
-    assert config.settings_from_server_args(object(), env) == config.OverlaySettings("off", 4096)
-    assert config.settings_from_server_args(None, {}) == config.OverlaySettings("auto", None)
+    assert config.settings_of(args, env) is stored  # not parsed again
+    assert config.settings_of(Args(), env) == config.OverlaySettings("off", 4096)  # rebuilt from its fields
+    assert config.settings_of(None, {}) == config.OverlaySettings("auto", None)
 
 
 def test_derived_bound_eagle_verify():
@@ -212,20 +191,24 @@ def test_explicit_bound_wins_over_the_derived_cap():
     assert derived.max_bytes == 8 * 7168 * 2
 
 
-def test_bad_environment_stops_the_cli_launch_before_sglang_builds_server_args(monkeypatch, capsys):
+def test_bad_environment_stops_the_cli_launch_in_one_line_before_sglang_resolves_anything(monkeypatch, capsys):
+    """0.5.23's from_cli_args only builds the record (resolution comes later); 0.5.13.post1's __post_init__ seam
+    parses the environment before SGLang's own checks (next test). Either way the launch ends in one line."""
+    from types import SimpleNamespace
+
     from sglang_sm120.hooks import server_args as hooks_server_args
 
-    calls = []
+    records = []
 
     def original_from_cli_args(cls, args):
-        calls.append(args)
-        return object()
+        records.append(SimpleNamespace())
+        return records[-1]
 
     from_cli_args = hooks_server_args.wrap_from_cli_args(classmethod(original_from_cli_args)).__func__
     monkeypatch.setenv(config.MAX_BYTES_ENV, "-5")
     with pytest.raises(SystemExit) as caught:
         from_cli_args(object, object())
-    assert caught.value.code == 2 and calls == []
+    assert caught.value.code == 2 and not hasattr(records[0], config.SETTINGS_ATTR)
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: sglang_sm120: SGLANG_SM120_ALLREDUCE_MAX_BYTES='-5' is out of range"), err
     assert len(err.splitlines()) == 1, err

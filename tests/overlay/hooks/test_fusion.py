@@ -10,11 +10,12 @@ import torch
 pytest.importorskip("sglang")
 
 import sglang_sm120  # noqa: E402
+from sglang_sm120.core.config import OverlaySettings  # noqa: E402
 from sglang_sm120.core.gate import GateDecision  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
+from sglang_sm120.routing.book import RouteBook  # noqa: E402
 from sglang_sm120.runtime.communicator import Sm120Communicator  # noqa: E402
-from sglang_sm120.runtime.routes import RouteBook  # noqa: E402
 from sglang_sm120.testing.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
@@ -36,17 +37,18 @@ def fake_backend(max_tokens=8, world=WORLD):
     group = FakeGroupCoordinator(world)
     backend = Sm120Communicator(
         name="tp:0", ranks=list(range(world)), rank_in_group=0, world_size=world, cpu_group=None,
-        device=torch.device("cpu"), mode="on", deterministic=False, timeout_s=1.0, group_coordinator=group,
+        device=torch.device("cpu"), settings=OverlaySettings(mode="on", agreement_timeout_s=1.0), deterministic=False,
+        group_coordinator=group,
     )
     backend.decision = GateDecision(True, "test")
-    backend.comm = FakeIpcAllReduce(max_numel=max_tokens * HIDDEN, world_size=world)
+    backend.workspace = FakeIpcAllReduce(max_numel=max_tokens * HIDDEN, world_size=world)
     backend.max_bytes = max_tokens * HIDDEN * 2
     backend.max_fused_tokens = max_tokens
     backend.hidden_size = HIDDEN
     backend.fusion_groups_ok = True
     # Built, and routed by the seeds (every size within the bound ours): until its routes are resolved a
     # backend sends every size to NCCL.
-    backend.routes = RouteBook.seeds()
+    backend.routes = RouteBook.seeds(backend.workspace.shape, backend.workspace.limits)
     backend._test_group = group  # keep the weakly referenced coordinator alive
     return backend
 
@@ -95,39 +97,38 @@ def test_fusion_gate_defers_to_upstream_when_ours_says_no():
 
 
 def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(backend):
+    from sglang_sm120.routing.book import TABLE
     from sglang_sm120.routing.table import NCCL, Point, RoutingTable
-    from sglang_sm120.runtime.routes import TABLE, RouteBook
 
     points = [Point(r, r * HIDDEN * 2, {NCCL: 20.0, "sm120/ONESHOT/push/device": 10.0 if r <= 3 else 30.0})
               for r in range(1, 9)]
     table = RoutingTable.from_points(key={}, measured="now", workload={"hidden": HIDDEN},
                                      measurements={("bfloat16", "fused"): points})
     backend.dtype = torch.bfloat16
-    backend.routes = RouteBook(TABLE, table=table, path="p", memory="device")
+    backend.routes = RouteBook(TABLE, table=table, path="p", shape=backend.workspace.shape,
+                               limits=backend.workspace.limits)
     assert [hooks_fusion.sm120_fusion_applies(t) for t in (1, 3, 4, 8, 9)] == [True, True, False, False, False]
 
 
-def test_prepare_tp_backend_passes_the_tune_setting(monkeypatch):
-
+def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_attached(monkeypatch):
     from sglang_sm120.core import config
 
     backend = fake_backend()
-    backend.comm = None
+    backend.workspace = None
     seen = []
-    monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(kw["tune"]) or False)
+    monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(
+        (kw["tune"], bound.max_bytes)) or False)
     monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
-    monkeypatch.setenv(config.TUNE_ENV, "force")
-    server_args = SimpleNamespace(cuda_graph_max_bs=8, sm120_allreduce="on", sm120_allreduce_max_bytes=None)
-    hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
-    server_args.sm120_allreduce_tune = "off"
-    backend.build_attempted = False
-    hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
-    assert seen == ["force", "off"]
+    monkeypatch.setenv(config.TUNE_ENV, "off")  # not read again: the settings were parsed once, at attach
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "8192")
+    backend.settings = OverlaySettings(mode="on", max_bytes=4096, tune="force")
+    hooks_distributed.prepare_tp_backend(SimpleNamespace(cuda_graph_max_bs=8), 7168, torch.bfloat16)
+    assert seen == [("force", 4096)]
 
 
 def test_real_backend_without_workspace_never_claims_fusion(overlay, monkeypatch):
     b = fake_backend()
-    b.comm = None
+    b.workspace = None
     monkeypatch.setattr(hooks_fusion, "tp_communicator", lambda: b)
     assert hooks_fusion.fusion_backend() is None
     b = fake_backend()
@@ -166,7 +167,7 @@ def test_fused_call_folds_post_residual_addition(overlay, backend):
 
 def test_declining_kernel_still_reduces_never_returns_unreduced_norm(overlay, backend, monkeypatch):
     norm = rmsnorm()
-    monkeypatch.setattr(backend, "takes_fused", lambda *a: False)
+    monkeypatch.setattr(backend, "takes_fused", lambda *a: None)
     x, residual = ints(3, HIDDEN, seed=4), ints(3, HIDDEN, seed=5)
     residual_before = residual.clone()
     out, res_out = norm.forward_with_allreduce_fusion(x, residual)
@@ -281,7 +282,7 @@ def test_dispatch_without_backend_is_upstream():
     assert all_reduce(SimpleNamespace(sm120_comm=None), ints(1, HIDDEN)) == "nccl"
     assert all_reduce(SimpleNamespace(), ints(1, HIDDEN)) == "nccl"
     unbuilt = fake_backend()
-    unbuilt.comm = None
+    unbuilt.workspace = None
     assert all_reduce(SimpleNamespace(sm120_comm=unbuilt), ints(1, HIDDEN)) == "nccl"
     assert unbuilt.stats["fallback"] == 0
 
@@ -297,7 +298,7 @@ def test_destroy_releases_workspace():
     destroyed = []
     destroy = hooks_distributed.wrap_group_destroy(lambda self: destroyed.append(True))
     backend = fake_backend()
-    kernel = backend.comm
+    kernel = backend.workspace
     group = SimpleNamespace(sm120_comm=backend)
     destroy(group)
     assert kernel.closed and group.sm120_comm is None and destroyed == [True]
@@ -327,7 +328,10 @@ def test_attach_filters_groups_and_mode(monkeypatch):
     assert hooks_distributed.attach(SimpleNamespace(unique_name="tp:0", world_size=1, device=cuda)) is None
     cpu = SimpleNamespace(type="cpu")
     assert hooks_distributed.attach(SimpleNamespace(unique_name="tp:0", world_size=2, device=cpu)) is None
-    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: SimpleNamespace(sm120_allreduce="off"))
+    from sglang_sm120.core import config
+
+    off = SimpleNamespace(**{config.SETTINGS_ATTR: OverlaySettings(mode="off")})
+    monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: off)
     assert hooks_distributed.attach(
         SimpleNamespace(unique_name="tp:0", world_size=2, device=cuda, rank_in_group=0)
     ) is None
@@ -354,7 +358,8 @@ def test_pre_capture_seam_builds_with_derived_bound(overlay, monkeypatch):
 def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expected):
 
     backend = fake_backend()
-    backend.comm = None
+    backend.workspace = None
+    backend.settings = OverlaySettings(mode="on", max_bytes=explicit)
     built = []
     monkeypatch.setattr(
         backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False
@@ -362,7 +367,7 @@ def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expect
     monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     server_args = SimpleNamespace(
         cuda_graph_max_bs=8, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="EAGLE3",
-        speculative_num_draft_tokens=4, sm120_allreduce="on", sm120_allreduce_max_bytes=explicit,
+        speculative_num_draft_tokens=4,
     )
     hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16)
     assert len(built) == 1 and built[0][:2] == (7168, torch.bfloat16)

@@ -174,7 +174,7 @@ def test_gemma_norm_reaches_the_same_replacement(overlay, backend):
 def fake_runner(draft=False, rows=32):
     return SimpleNamespace(
         model_runner=SimpleNamespace(
-            server_args=SimpleNamespace(sm120_allreduce="on", sm120_allreduce_max_bytes=None),
+            server_args=SimpleNamespace(),
             model_config=SimpleNamespace(hidden_size=7168),
             dtype=torch.bfloat16,
             is_draft_worker=draft,
@@ -212,14 +212,16 @@ def test_pre_capture_seam_builds_from_sglangs_row_count(overlay, fusion_off_in_e
 ])
 def test_byte_bound_from_decode_rows(monkeypatch, explicit, rows, expected):
 
+    from sglang_sm120.core.config import OverlaySettings
+
     backend = fake_backend()
-    backend.comm = None
+    backend.workspace = None
+    backend.settings = OverlaySettings(mode="on", max_bytes=explicit)
     built = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: built.append(bound) or False)
     monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
     # 0.5.23's ServerArgs has no cuda_graph_max_bs; the speculative fields must not multiply SGLang's rows again
-    server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4,
-                                  sm120_allreduce="on", sm120_allreduce_max_bytes=explicit)
+    server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4)
     hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16, decode_rows=rows)
     assert len(built) == 1 and built[0].max_bytes == expected, built
 
@@ -276,7 +278,7 @@ def test_ours_failing_to_build_hands_the_group_back_to_upstream(monkeypatch):
     backend, upstream = fake_backend(), FakeUpstreamPcieIpc()
     group = coordinator(backend, upstream)
     upstream_pcie.set_aside_upstream(group)
-    backend.comm, backend.build_attempted, backend.build_error = None, True, "test"
+    backend.workspace, backend.build_attempted, backend.build_error = None, True, "test"
     assert upstream_pcie.restore_upstream_if_ours_failed(group)
     assert group.pcie_ipc_comm is upstream
     monkeypatch.setattr(base_runner, "get_parallel", lambda: SimpleNamespace(tp_group=group))
@@ -288,7 +290,7 @@ def test_pre_capture_hook_hands_back_when_preparing_raised(overlay, fusion_off_i
     from sglang.srt.model_executor.runner.base_runner import BaseRunner
 
     backend, upstream = fake_backend(), FakeUpstreamPcieIpc()
-    backend.comm = None  # gate on, nothing built yet
+    backend.workspace = None  # gate on, nothing built yet
     group = coordinator(backend, upstream)
     upstream_pcie.set_aside_upstream(group)
     monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: group)

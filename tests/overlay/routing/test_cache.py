@@ -111,9 +111,11 @@ def test_find_tables_reads_every_table_in_the_folder(tmp_path):
 
 
 def test_routing_and_the_report_import_without_torch():
-    # The offline report reads tables on machines without torch: neither may pull it in.
+    # The offline report reads tables on machines without torch, and the dispatch policy with the tuner's choice of
+    # candidates is data: none of them may pull it in.
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import sglang_sm120.routing.cache, sglang_sm120.routing.table\n"
+            "import sglang_sm120.routing.cache, sglang_sm120.routing.table, sglang_sm120.routing.book\n"
+            "import sgl_kernel_sm120.policy, sglang_sm120.tuning.candidates\n"
             "import sglang_sm120.reporting.document, sglang_sm120.reporting.render, sglang_sm120.report\n"
             "print('ok')")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

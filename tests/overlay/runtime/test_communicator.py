@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from sglang_sm120.core import exchange
-from sglang_sm120.core.config import ByteBound
+from sglang_sm120.core.config import ByteBound, OverlaySettings
 from sglang_sm120.core.facts import group_facts
 from sglang_sm120.core.gate import GateDecision
 from sglang_sm120.runtime import communicator as comm_mod
-from sglang_sm120.runtime import tables as tables_mod
+from sglang_sm120.runtime import route_resolution
 from sglang_sm120.testing.fakes import FakeIpcAllReduce
 
 
@@ -34,9 +34,16 @@ def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None, host
     # Exchange keys are counted per (group name, rank): a fresh name per test keeps the ranks in step.
     return comm_mod.Sm120Communicator(
         name=name or f"tp:{next(_names)}", ranks=list(range(world)), rank_in_group=rank, world_size=world,
-        cpu_group=None, device=torch.device("cpu"), mode=mode, deterministic=False, timeout_s=timeout_s, store=store,
-        hostmem=hostmem,
+        cpu_group=None, device=torch.device("cpu"), deterministic=False, store=store,
+        settings=OverlaySettings(mode=mode, hostmem=hostmem, agreement_timeout_s=timeout_s),
     )
+
+
+def reduce(backend, x):
+    """A plain call as the hook makes it: checked once (takes), then run."""
+    route = backend.takes(x)
+    assert route is not None, "the backend does not take this call"
+    return backend.all_reduce(x, route)
 
 
 def run_ranks(world, target):
@@ -144,7 +151,7 @@ def fake_kernel_module(monkeypatch):
     module.IpcAllReduce = FakeIpcAllReduce
     monkeypatch.setitem(sys.modules, "sgl_kernel_sm120", module)
     monkeypatch.setattr(comm_mod, "probe", lambda uuids: _FlatTopology())
-    monkeypatch.setattr(tables_mod, "key_facts", fake_key_facts)
+    monkeypatch.setattr(route_resolution, "key_facts", fake_key_facts)
     return module
 
 
@@ -182,7 +189,7 @@ def test_build_sizes_workspace_and_dispatch_bound(fake_kernel_module):
     backends = run_ranks(2, build)
     for backend in backends.values():
         assert backend.active
-        assert backend.comm.max_numel == 8 * 4 * 7168
+        assert backend.workspace.max_numel == 8 * 4 * 7168
         assert backend.max_bytes == bound.max_bytes
         assert backend.max_fused_tokens == 32
         assert backend.link == "pcie"
@@ -198,9 +205,9 @@ def test_build_sizes_workspace_and_dispatch_bound(fake_kernel_module):
         assert not backend.takes_fused(small, small.float(), weight)
         assert not backend.takes_fused(small, small.clone(), weight.float())
         # built once: a second build (the draft runner's) keeps the first workspace
-        first = backend.comm
+        first = backend.workspace
         assert backend.build(4096, torch.bfloat16, ByteBound(1 << 20, "again"))
-        assert backend.comm is first
+        assert backend.workspace is first
         backend.close()
         assert not backend.active and first.closed
 
@@ -263,7 +270,7 @@ def test_activation_is_one_warning_line_with_bound_schedule_and_islands(fake_ker
     assert "max CUDA-graph batch 8" in line, line
     # the counter the server info reports: calls as the workspace counted them
     backend = backends[0]
-    backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+    reduce(backend, torch.ones(2, 8, dtype=torch.bfloat16))
     assert backend.describe()["device_calls"] == 1
     backend.close()
     assert backend.describe()["device_calls"] is None
@@ -308,7 +315,7 @@ def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkey
     backend = enabled_backend(0, 1, dist.HashStore(), "tp:info")
     assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
     for _ in range(3):
-        backend.all_reduce(torch.ones(2, 8, dtype=torch.bfloat16))
+        reduce(backend, torch.ones(2, 8, dtype=torch.bfloat16))
     output = types.SimpleNamespace(internal_state={"last_gen_throughput": 1.0})
     report = hooks_server_info.wrap_get_internal_state(lambda self, req: output)
 
@@ -394,7 +401,7 @@ def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kerne
         enabled_backend(r, 2, store, "tp:host", memory="host")))
     for backend in backends.values():
         assert backend.active and backend.memory == "host", backend.build_error
-        assert backend.comm.memory == "host" and backend.comm.islands is None
+        assert backend.workspace.memory == "host" and backend.workspace.islands is None
         assert backend.link == "host" and backend.islands is None
     assert not probed  # no topology probe for a host workspace
     lines = _warnings(caplog)
@@ -410,7 +417,7 @@ def test_device_memory_decision_passes_memory_device_and_says_cuda_ipc(fake_kern
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     backend = enabled_backend(0, 1, dist.HashStore(), "tp:device")
     assert backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
-    assert backend.comm.memory == "device" and backend.memory == "device"
+    assert backend.workspace.memory == "device" and backend.memory == "device"
     assert backend.describe()["memory"] == "device"
     assert "transport: CUDA IPC (P2P)" in _warnings(caplog)[-1]
 
@@ -434,8 +441,8 @@ def test_probe_failure_retries_once_in_host_memory(fake_kernel_module, caplog):
     backends = _build_all(2, dist.HashStore(), "tp:retry")
     assert sorted(fake.attempts) == ["device", "device", "host", "host"], fake.attempts
     for backend in backends.values():
-        assert backend.active and backend.memory == "host" and backend.comm.memory == "host", backend.build_error
-        assert backend.comm.islands is None and backend.link == "host"
+        assert backend.active and backend.memory == "host" and backend.workspace.memory == "host", backend.build_error
+        assert backend.workspace.islands is None and backend.link == "host"
         assert backend.describe()["memory"] == "host"
         assert "rank 1 -> rank 0" in backend.describe()["memory_note"]
     lines = _warnings(caplog)
@@ -565,8 +572,6 @@ def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32):
 
 
 def test_a_tuned_table_routes_each_size_and_the_line_names_it(fake_kernel_module, caplog):
-    from sgl_kernel_sm120.variants import Variant
-
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     path = _table_for_the_fake_group(plain_ours_rows=4, fused_ours_rows=2)
     store = dist.HashStore()
@@ -584,9 +589,10 @@ def test_a_tuned_table_routes_each_size_and_the_line_names_it(fake_kernel_module
     two, three = four[:2].contiguous(), four[:3].contiguous()
     assert backend.takes_fused(two, two.clone(), weight) and not backend.takes_fused(three, three.clone(), weight)
     assert backend.fuses_rows(2) and not backend.fuses_rows(3) and not backend.fuses_rows(0)
-    backend.all_reduce(four)
-    backend.all_reduce_add_rmsnorm(two, two.clone(), weight, 1e-6)
-    assert backend.comm.variants == [Variant.TWOSHOT, (Variant.ONESHOT, 4)]
+    reduce(backend, four)
+    residual = two.clone()
+    backend.all_reduce_add_rmsnorm(two, residual, weight, 1e-6, backend.takes_fused(two, residual, weight))
+    assert [r.id for r in backend.workspace.routes_run] == ["TWOSHOT/push/device", "ONESHOT/push/device/c4"]
     assert backend.describe()["routes"]["source"] == "table"
     for b in backends.values():
         b.close()
@@ -605,8 +611,8 @@ def test_without_a_table_the_line_says_seeds_and_every_size_within_the_bound_is_
                              "box)"), lines
     backend = backends[0]
     assert backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16)) and backend.fuses_rows(8)
-    backend.all_reduce(torch.ones(8, 7168, dtype=torch.bfloat16))
-    assert backend.comm.variants == [None]  # the kernels' own choice
+    reduce(backend, torch.ones(8, 7168, dtype=torch.bfloat16))
+    assert [r.id for r in backend.workspace.routes_run] == ["ONESHOT/push/device"]  # the seed route of the size
     routes = backend.describe()["routes"]
     assert routes["source"] == "seeds" and routes["line"] == backend.routes.source_line()
     assert routes["why"].startswith("no routing table of this box in ")
@@ -644,7 +650,7 @@ def test_a_failed_quick_tune_leaves_the_backend_attached_with_every_size_on_nccl
 def test_a_backend_whose_routes_were_never_resolved_sends_every_size_to_nccl():
     backend = make_backend(0, 2, None, timeout_s=1.0, name="tp:unrouted")
     backend.decision = GateDecision(True, "test")
-    backend.comm = FakeIpcAllReduce(max_numel=8 * 7168)
+    backend.workspace = FakeIpcAllReduce(max_numel=8 * 7168)
     backend.max_bytes, backend.max_fused_tokens, backend.hidden_size = 8 * 7168 * 2, 8, 7168
     x = torch.ones(2, 7168, dtype=torch.bfloat16)
     assert backend.routes.source == "nccl" and not backend.takes(x) and not backend.fuses_rows(2)

@@ -132,29 +132,34 @@ def test_flags_in_help(overlay):
     assert config.MODE_ENV in text and config.MAX_BYTES_ENV in text and config.TUNE_ENV in text
 
 
-def test_flags_reach_a_pickled_server_args(overlay):
+def settings(server_args):
+    """The settings object stored on the record (never re-parsed)."""
+    stored = getattr(server_args, config.SETTINGS_ATTR)
+    assert isinstance(stored, config.OverlaySettings)
+    return stored
+
+
+def test_flags_reach_a_pickled_server_args_and_nothing_is_written_to_the_environment(overlay, clean_env):
     from sglang.srt.server_args import ServerArgs
 
     args = parser_with_flags().parse_args(
         ["--model-path", "dummy", "--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536",
          "--sm120-allreduce-tune", "off"]
     )
+    before = dict(os.environ)
     server_args = ServerArgs.from_cli_args(args)
-    assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("on", 65536)
-    clone = pickle.loads(pickle.dumps(server_args))
-    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes, clone.sm120_allreduce_tune) == ("on", 65536, "off")
-    # exported for processes that rebuild ServerArgs from its fields
-    assert os.environ[config.MODE_ENV] == "on" and os.environ[config.MAX_BYTES_ENV] == "65536"
-    assert os.environ[config.TUNE_ENV] == "off"
+    assert settings(server_args) == config.OverlaySettings("on", 65536, "off")
+    clone = pickle.loads(pickle.dumps(server_args))  # what every scheduler process receives
+    assert config.settings_of(clone, {}) == config.OverlaySettings("on", 65536, "off")
+    assert dict(os.environ) == before
 
 
 @ONLY_0513
-def test_flag_defaults(overlay):
+def test_flag_defaults(overlay, clean_env):
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs.from_cli_args(parser_with_flags().parse_args(["--model-path", "dummy"]))
-    assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("auto", None)
-    assert server_args.sm120_allreduce_tune == "auto"
+    assert settings(server_args) == config.OverlaySettings()
     assert config.MODE_ENV not in os.environ and config.TUNE_ENV not in os.environ
 
 
@@ -165,6 +170,16 @@ def test_bad_flag_values_are_rejected(overlay, capsys):
         parser_with_flags().parse_args(["--model-path", "dummy", "--sm120-allreduce-max-bytes", "-5"])
 
 
+def test_a_bad_variable_ends_the_command_line_launch_in_one_line(overlay, clean_env, monkeypatch, capsys):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(config.TUNE_ENV, "always")
+    with pytest.raises(SystemExit) as ended:
+        ServerArgs.from_cli_args(parser_with_flags().parse_args(["--model-path", "dummy"]))
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: sglang_sm120: {config.TUNE_ENV}='always'")
+
+
 @ONLY_0513
 def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
@@ -173,10 +188,9 @@ def test_env_equivalents_for_the_engine_api(overlay, monkeypatch):
     monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
     monkeypatch.setenv(config.TUNE_ENV, "force")
     server_args = ServerArgs(model_path="dummy")  # what sglang.Engine(**kwargs) builds
-    assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("off", 4096)
-    assert server_args.sm120_allreduce_tune == "force"
+    assert settings(server_args) == config.OverlaySettings("off", 4096, "force")
     clone = pickle.loads(pickle.dumps(server_args))
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096, "force")
+    assert config.settings_of(clone, {}) == config.OverlaySettings("off", 4096, "force")
 
 
 @ONLY_0513
@@ -192,8 +206,9 @@ def test_cli_beats_env(overlay, monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
     monkeypatch.setenv(config.MODE_ENV, "off")
+    monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
     args = parser_with_flags().parse_args(["--model-path", "dummy", "--sm120-allreduce", "on"])
-    assert ServerArgs.from_cli_args(args).sm120_allreduce == "on"
+    assert settings(ServerArgs.from_cli_args(args)) == config.OverlaySettings("on", 4096)
 
 
 def test_flashinfer_fusion_kept_off_on_sm12x(overlay):
@@ -201,11 +216,15 @@ def test_flashinfer_fusion_kept_off_on_sm12x(overlay):
 
     from sglang_sm120.hooks.server_args import keep_flashinfer_fusion_off_on_sm120
 
-    args = SimpleNamespace(sm120_allreduce="auto", enable_flashinfer_allreduce_fusion=True)
+    def record(mode):
+        return SimpleNamespace(**{config.SETTINGS_ATTR: config.OverlaySettings(mode)},
+                               enable_flashinfer_allreduce_fusion=True)
+
+    args = record("auto")
     assert keep_flashinfer_fusion_off_on_sm120(args, capability=(12, 0))
     assert args.enable_flashinfer_allreduce_fusion is False
     for capability, mode in (((9, 0), "auto"), ((10, 0), "on"), ((12, 0), "off")):
-        args = SimpleNamespace(sm120_allreduce=mode, enable_flashinfer_allreduce_fusion=True)
+        args = record(mode)
         assert not keep_flashinfer_fusion_off_on_sm120(args, capability=capability)
         assert args.enable_flashinfer_allreduce_fusion is True
 

@@ -102,38 +102,47 @@ def parse(*argv):
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", "dummy", *argv]))
 
 
-def test_cli_flags_survive_resolution_and_the_pickle_to_schedulers(overlay):
+def stored(server_args) -> config.OverlaySettings:
+    found = getattr(server_args, config.SETTINGS_ATTR)
+    assert isinstance(found, config.OverlaySettings)
+    return found
+
+
+def test_cli_flags_survive_resolution_and_the_pickle_to_schedulers(overlay, clean_env):
+    before = dict(os.environ)
     server_args = parse("--sm120-allreduce", "on", "--sm120-allreduce-max-bytes", "65536", "--sm120-allreduce-tune",
                         "force")
     server_args.resolve_once()
     assert server_args._resolution_finished
     clone = pickle.loads(pickle.dumps(server_args))  # what each scheduler process receives
-    assert (clone.sm120_allreduce, clone.sm120_allreduce_max_bytes, clone.sm120_allreduce_tune) == ("on", 65536,
-                                                                                                    "force")
+    assert stored(clone) == config.OverlaySettings("on", 65536, "force")
     clone.resolve_once()  # publish() calls it again in the scheduler: the sealed record is not written
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("on", 65536, "force")
+    assert config.settings_of(clone, {}) == config.OverlaySettings("on", 65536, "force")
+    assert {k: v for k, v in os.environ.items() if k.startswith("SGLANG_SM120")} == \
+        {k: v for k, v in before.items() if k.startswith("SGLANG_SM120")}  # nothing exported
 
 
-def test_defaults_are_filled_at_resolution(overlay):
+def test_the_command_line_record_holds_the_defaults_before_resolution(overlay, clean_env):
     server_args = parse()
-    assert getattr(server_args, config.MODE_ATTR, None) is None  # 0.5.23 has no __post_init__ to fill them
+    assert stored(server_args) == config.OverlaySettings()
     server_args.resolve_once()
-    assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("auto", None)
-    assert server_args.sm120_allreduce_tune == "auto"
+    assert stored(server_args) == config.OverlaySettings()
 
 
-def test_copies_that_drop_our_attributes_fall_back_to_the_exported_environment(overlay):
+def test_copies_rebuilt_from_the_fields_read_their_own_environment(overlay, clean_env, monkeypatch):
+    """SGLang hands the record to its schedulers by pickling it, which keeps the settings; msgspec's own copies
+    rebuild from the fields only (SGLang does not use them on the way to a scheduler), and a process holding such a
+    copy reads its own environment: the flags are not copied into it."""
     import msgspec
 
     server_args = parse("--sm120-allreduce", "off", "--sm120-allreduce-max-bytes", "4096")
-    assert copy.deepcopy(server_args).sm120_allreduce == "off"
-    # msgspec's own copies rebuild from the fields only: our attributes are gone there ...
+    assert stored(copy.deepcopy(server_args)) == config.OverlaySettings("off", 4096)
     shallow = copy.copy(server_args)
     replaced = msgspec.structs.replace(server_args, model_path="other")
-    assert getattr(shallow, config.MODE_ATTR, None) is None and getattr(replaced, config.MODE_ATTR, None) is None
-    # ... and the environment copy from_cli_args exported gives the same settings.
+    monkeypatch.setenv(config.MODE_ENV, "on")
     for record in (shallow, replaced):
-        assert config.settings_from_server_args(record) == config.OverlaySettings("off", 4096)
+        assert getattr(record, config.SETTINGS_ATTR, None) is None
+        assert config.settings_of(record) == config.OverlaySettings("on", None)
 
 
 def test_engine_api_reads_the_environment_at_resolve_once(overlay, monkeypatch):
@@ -143,10 +152,11 @@ def test_engine_api_reads_the_environment_at_resolve_once(overlay, monkeypatch):
     monkeypatch.setenv(config.MAX_BYTES_ENV, "4096")
     monkeypatch.setenv(config.TUNE_ENV, "off")
     server_args = ServerArgs(model_path="dummy")  # what sglang.Engine(**kwargs) builds
+    assert getattr(server_args, config.SETTINGS_ATTR, None) is None  # 0.5.23 has no __post_init__ to fill them
     server_args.resolve_once()  # what Engine._launch_subprocesses calls
-    assert (server_args.sm120_allreduce, server_args.sm120_allreduce_max_bytes) == ("off", 4096)
+    assert stored(server_args) == config.OverlaySettings("off", 4096, "off")
     clone = pickle.loads(pickle.dumps(server_args))
-    assert config.settings_from_server_args(clone, {}) == config.OverlaySettings("off", 4096, "off")
+    assert config.settings_of(clone, {}) == config.OverlaySettings("off", 4096, "off")
 
 
 def test_bad_env_value_fails_at_resolution_naming_the_variable(overlay, monkeypatch):
@@ -163,10 +173,10 @@ def test_resolve_once_wrapper_leaves_a_sealed_record_alone(clean_env):
     resolve_once = hooks_server_args.wrap_resolve_once(lambda self: calls.append("original"))
     sealed = SimpleNamespace(_resolution_finished=True)
     resolve_once(sealed)
-    assert calls == ["original"] and not hasattr(sealed, config.MODE_ATTR)
+    assert calls == ["original"] and not hasattr(sealed, config.SETTINGS_ATTR)
     fresh = SimpleNamespace()
     resolve_once(fresh)
-    assert fresh.sm120_allreduce == "auto" and calls == ["original", "original"]
+    assert stored(fresh) == config.OverlaySettings() and calls == ["original", "original"]
 
 
 def test_an_error_of_sglangs_resolve_once_shows_no_frame_of_ours(clean_env):
@@ -185,7 +195,7 @@ def test_an_error_of_sglangs_resolve_once_shows_no_frame_of_ours(clean_env):
         record.resolve_once()
     frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert not any(os.sep + "sglang_sm120" + os.sep in name for name in frames), frames
-    assert record.sm120_allreduce == "auto"  # our part ran, at the lookup
+    assert stored(record) == config.OverlaySettings()  # our part ran, at the lookup
 
 
 @pytest.mark.parametrize(
@@ -206,7 +216,7 @@ def test_flashinfer_fusion_declared_off_on_sm12x(clean_env, capability, mode, re
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path="dummy", flashinfer_allreduce_fusion_backend=requested)
-    setattr(server_args, config.MODE_ATTR, mode)
+    setattr(server_args, config.SETTINGS_ATTR, config.OverlaySettings(mode))
     changed = hooks_server_args.keep_flashinfer_fusion_off_on_sm12x(server_args, capability=capability)
     assert resolution_result(server_args, "flashinfer_allreduce_fusion_backend") == expected
     assert changed == (requested is not None and expected is None)

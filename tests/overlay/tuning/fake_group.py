@@ -15,6 +15,8 @@ import contextlib
 
 import torch
 
+from sgl_kernel_sm120 import policy
+
 MODES = ("good", "stale", "single_buffer", "zero_sign")
 
 
@@ -27,7 +29,7 @@ class FakeGroup:
         self.pending: dict[int, dict[int, tuple]] = {}
         self.previous: dict[int, tuple] = {}  # rank -> the last completed call's result (stale mode)
         self.in_flight: dict[int, tuple] = {}  # rank -> outputs of a call completed since the last sync
-        self.launches: list[dict] = []  # every call's keyword arguments, rank 0's
+        self.launches: list = []  # the route of every call, rank 0's
 
     def synchronize(self) -> None:
         self.in_flight.clear()
@@ -63,31 +65,35 @@ class FakeGroup:
 
 
 class FakeWorkspace:
-    memory = "device"
-    num_islands = 1
-    oneshot_max_numel = 1 << 40
+    """What the measurer uses of an IpcAllReduce: its shape and limits, the one argument check (the real
+    policy's decision on the route), and the two launches."""
+
+    limits = policy.kernel_limits()
 
     def __init__(self, group: FakeGroup, rank: int, sm_budget: int, clusters):
-        self.group, self.rank, self.sm_budget = group, rank, sm_budget
-        self.fused_clusters = {"clusters": list(clusters)}
-        self.fused_cluster = None
+        self.group, self.rank = group, rank
+        self.shape = policy.WorkspaceShape(group.world, "device", "pcie", clusters=tuple(clusters),
+                                           sm_budget=sm_budget)
         self.issued = 0
 
     def timeout_error(self):
         return None
 
-    def _issue(self, call: tuple, kwargs: dict) -> None:
+    def refusal(self, x, route, *, fused, residual=None, weight=None, outs=()):
+        return policy.refusal(self.shape, route, x.numel() * x.element_size(), fused=fused, limits=self.limits)
+
+    def _issue(self, call: tuple, route) -> None:
         if self.rank == 0:
-            self.group.launches.append(dict(kwargs))
+            self.group.launches.append(route)
         index, self.issued = self.issued, self.issued + 1
         self.group.issue(self.rank, index, call)
 
-    def all_reduce(self, x, out, **kwargs):
-        self._issue(("plain", x, (out,), None, None, None), kwargs)
+    def launch(self, route, x, out):
+        self._issue(("plain", x, (out,), None, None, None), route)
         return out
 
-    def all_reduce_add_rmsnorm(self, x, residual, weight, eps, norm_out, res_out, **kwargs):
-        self._issue(("fused", x, (norm_out, res_out), residual, weight, eps), kwargs)
+    def launch_fused(self, route, x, residual, weight, eps, norm_out, res_out):
+        self._issue(("fused", x, (norm_out, res_out), residual, weight, eps), route)
         return norm_out, res_out
 
 

@@ -11,19 +11,19 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from sgl_kernel_sm120.policy import WorkspaceShape, kernel_limits
 from sglang_sm120.core import exchange
 from sglang_sm120.routing import table as tbl
-from sglang_sm120.tuning.candidates import KernelOffer
 from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, rows_ladder
 
-ONE, TWO = "sm120/ONESHOT/push/device", "sm120/TWOSHOT/push/device"
+# The fake workspace is in host memory, where push is the one transport timed, and its one-shot slots hold every
+# size: one candidate per variant.
+ONE, TWO = "sm120/ONESHOT/push/host", "sm120/TWOSHOT/push/host"
 KEY = {"world_size": 2, "gpus": [{"uuid": "GPU-0"}, {"uuid": "GPU-1"}], "memory": "device"}
 
 
 class FakeMeasurer:
     """times(cid, kind, dtype, rows, rank) -> us; failures {(cid, rows): (ranks, why)} fail verification there."""
-
-    offer = KernelOffer(("push",))
 
     def __init__(self, rank, times, failures=None, world=2, digests=None):
         self.rank, self.times, self.failures = rank, times, failures or {}
@@ -31,22 +31,24 @@ class FakeMeasurer:
         self.resets, self.verified, self.timed = 0, [], []
 
     def shape(self):
-        return {"world_size": self.world, "memory": "device", "num_islands": 1, "oneshot_max_bytes": 1 << 62,
-                "clusters": []}
+        return WorkspaceShape(self.world, "host", "host")
+
+    def limits(self):
+        return kernel_limits()
 
     def incumbent(self, kind):
         return "fake NCCL" if kind == "plain" else "fake NCCL + norm"
 
     def verify(self, route, kind, dtype, rows):
-        self.verified.append((route.id, rows))
-        ranks, why = self.failures.get((route.id, rows), ((), ""))
+        self.verified.append((tbl.route_id(route), rows))
+        ranks, why = self.failures.get((tbl.route_id(route), rows), ((), ""))
         if self.rank in ranks:
             raise AssertionError(why)
-        return self.digests.get((route.id, rows, self.rank), "same bits")
+        return self.digests.get((tbl.route_id(route), rows, self.rank), "same bits")
 
     def time(self, route, kind, dtype, rows):
-        self.timed.append((route.id, rows))
-        return [self.times(route.id, kind, dtype, rows, self.rank)] * 3
+        self.timed.append((tbl.route_id(route), rows))
+        return [self.times(tbl.route_id(route), kind, dtype, rows, self.rank)] * 3
 
     def reset(self):
         self.resets += 1
@@ -106,7 +108,7 @@ def test_every_rank_builds_the_same_table_from_the_measurements():
     assert not errors, errors
     assert results[0].digest() == results[1].digest()
     table = results[0]
-    assert tbl.describe(table, "bfloat16", "plain") == "ONESHOT/push/device up to 28672 B, NCCL up to 57344 B"
+    assert tbl.describe(table, "bfloat16", "plain") == "ONESHOT/push/host up to 28672 B, NCCL up to 57344 B"
     assert [p.times for p in table.measurements[("bfloat16", "plain")]][0] == {"nccl": 20.0, ONE: 10.0}
     assert table.incumbents == {"plain": "fake NCCL"} and table.workload["rows"] == [1, 2, 3, 4]
 
@@ -158,14 +160,6 @@ def test_an_excluded_candidate_is_recorded_with_its_reason_and_never_started():
     assert (ONE, 2) not in measurers[0].verified
 
 
-def test_transports_the_build_lacks_are_recorded_as_such():
-    results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, crossover_times), spec(max_rows=1))
-    assert not errors, errors
-    failed = results[0].measurements[("bfloat16", "plain")][0].failed
-    assert failed == {"sm120/ONESHOT/staged/device": "not available in this build",
-                      "sm120/ONESHOT/pull/device": "not available in this build"}
-
-
 def test_a_failing_nccl_routes_nothing_to_us_and_says_so():
     def times(cid, kind, dtype, rows, rank):
         if cid == "nccl":
@@ -181,7 +175,7 @@ def test_a_failing_nccl_routes_nothing_to_us_and_says_so():
 def test_the_debug_incumbent_time_is_used_and_labelled():
     results, errors, measurers = run_threads(2, lambda r: FakeMeasurer(r, crossover_times), spec(debug_nccl_us=1e6))
     assert not errors, errors
-    assert tbl.describe(results[0], "bfloat16", "plain") == "ONESHOT/push/device up to 57344 B"
+    assert tbl.describe(results[0], "bfloat16", "plain") == "ONESHOT/push/host up to 57344 B"
     assert any(n.startswith("DEBUG: NCCL was not measured") for n in results[0].notes)
     assert not [t for t in measurers[0].timed if t[0] == "nccl"]
 
@@ -190,11 +184,24 @@ def test_ranks_that_see_different_workspaces_refuse_to_tune():
     def make(rank):
         m = FakeMeasurer(rank, crossover_times)
         if rank == 1:
-            m.shape = lambda: {**FakeMeasurer.shape(m), "memory": "host"}
+            m.shape = lambda: WorkspaceShape(m.world, "device", "pcie")
         return m
 
     _, errors, _ = run_threads(2, make, spec(max_rows=1))
     assert set(errors) == {0, 1} and all(isinstance(e, TuneError) for e in errors.values())
+
+
+def test_ranks_whose_kernel_libraries_differ_refuse_to_tune():
+    import dataclasses
+
+    def make(rank):
+        m = FakeMeasurer(rank, crossover_times)
+        if rank == 1:
+            m.limits = lambda: dataclasses.replace(kernel_limits(), max_fused_hidden=1024)
+        return m
+
+    _, errors, _ = run_threads(2, make, spec(max_rows=1))
+    assert set(errors) == {0, 1} and all("different kernel libraries" in str(e) for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("max_rows, quick, expected", [
@@ -269,7 +276,7 @@ def test_ranks_agree_over_gloo():
     assert len(digests) == 1 and None not in digests, answers
     # ONESHOT wins everywhere (its slowest rank: 10, then 15 from rows 3, against NCCL's 20); TWOSHOT failed on
     # rank 0 at rows 2, so on every rank, and is not tried again.
-    assert answers[0][2] == "ONESHOT/push/device up to 57344 B"
+    assert answers[0][2] == "ONESHOT/push/host up to 57344 B"
 
 
 def test_a_candidate_far_slower_than_nccl_is_pruned_and_once_none_is_left_nothing_is_timed():
@@ -296,7 +303,7 @@ def test_pruning_compares_with_nccl_only_never_with_another_candidate():
     # TWOSHOT was 2.4x slower than ONESHOT at rows 1-2 but kept, and takes over where ONESHOT loses to NCCL; the
     # sizes between rows 2 and 3, whose measured neighbours chose different routes, are NCCL's
     assert tbl.describe(results[0], "bfloat16", "plain") == \
-        "ONESHOT/push/device up to 28672 B, NCCL up to 43007 B, TWOSHOT/push/device up to 57344 B"
+        "ONESHOT/push/host up to 28672 B, NCCL up to 43007 B, TWOSHOT/push/host up to 57344 B"
 
 
 def test_the_ladder_measures_every_captured_row_count_and_none_past_the_bound():

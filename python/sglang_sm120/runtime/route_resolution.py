@@ -1,14 +1,14 @@
 """Finding (or making) the routing table of one TP group when its workspace is built, before CUDA-graph capture.
 
 Every step is collective over the group and agreed (core/exchange.py), so every rank ends with the same
-`RouteBook` (runtime/routes.py). No measured table that can be used means NCCL for every size, on every rank,
+`RouteBook` (routing/book.py). No measured table that can be used means NCCL for every size, on every rank,
 with one WARNING on rank 0 naming the cause and the retry; the unmeasured seeds run only when the user asks for
 them (`--sm120-allreduce-tune off`):
 
-0. the kernels: every rank's kernel library (file, size, time), what it offers (transports, call arguments) and
-   how its workspace launches (core/facts.launch_facts: agreed cluster sizes, SM budget, PDL, their switches)
-   are exchanged; a rank that differs in any of them ends the group on NCCL, whatever the tune setting, since
-   ranks that ran different kernels would wait on each other;
+0. the kernels: every rank's kernel library (file, size, time: the overlay and the kernels are one version, so
+   one library is one policy) and how its workspace launches (core/facts.launch_facts: agreed cluster sizes, SM
+   budget, PDL, their switches) are exchanged; a rank that differs in either ends the group on NCCL, whatever
+   the tune setting, since ranks that ran different kernels would wait on each other;
 1. key: every rank's key facts (GPU, PCI bus id, versions: core/facts.key_facts) are exchanged and the key is
    made with the group's P2P matrix, the islands, the workspace memory and the launch facts; the candidates
    blamed for a crash or hang under this key (routing/cache.py) are read and agreed;
@@ -40,13 +40,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sgl_kernel_sm120.policy import ELEMENT_BYTES, KernelLimits, WorkspaceShape
+
 from ..core.facts import key_facts, library_identity
 from ..routing import cache
+from ..routing.book import ALL_NCCL, RETRY, TABLE, RouteBook
 from ..routing.table import KINDS, RoutingTable, compare_keys, make_key, route_differences
 from ..tuning import launch
-from ..tuning.candidates import KernelOffer
 from ..tuning.tuner import TuneSpec
-from .routes import ALL_NCCL, RETRY, TABLE, RouteBook
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -81,12 +82,10 @@ def resolve_routes(
     rank: int,
     world: int,
     device,
-    memory: str,
+    shape: WorkspaceShape,
+    limits: KernelLimits,
     islands: Sequence[Sequence[int]] | None,
-    link: str | None,
     p2p: Sequence[Sequence[bool]] | None,
-    offer: KernelOffer,
-    num_islands: int,
     hidden: int,
     dtype,
     max_bytes: int,
@@ -99,12 +98,13 @@ def resolve_routes(
     run_child: Callable[..., launch.ChildOutcome] | None = None,
     graph_rows: Sequence[int] = (),
 ) -> RouteBook:
-    """The group's routes (module docstring). Never raises. `log` writes rank 0's lines; `facts`, `library` and
-    `run_child` default to core.facts.key_facts, core.facts.library_identity and tuning.launch.run_rank_child
-    (looked up at call time)."""
+    """The group's routes (module docstring). Never raises. `shape` and `limits`: the built workspace's (what it
+    runs, and its library's limits); `islands`: its island partition. `log` writes rank 0's lines; `facts`,
+    `library` and `run_child` default to core.facts.key_facts, core.facts.library_identity and
+    tuning.launch.run_rank_child (looked up at call time)."""
     try:
-        found = _resolve(agree=agree, rank=rank, world=world, device=device, memory=memory, islands=islands,
-                         link=link, p2p=p2p, offer=offer, num_islands=num_islands, hidden=hidden, dtype=dtype,
+        found = _resolve(agree=agree, rank=rank, world=world, device=device, shape=shape, limits=limits,
+                         islands=islands, p2p=p2p, hidden=hidden, dtype=dtype,
                          max_bytes=max_bytes, tune=tune, tune_timeout_s=tune_timeout_s, log=log,
                          launch_facts=None if launch_facts is None else dict(launch_facts), facts=facts or key_facts,
                          library=library or library_identity, run_child=run_child or launch.run_rank_child,
@@ -132,13 +132,12 @@ def _all_nccl(log: Callable[[int, str], None], why: str) -> RouteBook:
     return RouteBook.all_nccl(why)
 
 
-def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, num_islands, hidden, dtype,
-             max_bytes, tune, tune_timeout_s, log, launch_facts, facts, library, run_child,
-             graph_rows=()) -> RouteBook:
+def _resolve(*, agree, rank, world, device, shape, limits, islands, p2p, hidden, dtype, max_bytes, tune,
+             tune_timeout_s, log, launch_facts, facts, library, run_child, graph_rows=()) -> RouteBook:
     dtype_name = _dtype_name(dtype)
-    row_bytes = int(hidden) * 2
+    memory = shape.memory.value
+    row_bytes = int(hidden) * ELEMENT_BYTES
     covered = max(row_bytes, int(max_bytes) // row_bytes * row_bytes)  # whole rows: what a tune measures
-    clusters = tuple(int(c) for c in (launch_facts or {}).get("clusters") or () if int(c) > 1)
 
     def all_nccl(why: str) -> RouteBook:
         return _all_nccl(log, why)
@@ -146,11 +145,11 @@ def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, n
     def seeds(why: str, level: int = logging.WARNING) -> RouteBook:
         if why:
             log(level, f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")
-        return RouteBook.seeds(why)
+        return RouteBook.seeds(shape, limits, why)
 
-    # 0. one kernel library, one offer, one launch on every rank
-    kernels = agree("routes-kernels", {"library": library(), "offer": offer.as_dict(), "launch": launch_facts})
-    differing = [d for d in (_differing(kernels, f) for f in ("library", "offer", "launch")) if d]
+    # 0. one kernel library and one launch on every rank
+    kernels = agree("routes-kernels", {"library": library(), "launch": launch_facts})
+    differing = [d for d in (_differing(kernels, f) for f in ("library", "launch")) if d]
     if differing:
         return all_nccl(f"the ranks do not run the same kernels ({'; '.join(differing)})")
 
@@ -175,8 +174,7 @@ def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, n
             log(logging.WARNING, f"sglang_sm120: routing table {path}: its routes are not what its measurements "
                                  f"give{' without the blamed candidates' if blamed else ''} ({differences}); "
                                  "routing by the re-derived ones")
-        return RouteBook(TABLE, table=derived, path=path, memory=memory, num_islands=num_islands, offer=offer,
-                         clusters=clusters, blamed=tuple(blamed))
+        return RouteBook(TABLE, table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
 
     # 2. the lookup
     loaded = cache.load(key, hidden=hidden, dtype=dtype_name, max_bytes=covered, kinds=KINDS)
@@ -209,6 +207,8 @@ def _resolve(*, agree, rank, world, device, memory, islands, link, p2p, offer, n
 
     # 3. the quick tune, in one child process per rank
     port = agree("routes-port", launch.free_port() if rank == 0 else None)[0]
+    # A host-memory workspace has no link to choose: its child finds the same one (IpcAllReduce takes none).
+    link = shape.link.value if memory == "device" else None
     spec = TuneSpec.make(hidden, covered // row_bytes, quick=True, dtypes=[dtype_name], kinds=list(KINDS),
                          memory=memory, islands=[list(g) for g in islands] if islands else None,
                          islands_given=True, link=link, graph_rows=sorted({int(r) for r in graph_rows}),

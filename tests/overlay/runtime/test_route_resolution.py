@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sgl_kernel_sm120.policy import WorkspaceShape, kernel_limits
 from sglang_sm120.core import exchange
 from sglang_sm120.routing import cache
-from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
-from sglang_sm120.runtime import tables
+from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key, route_id
+from sglang_sm120.runtime import route_resolution
 from sglang_sm120.tuning import launch
-from sglang_sm120.tuning.candidates import KernelOffer
 
 HIDDEN, ROW = 7168, 7168 * 2
 _names = itertools.count()
@@ -38,6 +38,7 @@ P2P = [[True, True], [True, True]]
 LAUNCH = {"clusters": [2, 4], "sm_budget": 188, "pdl": True,
           "switches": {"SGL_SM120_FUSED_CLUSTERS": "", "SGL_SM120_AR_PDL": ""}}
 KEY = make_key([facts(0), facts(1)], islands=None, p2p=P2P, memory="device", launch=LAUNCH)
+SHAPE = WorkspaceShape(2, "device", "pcie", clusters=(2, 4), sm_budget=188)
 ONE = "sm120/ONESHOT/push/device"
 
 
@@ -67,7 +68,8 @@ def good_child(rank, spec):
 
 
 def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW, library=lambda rank: "lib:1:2",
-                launch_of=lambda rank: LAUNCH, offer_of=lambda rank: KernelOffer(), graph_rows=()):
+                launch_of=lambda rank: LAUNCH, graph_rows=(), lost=None, agree_timeout_s=5.0):
+    """`lost`: (rank, step) of an agreement that rank never takes part in (it fails there at once)."""
     store, name, logs = dist.HashStore(), f"tables-{next(_names)}", []
     out = {}
 
@@ -75,11 +77,14 @@ def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW,
         counter = itertools.count()
 
         def agree(step, payload, timeout_s=None):
-            return exchange.agree(store, f"{name}/{step}/{next(counter)}", rank, world, payload, timeout_s or 5.0)
+            if lost == (rank, step):
+                raise exchange.AgreementFailed(f"rank {rank} lost its connection at {step}")
+            return exchange.agree(store, f"{name}/{step}/{next(counter)}", rank, world, payload,
+                                  timeout_s or agree_timeout_s)
 
-        out[rank] = tables.resolve_routes(
-            agree=agree, rank=rank, world=world, device=torch.device("cuda", rank), memory="device", islands=None,
-            link="pcie", p2p=P2P, offer=offer_of(rank), num_islands=1, hidden=HIDDEN, dtype=torch.bfloat16,
+        out[rank] = route_resolution.resolve_routes(
+            agree=agree, rank=rank, world=world, device=torch.device("cuda", rank), shape=SHAPE,
+            limits=kernel_limits(), islands=None, p2p=P2P, hidden=HIDDEN, dtype=torch.bfloat16,
             max_bytes=max_bytes, tune=tune, tune_timeout_s=30.0, launch_facts=launch_of(rank),
             log=lambda level, text, r=rank: logs.append((level, text)) if r == 0 else None,
             facts=lambda device, r=rank: facts_fn(r), library=lambda r=rank: library(r), run_child=children,
@@ -162,7 +167,7 @@ RETRY = "retry: --sm120-allreduce-tune force, or python -m sglang_sm120.tune"
 def all_nccl(books, logs, cause):
     """Every rank routes every size to NCCL, and rank 0 logged one WARNING naming `cause` and the retry."""
     assert {b.source for b in books.values()} == {"nccl"}, books
-    assert all(b.call(n, "bfloat16", fused) is None for b in books.values() for n in (16, ROW, 4 * ROW)
+    assert all(b.route(n, "bfloat16", fused) is None for b in books.values() for n in (16, ROW, 4 * ROW)
                for fused in (False, True))
     named = [w for w in warnings(logs) if "every all-reduce of this group goes to NCCL" in w]
     assert len(named) == 1 and cause in named[0] and RETRY in named[0], logs
@@ -263,7 +268,7 @@ def test_seeds_run_only_when_asked_for_and_say_they_are_unmeasured():
 
     books, logs = resolve_all("off", Children(good_child), facts_fn=flaky)
     assert {b.source for b in books.values()} == {"seeds"}
-    assert books[0].call(ROW, "bfloat16", False) == (None, {})
+    assert route_id(books[0].route(ROW, "bfloat16", False)) == "sm120/ONESHOT/push/device"  # the seed route
     assert "UNMEASURED" in books[0].source_line() and "--sm120-allreduce-tune off" in books[0].source_line()
 
 
@@ -295,9 +300,9 @@ def test_a_candidate_blamed_for_a_crash_is_never_routed_nor_tuned_again():
     # ... and a table that routes it there anyway (a tool's, say) is served without it from that size up.
     assert {b.source for b in books.values()} == {"table"}
     book = books[0]
-    assert book.call(2 * ROW, "bfloat16", True)[0].id == ONE
-    assert book.call(3 * ROW, "bfloat16", True) is None and book.call(4 * ROW, "bfloat16", True) is None
-    assert book.call(4 * ROW, "bfloat16", False)[0].id == ONE  # the plain kind was not blamed
+    assert route_id(book.route(2 * ROW, "bfloat16", True)) == ONE
+    assert book.route(3 * ROW, "bfloat16", True) is None and book.route(4 * ROW, "bfloat16", True) is None
+    assert route_id(book.route(4 * ROW, "bfloat16", False)) == ONE  # the plain kind was not blamed
 
 
 def test_force_with_a_failure_keeps_the_previous_table():
@@ -306,14 +311,13 @@ def test_force_with_a_failure_keeps_the_previous_table():
     assert {b.source for b in books.values()} == {"table"} and {b.path for b in books.values()} == {path}
     kept = [w for w in warnings(logs) if "routing by the table there was before" in w]
     assert len(kept) == 1 and "the quick tune at start-up failed" in kept[0] and RETRY in kept[0]
-    assert books[0].call(3 * ROW, "bfloat16", True) is None  # still: the blamed candidate is not routed
-    assert books[0].call(ROW, "bfloat16", False)[0].id == ONE
+    assert books[0].route(3 * ROW, "bfloat16", True) is None  # still: the blamed candidate is not routed
+    assert route_id(books[0].route(ROW, "bfloat16", False)) == ONE
 
 
 @pytest.mark.parametrize("field, differ", [
     ("library", {"library": lambda rank: f"lib:{rank}:2"}),
     ("launch", {"launch_of": lambda rank: {**LAUNCH, "clusters": [2, 4] if rank == 0 else []}}),
-    ("offer", {"offer_of": lambda rank: KernelOffer(("push", "pull") if rank else ("push",), call_transport=True)}),
 ])
 def test_ranks_that_run_different_kernels_end_on_nccl_whatever_the_setting(field, differ):
     cache.save(a_table())
@@ -331,7 +335,7 @@ def test_a_hand_edited_table_is_recomputed_from_its_measurements():
         json.dump(doc, handle)
     books, logs = resolve_all("auto", Children(good_child))
     assert {b.source for b in books.values()} == {"table"}
-    assert books[0].call(ROW, "bfloat16", False)[0].id == ONE  # what its measurements give, not the edit
+    assert route_id(books[0].route(ROW, "bfloat16", False)) == ONE  # what its measurements give, not the edit
     differ = [w for w in warnings(logs) if "its routes are not what its measurements give" in w]
     assert len(differ) == 1 and "bfloat16 plain: stored NCCL up to 57344 B" in differ[0], logs
 
@@ -342,3 +346,28 @@ def test_the_quick_tune_measures_every_row_count_the_server_runs_in_cuda_graphs(
     spec = children.calls[0]["spec"]
     assert spec.graph_rows == [1, 2, 4, 8, 12, 16, 24, 32, 48, 96, 128]
     assert set(spec.graph_rows) <= set(spec.rows) and {12, 24, 48, 96} <= set(spec.rows)
+
+
+def test_ranks_that_ended_on_different_routes_all_go_to_nccl(monkeypatch):
+    """The last agreement compares what every rank will route by: a rank that derived other routes from the same
+    table (whatever the cause) sends the whole group to NCCL rather than into a wait for calls that never come."""
+    cache.save(a_table())
+    real = RoutingTable.rederived
+
+    def rank_1_derives_other_routes(self, blamed=()):
+        derived = real(self, blamed)
+        if threading.current_thread().name == "rank1":
+            derived.entries = [e for e in derived.entries if e.kind == "plain"]
+        return derived
+
+    monkeypatch.setattr(RoutingTable, "rederived", rank_1_derives_other_routes)
+    books, logs = resolve_all("auto", Children(good_child))
+    all_nccl(books, logs, "the ranks ended on different routes: rank 0 table, rank 1 table")
+
+
+def test_a_rank_that_drops_out_of_the_last_agreement_leaves_every_rank_on_nccl():
+    cache.save(a_table())
+    books, logs = resolve_all("auto", Children(good_child), lost=(1, "routes-final"), agree_timeout_s=1.0)
+    assert {b.source for b in books.values()} == {"nccl"}
+    assert "could not agree on their routes" in books[0].why and "could not agree on their routes" in books[1].why
+    assert any("every all-reduce of this group goes to NCCL" in w and RETRY in w for w in warnings(logs))
