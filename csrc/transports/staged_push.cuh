@@ -9,7 +9,9 @@
 // Invariants (relied on by the code below):
 //  S1  Readiness is push's: sentinels in the data, consumers empty what they read (I1-I4). The pass flags only
 //      pace the passes: nothing is read on their account, so a flag that overtakes its data costs some overlap,
-//      never a wrong result, and they need no release/acquire. They are counters, as pull's (P3).
+//      never a wrong result, and they need no release/acquire. They are counters in pull's words, one per call
+//      parity, and a pacing wait is for its own call's counter exactly (P3), so a peer that never makes its pass
+//      ends the wait in the timeout record naming the call.
 //  S2  The passes reach every peer once per call: (r + 1 + p) mod W over p = 0 .. W-2 is every other rank.
 //      SGL_SM120_DEBUG_STAGED_SKIP_PASS drops the last pass on purpose: its packs never arrive, and the waits
 //      must end in the timeout error (I7), never in a hang or a wrong sum.
@@ -34,10 +36,10 @@ __device__ __forceinline__ void staged_passes(const WorkspaceView& ws, unsigned 
     const int dest = pass(p);
     __syncthreads();  // S3: the CTA's stores of this pass are issued
     if (threadIdx.x == 0) {
-      store_flag_relaxed(flag_of(ws, dest, flag_phase, ws.rank, blockIdx.x), seq + 1ull);
+      store_flag_relaxed(flag_of(ws, dest, flag_phase, ws.rank, blockIdx.x, seq), seq + 1ull);
       const int from = source(p);
-      wait_for_flag<false>(ws, flag_of(ws, ws.rank, flag_phase, from, blockIdx.x), seq + 1ull, from, report_phase,
-                           seq);
+      wait_for_flag<false>(ws, flag_of(ws, ws.rank, flag_phase, from, blockIdx.x, seq), seq + 1ull, from,
+                           report_phase, seq);
     }
     __syncthreads();
   }

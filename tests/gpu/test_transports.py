@@ -21,16 +21,23 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from sgl_kernel_sm120 import IpcAllReduce, Variant, reference_all_reduce, reference_all_reduce_add_rmsnorm
+from sgl_kernel_sm120 import (
+    IpcAllReduce,
+    IpcAllReduceTimeoutError,
+    Variant,
+    reference_all_reduce,
+    reference_all_reduce_add_rmsnorm,
+)
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
 from sgl_kernel_sm120.ipc_allreduce import close_local_group
 from tests.gpu.harness import need_ranks, run_ranks
-from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _same_on_all_ranks, _stable_seed
+from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -128,6 +135,58 @@ def test_every_transport_exact_and_same_bits_in_host_memory(world, monkeypatch):
     before = set(os.listdir("/dev/shm"))
     run_ranks(world, _scenario_every_transport, "host", timeout_s=300)
     assert not set(os.listdir("/dev/shm")) - before
+
+
+# --------------------------------------------------------------------------------------------------------
+# Pull's readiness names the call (csrc/transports/pull.cuh P3): a flag wait is for its own call's counter exactly.
+def _scenario_pull_rank_skips_call_one(rank, world, how):
+    """Call #1 forced to pull. how="call": the last rank never makes it (nor any later call). how="ctas": the last
+    rank makes it on one CTA where its peers launch several, so its other CTAs skip call #1, and then makes call #2 as
+    usual. Either way every other rank must end in IpcAllReduceTimeoutError naming the last rank and call #1: with
+    flags compared by >=, the skipped CTAs' waits would have taken call #2's counter and the call ended with no
+    error. With "ctas" the last rank then waits in its call #2 for peers that gave up: a timeout naming call #2."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    skipper = world - 1
+    ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout="exit")
+    cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024  # host memory: a smaller one-shot bound
+    x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
+    out = ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+    ar.synchronize()
+    assert torch.equal(out, torch.full_like(x, world)), "call #0 gave a wrong sum"
+    dist.barrier()
+    failure = None
+    # Whatever happens, every rank reaches the barrier below (see _scenario_rank_skips_a_call).
+    try:
+        if rank != skipper:
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            try:
+                ar.synchronize()
+            except IpcAllReduceTimeoutError as err:
+                assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
+                assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
+            else:
+                raise AssertionError(f"call #1, which rank {skipper} skipped ({how}), completed instead of timing out")
+        elif how == "ctas":
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull", blocks=1)
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            try:
+                ar.synchronize()
+            except IpcAllReduceTimeoutError as err:
+                assert err.rank == rank and err.seq == 2, f"wrong details: {err}"
+            else:
+                raise AssertionError("call #2 completed although its peers had given up in call #1")
+    except BaseException:  # noqa: B036 - reported after the barrier
+        failure = traceback.format_exc()
+    dist.barrier()
+    ar.close(collective=False)
+    assert failure is None, failure
+
+
+@need_ranks(2)
+@pytest.mark.parametrize("how", ["call", "ctas"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_pull_rank_skipping_a_call_ends_in_timeout_error_naming_the_call(world, how):
+    run_ranks(world, _scenario_pull_rank_skips_call_one, how, timeout_s=240)
 
 
 # --------------------------------------------------------------------------------------------------------
