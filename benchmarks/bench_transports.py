@@ -55,9 +55,10 @@ class LoopbackCall:
     hold 1.0, so a one-shot's residual/sum output must be W (+ 1 when fused)."""
 
     def __init__(self, ops, ws, world: int, rows: int, dev, variant: int, transport: str, op: str, blocks: int,
-                 cluster: int = 0):
+                 cluster: int = 0, threads: int = 256, window: int = 0):
         self.ops, self.ws, self.world, self.op = ops, ws, world, op
         self.variant, self.code, self.blocks, self.cluster = variant, TRANSPORTS[transport], blocks, cluster
+        self.threads, self.window = threads, window  # plain kernels' CTA size; staged push's window (0: default)
         self.x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
         self.out, self.norm, self.res = torch.empty_like(self.x), torch.empty_like(self.x), torch.ones_like(self.x)
         self.weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=dev)
@@ -66,10 +67,11 @@ class LoopbackCall:
         """Refill the stand-in peers, then the call (k: timing.capture_graph's call index, unused)."""
         self.ops.ws_loopback_refill(self.ws)
         if self.op == "all_reduce":
-            self.ops.all_reduce(self.ws, self.x, self.out, self.variant, 256, self.blocks, True, self.code)
+            self.ops.all_reduce(self.ws, self.x, self.out, self.variant, self.threads, self.blocks, True, self.code,
+                                self.window)
         else:
             self.ops.all_reduce_add_rmsnorm(self.ws, self.x, self.res, self.weight, 1e-6, self.norm, self.out,
-                                            self.variant, self.blocks, True, self.cluster, self.code)
+                                            self.variant, self.blocks, True, self.cluster, self.code, self.window)
 
     def one_shot_correct(self) -> bool:
         return bool(torch.equal(self.out, torch.full_like(self.x, self.world + (self.op != "all_reduce"))))

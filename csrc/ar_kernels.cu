@@ -27,6 +27,7 @@ struct CallArgs {
   int packs_per_row;
   float eps;
   float inv_hidden;
+  int window;  // staged push: passes in flight before their pacing waits (transports/staged_push.cuh S3), >= 1
 };
 
 // Fused kernels: a CTA per row. A row of up to 1024 packs (hidden <= 8192) gets one pack per thread of up to
@@ -37,6 +38,64 @@ struct CallArgs {
 // (tests/test_build.py checks the cubins).
 constexpr int kWideThreads = 512;
 constexpr int kHeldPacks = 2;
+// Staged push: the packs a thread keeps in registers across its passes (S4) when it has no more than this many; with
+// more it reads them from the input in every pass. Bounded so that no kernel spills (tests/test_build.py, ptxas 12.8
+// included): the plain kernels have 128 registers a thread, the 1024-thread fused ones 64 (the grouped kernel, which
+// keeps its group's indices too, spilled with 2 held packs under ptxas 12.8 at 8 ranks), the cluster kernel 128.
+constexpr int kStagedHeldPlain = 4;
+constexpr int kStagedHeldFused = 2;
+constexpr int kStagedHeldGrouped = 1;
+
+// The packs of one thread of a one-shot or hierarchical kernel, in the same order on every rank (P5): at(k) is the
+// pack index of its k-th pack (k = 0, 1, ..), -1 past the last and from then on; value(g) is the remapped input.
+// Called as a generator, packs(emit) calls emit(g, value) for each. With kHold > 0 (the staged passes call it once
+// per pass, S4) a thread with at most kHold packs loads them once, all loads in flight together, and emits them
+// from registers in every pass; a thread with more reads them from the input every time.
+template <int kHold, typename At, typename Value>
+struct ThreadPacks {
+  At at;
+  Value value;
+  uint4 held[kHold > 0 ? kHold : 1];
+  bool in_registers = false;
+
+  __device__ __forceinline__ ThreadPacks(At a, Value v) : at(a), value(v) {
+    if constexpr (kHold > 0) {
+      in_registers = at(kHold) < 0;
+      if (in_registers) {
+#pragma unroll
+        for (int k = 0; k < kHold; ++k) {
+          const long long g = at(k);
+          if (g >= 0) held[k] = value(g);
+        }
+      }
+    }
+  }
+
+  template <typename Emit>
+  __device__ __forceinline__ void operator()(Emit emit) const {
+    if constexpr (kHold > 0) {
+      if (in_registers) {
+#pragma unroll
+        for (int k = 0; k < kHold; ++k) {
+          const long long g = at(k);
+          if (g >= 0) emit(g, held[k]);
+        }
+        return;
+      }
+    }
+    for (int k = 0;; ++k) {
+      const long long g = at(k);
+      if (g < 0) break;
+      emit(g, value(g));
+    }
+  }
+};
+
+// kHold for transport kT: only the staged passes emit a thread's packs more than once.
+template <int kT, int kBound, typename At, typename Value>
+__device__ __forceinline__ auto thread_packs(At at, Value value) {
+  return ThreadPacks<kT == kTransportStaged ? kBound : 0, At, Value>(at, value);
+}
 
 // One-shot over any transport: publish every own pack (push: into every peer's slot at once; staged: the same
 // stores in permutation passes; pull: into our own pull area, then every peer's flag, then wait for theirs), then
@@ -47,9 +106,10 @@ struct OneShotPath {
   OneShotSlots<kWorld> slots;
   PullOneShot<kWorld> pull;
   unsigned long long seq;
+  int window;  // staged: S3
 
-  __device__ __forceinline__ OneShotPath(const WorkspaceView& ws, unsigned long long s)
-      : slots(ws, parity_of(s)), pull(s), seq(s) {}
+  __device__ __forceinline__ OneShotPath(const WorkspaceView& ws, unsigned long long s, int w)
+      : slots(ws, parity_of(s)), pull(s), seq(s), window(w) {}
 
   template <typename Packs>
   __device__ __forceinline__ void publish(const WorkspaceView& ws, Packs packs) const {
@@ -58,7 +118,7 @@ struct OneShotPath {
       packs([&](long long g, uint4 v) { slots.push_pack(ws, g, v); });
     } else if constexpr (kT == kTransportStaged) {
       staged_passes<kWorld - 1>(
-          ws, seq, kFlagOneShot, kPhaseOneShot,
+          ws, seq, window, kFlagOneShot, kPhaseOneShot,
           [&](int p) {
             const int dest = (ws.rank + 1 + p) % kWorld;  // S2
             char* slot = region_of(ws, dest, slots.parity) + slots.push_offset;
@@ -86,13 +146,16 @@ template <typename T, int kWorld, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  path.publish(ws, [&](auto emit) {
-    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
-  });
+  path.publish(ws, thread_packs<kT, kStagedHeldPlain>(
+                       [&](int k) {
+                         const long long g = first + k * stride;
+                         return g < a.num_packs ? g : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
   for (long long g = first; g < a.num_packs; g += stride) {
     a.out[g] = round_pack<T>(path.template reduce<T>(ws, g, remap_half_pack(a.inp[g])));
   }
@@ -172,21 +235,32 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   __shared__ float s_red[33];
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  auto input = [&](long long g) { return remap_half_pack(a.inp[g]); };
+  if constexpr (kHoldRow) {  // a pack per row: the k-th is row blockIdx.x + k * gridDim.x's
+    path.publish(ws, thread_packs<kT, kStagedHeldFused>(
+                         [&](int k) {
+                           const int row = static_cast<int>(blockIdx.x + k * gridDim.x);
+                           const int j = static_cast<int>(threadIdx.x);
+                           return row < a.rows && j < ppr ? static_cast<long long>(row) * ppr + j : -1ll;
+                         },
+                         input));
+  } else {
+    path.publish(ws, [&](auto emit) {
+      for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
 #pragma unroll kUnroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < ppr) {
-          const long long g = static_cast<long long>(row) * ppr + j;
-          emit(g, remap_half_pack(a.inp[g]));
+        for (int k = 0; k < kPacks; ++k) {
+          const int j = threadIdx.x + k * blockDim.x;
+          if (j < ppr) {
+            const long long g = static_cast<long long>(row) * ppr + j;
+            emit(g, input(g));
+          }
         }
       }
-    }
-  });
+    });
+  }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     constexpr int kHeld = kHoldRow ? kPacks : 1;
     uint4 res[kHeld], own[kHeld];
@@ -262,7 +336,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
   __shared__ float s_part;
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kCluster);
   const unsigned cta = cluster_cta_rank();
@@ -271,14 +345,12 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
   const int first_row = static_cast<int>(blockIdx.x / kCluster);
   const int row_stride = static_cast<int>(gridDim.x / kCluster);
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = first_row; row < a.rows; row += row_stride) {
-      if (mine) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        emit(g, remap_half_pack(a.inp[g]));
-      }
-    }
-  });
+  path.publish(ws, thread_packs<kT, kStagedHeldFused>(
+                       [&](int k) {
+                         const int row = first_row + k * row_stride;
+                         return row < a.rows && mine ? static_cast<long long>(row) * ppr + j : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
   bool first = true;
   for (int row = first_row; row < a.rows; row += row_stride) {
     const long long g = static_cast<long long>(row) * ppr + j;
@@ -351,7 +423,7 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   __shared__ float s_red[32 + kGroups];
   if (begin_call(ws)) return;  // I12
   const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kGroups);
   const int group_threads = static_cast<int>(blockDim.x) / kGroups;
@@ -360,14 +432,12 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   const int j = group * per + i;
   const bool mine = i < per && j < ppr;
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-      if (mine) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        emit(g, remap_half_pack(a.inp[g]));
-      }
-    }
-  });
+  path.publish(ws, thread_packs<kT, kStagedHeldGrouped>(
+                       [&](int k) {
+                         const int row = static_cast<int>(blockIdx.x + k * gridDim.x);
+                         return row < a.rows && mine ? static_cast<long long>(row) * ppr + j : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const long long g = static_cast<long long>(row) * ppr + j;
     uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
@@ -392,12 +462,12 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
 // one-to-one already and stays as it is.
 template <typename T, int kIsland, int kT, typename Packs>
 __device__ __forceinline__ void hier_scatter(const WorkspaceView& ws, const Topology& t, const HierStep<T, kIsland>& step,
-                                             Packs packs) {
+                                             int window, Packs packs) {
   if constexpr (kT == kTransportPush) {
     packs([&](long long g, uint4 v) { step.scatter(g, v); });
   } else {
     staged_passes<kIsland - 1>(
-        ws, step.seq, kFlagReduceScatter, kPhaseReduceScatter,
+        ws, step.seq, window, kFlagReduceScatter, kPhaseReduceScatter,
         [&](int p) {
           const int pos = (t.my_index + 1 + p) % kIsland;
           const int dest = t.island_ranks[pos];
@@ -413,9 +483,9 @@ __device__ __forceinline__ void hier_scatter(const WorkspaceView& ws, const Topo
 // Staged all-gather: the owned results (already in `out`, stored by this very thread) to the island, pass by pass.
 template <typename T, int kIsland, typename Owned>
 __device__ __forceinline__ void hier_staged_gather(const WorkspaceView& ws, const Topology& t,
-                                                   const HierStep<T, kIsland>& step, Owned owned) {
+                                                   const HierStep<T, kIsland>& step, int window, Owned owned) {
   staged_passes<kIsland - 1>(
-      ws, step.seq, kFlagAllGather, kPhaseAllGather,
+      ws, step.seq, window, kFlagAllGather, kPhaseAllGather,
       [&](int p) {
         const int dest = t.island_ranks[(t.my_index + 1 + p) % kIsland];
         owned([&](long long g, uint4 v) { store_volatile(step.ag_slot(dest, t.my_index, g), v); });
@@ -433,9 +503,13 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
-    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
-  });
+  hier_scatter<T, kIsland, kT>(ws, t, step, a.window,
+                               thread_packs<kT, kStagedHeldPlain>(
+                                   [&](int k) {
+                                     const long long g = first + k * stride;
+                                     return g < a.num_packs ? g : -1ll;
+                                   },
+                                   [&](long long g) { return remap_half_pack(a.inp[g]); }));
   for (long long g = first; g < a.num_packs; g += stride) {
     if (step.owner(g) != t.my_index) continue;
     const uint4 v = remap_half_pack(round_pack<T>(step.reduce_owned(g, remap_half_pack(a.inp[g]))));
@@ -443,7 +517,7 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
     if constexpr (kT == kTransportPush) step.gather_send(g, v);
   }
   if constexpr (kT == kTransportStaged) {
-    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+    hier_staged_gather<T, kIsland>(ws, t, step, a.window, [&](auto emit) {
       for (long long g = first; g < a.num_packs; g += stride)
         if (step.owner(g) == t.my_index) emit(g, a.out[g]);
     });
@@ -486,7 +560,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   const int ppr = a.packs_per_row;
   auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
 
-  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
+  hier_scatter<T, kIsland, kT>(ws, t, step, a.window, [&](auto emit) {
     each_pack([&](long long g, int) { emit(g, remap_half_pack(a.inp[g])); });
   });
   if constexpr (kT == kTransportStaged) {
@@ -496,7 +570,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
       accumulate<T>(acc, a.residual[g]);
       a.out[g] = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
     });
-    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+    hier_staged_gather<T, kIsland>(ws, t, step, a.window, [&](auto emit) {
       each_pack([&](long long g, int) {
         if (step.owner(g) == t.my_index) emit(g, a.out[g]);
       });
@@ -963,6 +1037,7 @@ cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType
   a.inp = static_cast<const uint4*>(inp);
   a.out = static_cast<uint4*>(out);
   a.num_packs = numel / kElemsPerPack;
+  a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
   if (type == ElemType::kBFloat16) return launch_plain<__nv_bfloat16>(ws, variant, a, shape, stream);
   return launch_plain<__half>(ws, variant, a, shape, stream);
 }
@@ -980,6 +1055,7 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant varia
   a.rows = rows;
   a.packs_per_row = hidden / kElemsPerPack;
   a.num_packs = static_cast<long long>(rows) * a.packs_per_row;
+  a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
   a.eps = eps;
   a.inv_hidden = 1.0f / static_cast<float>(hidden);
   if (type == ElemType::kBFloat16) return launch_fused<__nv_bfloat16>(ws, variant, a, shape, stream);

@@ -27,7 +27,11 @@ struct LaunchShape {
   int cluster_mask = 0;  // bit c set: clusters of c CTAs may be launched; else the grouped one-CTA kernel runs
   int transport = kTransportPush;  // ar_types.h Transport: how the call's data travels
   int cluster_capacity[9] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
+  int window = 0;  // staged push: passes in flight before their pacing waits, 1 .. W-1; 0 = kDefaultStagedWindow
 };
+
+// The staged passes' window when a call gives none (transports/staged_push.cuh S3): one pass at a time.
+constexpr int kDefaultStagedWindow = 1;
 
 // CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values.
 int fused_cluster_size(int rows, int packs_per_row, int sm_budget);

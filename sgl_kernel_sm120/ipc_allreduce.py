@@ -644,9 +644,10 @@ class IpcAllReduce:
 
     # ----------------------------------------------------------------------------------------------------
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, variant=None,
-                   transport=None, blocks: int | None = None) -> torch.Tensor:
+                   transport=None, blocks: int | None = None, window: int | None = None) -> torch.Tensor:
         """Out-of-place sum over the group. `inp` is never written. `blocks` caps the CTAs of the launch (None: the
-        whole SM budget, staged push STAGED_MAX_CTAS; at most the SM budget either way); the same on every rank."""
+        whole SM budget, staged push STAGED_MAX_CTAS; at most the SM budget either way); `window` (staged push: passes
+        in flight before their pacing waits, 1 .. world - 1; None: the kernels' default); the same on every rank."""
         self._check_usable()
         if not self.supports(inp):
             raise ValueError(f"IpcAllReduce cannot take this tensor ({self._describe(inp)}); check supports() first")
@@ -665,6 +666,7 @@ class IpcAllReduce:
             self._max_blocks(how, blocks),
             self.use_pdl,
             how.code,
+            0 if window is None else window,
         )
         if target is not result:
             result.copy_(target)
@@ -683,6 +685,7 @@ class IpcAllReduce:
         transport=None,
         blocks: int | None = None,
         cluster: int | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight.
 
@@ -690,8 +693,8 @@ class IpcAllReduce:
         two-shot and island variants the owner of each slice adds its own `residual`: tensor parallelism
         replicates the residual on every rank, which is what makes that the caller's residual.
 
-        `blocks` as for all_reduce; `cluster` (fused one-shot: CTAs per row, 1, 2, 4 or 8; 0: the kernels' own
-        rule) overrides the workspace's `fused_cluster` for this call. Both the same on every rank.
+        `blocks` and `window` as for all_reduce; `cluster` (fused one-shot: CTAs per row, 1, 2, 4 or 8; 0: the
+        kernels' own rule) overrides the workspace's `fused_cluster` for this call. All the same on every rank.
         """
         self._check_usable()
         if not self.supports_add_rmsnorm(inp):
@@ -726,6 +729,7 @@ class IpcAllReduce:
             self.use_pdl,
             _cluster(self.fused_cluster if cluster is None else cluster),
             how.code,
+            0 if window is None else window,
         )
         for o, t in zip(outs, targets, strict=True):
             if o is not t:

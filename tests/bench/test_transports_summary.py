@@ -107,13 +107,14 @@ def test_a_loopback_call_passes_each_tensor_and_setting_where_the_ops_schema_wan
             return lambda *args: seen.update({name: dict(zip(names, args, strict=True))})
 
     for op in ("all_reduce", "all_reduce_add_rmsnorm"):
-        call = LoopbackCall(Recorder(), 7, 8, 3, torch.device("cpu"), 0, "pull", op, blocks=132, cluster=4)
+        call = LoopbackCall(Recorder(), 7, 8, 3, torch.device("cpu"), 0, "pull", op, blocks=132, cluster=4,
+                            threads=128, window=3)
         call(0)
         got = seen[op]
         assert got["ws"] == 7 and got["inp"] is call.x and got["variant"] == 0 and got["max_blocks"] == 132
-        assert got["transport"] == TRANSPORTS["pull"] == 2
+        assert got["transport"] == TRANSPORTS["pull"] == 2 and got["window"] == 3
         if op == "all_reduce":
-            assert got["out"] is call.out
+            assert got["out"] is call.out and got["threads"] == 128
         else:  # the checked output is the residual/sum one
             assert got["residual_out"] is call.out and got["norm_out"] is call.norm and got["residual"] is call.res
             assert got["weight"] is call.weight and got["cluster"] == 4

@@ -289,6 +289,104 @@ def test_every_transport_exact_with_the_ranks_running_concurrently(world):
     assert not failures, "\n".join(failures[:20])
 
 
+def _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures) -> None:
+    """Every rank's outputs of one call against the exact sum (plain), residual (fused, exact) and norm (1 ulp), and,
+    where given, norm_out's bits against `norm_bits` (`bits_of` names whose)."""
+    expected, ref_norm, ref_res = want
+    tol = ULP[torch.bfloat16] * ref_norm.float().abs() + 1e-6
+    for r, got in enumerate(outs):
+        if op == "all_reduce":
+            if not torch.equal(got, expected):
+                failures.append(f"{tag} rank {r}: wrong sum")
+            continue
+        if not torch.equal(got[1], ref_res):
+            failures.append(f"{tag} rank {r}: wrong residual_out")
+        if ((got[0].float() - ref_norm.float()).abs() > tol).any():
+            failures.append(f"{tag} rank {r}: norm_out off by more than 1 ulp")
+        if norm_bits is not None and not torch.equal(_bits(got[0]), norm_bits):
+            failures.append(f"{tag} rank {r}: norm_out bits differ from {bits_of}")
+
+
+def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -> list[str]:
+    """Every launch shape benchmarks/bench_transports.py sweeps, with the ranks running concurrently: the plain
+    one-shot's CTA sizes (32 .. 512 threads) per transport; staged push at several CTA caps and every window, plain and
+    fused, every variant; the fused one-shot at every cluster size per transport. Sums are exact (integer inputs);
+    a window never changes a bit (staged_push.cuh S1, S4), nor does the transport at a given cluster size."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comms = IpcAllReduce.local_group(dev, world, max(rows_list) * hidden, islands=_islands(world, "device"),
+                                     timeout_s=10.0)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    budget = comms[0].max_blocks
+    failures = []
+
+    def run(op, inputs, residual, weight, threads=None, **kw):
+        outs = [None] * world
+        torch.cuda.synchronize()
+        for r, comm in enumerate(comms):  # call-major (IpcAllReduce.local_group)
+            comm.threads = threads
+            with torch.cuda.stream(streams[r]):
+                if op == "all_reduce":
+                    outs[r] = comm.all_reduce(inputs[r], **kw)
+                else:
+                    outs[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, **kw)
+        torch.cuda.synchronize()
+        for comm in comms:
+            comm.threads = None
+        return outs
+
+    try:
+        for rows in rows_list:
+            inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
+                                                    _stable_seed("shapes", world, rows), dev)
+            want = (reference_all_reduce(inputs), *reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS))
+
+            def check(tag, outs, op, norm_bits=None, bits_of="", want=want):
+                _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures)
+
+            for transport, threads in itertools.product(TRANSPORTS, (32, 64, 128, 256, 512)):
+                outs = run("all_reduce", inputs, residual, weight, threads, variant=Variant.ONESHOT,
+                           transport=transport)
+                check(f"W={world} [{rows}, {hidden}] plain {transport} {threads} threads", outs, "all_reduce")
+            for op, variant, blocks in itertools.product(("all_reduce", "all_reduce_add_rmsnorm"),
+                                                         _variants(world, "device"), sorted({1, 8, 16, budget})):
+                blocks = min(blocks, budget)
+                norm_bits = None
+                for window in range(1, world):
+                    tag = f"W={world} [{rows}, {hidden}] {op} {variant.name} staged {blocks} CTAs window {window}"
+                    outs = run(op, inputs, residual, weight, variant=variant, transport="staged", blocks=blocks,
+                               window=window)
+                    check(tag, outs, op, norm_bits, "window 1's")
+                    if op != "all_reduce" and norm_bits is None:
+                        norm_bits = _bits(outs[0][0])
+            for cluster in (1, 2, 4, 8):
+                norm_bits = None
+                for transport in TRANSPORTS:
+                    outs = run("all_reduce_add_rmsnorm", inputs, residual, weight, variant=Variant.ONESHOT,
+                               transport=transport, cluster=cluster)
+                    check(f"W={world} [{rows}, {hidden}] fused {transport} cluster {cluster}", outs,
+                          "all_reduce_add_rmsnorm", norm_bits, "push's")
+                    if norm_bits is None:
+                        norm_bits = _bits(outs[0][0])
+            if failures:
+                break
+        for comm in comms:
+            err = comm.timeout_error()
+            if err is not None:
+                failures.append(f"timed out: {err}")
+        if comms[0].scratch_dirty_count():
+            failures.append("push scratch not clean after the launch-shape sweep")
+    finally:
+        close_local_group(comms)
+    return failures
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_swept_launch_shape_exact_with_the_ranks_running_concurrently(world):
+    failures = _launch_shapes_sweep(world)
+    assert not failures, "\n".join(failures[:20])
+
+
 # The transports' negative controls: each build breaks one invariant of csrc/transports/ on purpose, and the
 # concurrent sweep must fail (a wrong result, or a timeout in exit mode). Run in a child process: the broken
 # library replaces the packaged one there (SGL_SM120_EXT_LIBRARY).
