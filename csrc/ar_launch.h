@@ -33,8 +33,11 @@ struct LaunchShape {
 // The staged passes' window when a call gives none (transports/staged_push.cuh S3): one pass at a time.
 constexpr int kDefaultStagedWindow = 1;
 
-// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values.
-int fused_cluster_size(int rows, int packs_per_row, int sm_budget);
+// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values, the call's
+// CTA cap and the group's cluster capacities (capacity[c] for c = 2, 4, 8; 0 or nullptr: no cluster launch, no bound).
+int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* capacity);
+// A row split over a cluster holds at most this many packs, one per thread (hidden 8192).
+constexpr int kMaxClusterRowPacks = 1024;
 
 // I8 for the cluster kernel on `device`: clusters of `cluster` CTAs (2, 4, 8) it holds at once; 0 where the device
 // cannot launch clusters (cudaDevAttrClusterLaunch is 0).

@@ -155,9 +155,15 @@ std::vector<int64_t> ws_launch_limits(int64_t handle) {
 
 int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
 
-// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs and tests.
-int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t sm_budget) {
-  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack), static_cast<int>(sm_budget));
+// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs, tests and the
+// benchmark: max_blocks is the call's CTA cap, cluster_capacity the agreed capacities for clusters of [2, 4, 8]
+// (ws_launch_limits; empty: none launched as clusters, no bound).
+int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t max_blocks, std::vector<int64_t> cluster_capacity) {
+  TORCH_CHECK(cluster_capacity.empty() || cluster_capacity.size() == 3, "cluster_capacity lists sizes 2, 4 and 8");
+  int capacity[9] = {};
+  for (size_t i = 0; i < cluster_capacity.size(); ++i) capacity[2 << i] = static_cast<int>(cluster_capacity[i]);
+  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack),
+                            static_cast<int>(max_blocks), capacity);
 }
 
 at::Tensor ws_ipc_handle(int64_t handle) {
@@ -365,7 +371,8 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
   m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
   m.def("ws_memory(int ws) -> int", &ws_memory);
-  m.def("fused_cluster_for(int rows, int hidden, int sm_budget) -> int", &fused_cluster_for);
+  m.def("fused_cluster_for(int rows, int hidden, int max_blocks, int[] cluster_capacity=[]) -> int",
+        &fused_cluster_for);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
