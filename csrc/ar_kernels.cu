@@ -144,11 +144,12 @@ struct OneShotPath {
 
 template <typename T, int kWorld, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const CallStart start = begin_call(ws, first < a.num_packs ? a.inp + first : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
   path.publish(ws, thread_packs<kT, kStagedHeldPlain>(
                        [&](int k) {
@@ -165,11 +166,12 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel
 // The polling this file had before I10, kept only for the polling microbenchmark (push, bf16, 8 ranks).
 template <typename T, int kWorld>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial_poll_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const CallStart start = begin_call(ws, first < a.num_packs ? a.inp + first : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
 
   for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
   for (long long g = first; g < a.num_packs; g += stride) {
@@ -233,10 +235,13 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   // its bits, unchanged).
   constexpr int kBatch = (kT == kTransportPush || !kHoldRow || kWorld <= 4) ? kWorld : 4;
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < ppr;
+  const CallStart start =
+      begin_call(ws, has_first ? a.inp + static_cast<long long>(blockIdx.x) * ppr + threadIdx.x : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
   auto input = [&](long long g) { return remap_half_pack(a.inp[g]); };
   if constexpr (kHoldRow) {  // a pack per row: the k-th is row blockIdx.x + k * gridDim.x's
@@ -366,10 +371,6 @@ template <typename T, int kWorld, int kCluster, int kT>
 __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   __shared__ float s_sums[2][kCluster][kMaxWarps];  // C2, C3: [turn parity][CTA][warp]
-  if (begin_call(ws)) return;  // I12: the whole cluster returns, before any barrier
-  cluster_arrive_relaxed();    // C1
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kCluster);
   const unsigned cta = cluster_cta_rank();
@@ -377,6 +378,11 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
   const bool mine = static_cast<int>(threadIdx.x) < per && j < ppr;
   const int first_row = static_cast<int>(blockIdx.x / kCluster);  // every CTA of a cluster has the same rows
   const int row_stride = static_cast<int>(gridDim.x / kCluster);
+  const CallStart start = begin_call(ws, mine ? a.inp + static_cast<long long>(first_row) * ppr + j : nullptr);
+  if (start.poisoned) return;  // I12: the whole cluster returns, before any barrier
+  cluster_arrive_relaxed();    // C1
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
 
@@ -398,19 +404,22 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
       w = a.weight[j];
       Acc8 acc = path.template reduce<T>(ws, g, own);
       accumulate<T>(acc, res);
-      r = round_pack<T>(acc);  // residual_out, rounded once
-      a.out[g] = r;
+      r = round_pack<T>(acc);  // residual_out, rounded once (stored after the barrier: see below)
       squares = sum_of_squares<T>(r);
     }
     const float sum = warp_sum(squares);
     if (row == first_row) cluster_wait();  // C1
     if (lane < kCluster) store_cluster_shared(&s_sums[parity][cta][warp], static_cast<unsigned>(lane), sum);  // C2
+    // The arrive's release waits for this thread's earlier stores to land; residual_out is not among them.
     cluster_arrive();
     cluster_wait();  // C2: every warp sum of this row is in our shared memory
     const float total = parts_in_order<kCluster>(&s_sums[parity][0][0], kMaxWarps, static_cast<int>(blockDim.x) >> 5);
     parity ^= 1;  // C3
     const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
-    if (mine) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+    if (mine) {
+      a.out[g] = r;
+      a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+    }
   }
   finish_call(ws, seq);
 }
@@ -430,9 +439,6 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
                                                                               const __grid_constant__ CallArgs a) {
   constexpr int kBatch = kWorld > 4 ? 4 : kWorld;
   __shared__ float s_sums[2][32];  // [turn parity][warp]
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kGroups);
   const int group_threads = static_cast<int>(blockDim.x) / kGroups;
@@ -440,6 +446,11 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   const int i = static_cast<int>(threadIdx.x) - group * group_threads;
   const int j = group * per + i;
   const bool mine = i < per && j < ppr;
+  const bool has_first = mine && static_cast<int>(blockIdx.x) < a.rows;
+  const CallStart start = begin_call(ws, has_first ? a.inp + static_cast<long long>(blockIdx.x) * ppr + j : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
   path.publish(ws, thread_packs<kT, kStagedHeldGrouped>(
                        [&](int k) {
@@ -512,9 +523,11 @@ __device__ __forceinline__ void hier_staged_gather(const WorkspaceView& ws, cons
 template <typename T, int kIsland, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const CallStart start = begin_call(ws, first_pack < a.num_packs ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
@@ -569,9 +582,12 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
   constexpr int kHeld = kHoldRow ? kPacks : 1;
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * a.packs_per_row + threadIdx.x;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < a.packs_per_row;
+  const CallStart start = begin_call(ws, has_first ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const int ppr = a.packs_per_row;
   auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
 
@@ -699,9 +715,11 @@ struct PullHierSteps {
 template <typename T, int kIsland>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_pull_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const CallStart start = begin_call(ws, first_pack < a.num_packs ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const PullHierSteps<T, kIsland> pull(ws, t, step);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -740,9 +758,12 @@ template <typename T, int kIsland, int kPacks>
 __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * a.packs_per_row + threadIdx.x;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < a.packs_per_row;
+  const CallStart start = begin_call(ws, has_first ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const PullHierSteps<T, kIsland> pull(ws, t, step);
   auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
   auto owned = [&](auto f) {

@@ -60,7 +60,9 @@
 //  I12 A poisoned workspace (I7, exit mode) does nothing: every kernel reads Ctrl::poisoned right after
 //      pdl_wait (all threads, before any barrier, so the early return is uniform over the CTA and the cluster:
 //      the flag is only written inside a call, and calls are stream-ordered, I6) and returns without a push,
-//      a wait or a store to its outputs.
+//      a wait or a store to its outputs. Its seq slot and its first input pack are read in the same breath
+//      (begin_call): reads change nothing, and the call's first stores then wait for one memory round trip,
+//      not for two in a row.
 //  I13 Host-memory polls back off: after a miss, a thread sleeps (__nanosleep, 256 ns doubling to 1 us)
 //      before it loads again, so hundreds of threads polling host memory do not fill PCIe with reads that
 //      mostly find nothing. Device-memory polls hit the local L2 and spin without sleeping.
@@ -388,11 +390,25 @@ __device__ __forceinline__ void pdl_wait_and_release() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
-// I12: the start of every kernel: wait for the previous grid (PDL), then true when the workspace is poisoned and the
-// kernel must return at once (every thread reads the same flag, before any barrier).
-__device__ __forceinline__ bool begin_call(const WorkspaceView& ws) {
+// Start fetching `p` into L1 (no register waits for it: a hint, the load that follows hits it or joins it).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+struct CallStart {
+  bool poisoned;           // I12: return at once
+  unsigned long long seq;  // this CTA's seq slot (I5)
+};
+
+// I12: the start of every kernel. Waits for the previous grid (PDL), then issues together the poisoned flag's load,
+// the seq slot's (I5) and a prefetch of the thread's first input pack (`first_input`, nullptr where it has none),
+// before the caller branches on the flag: the flag's load used to stand alone in front of the others, a whole
+// round trip to memory before the first push. Every thread reads the same flag, before any barrier.
+__device__ __forceinline__ CallStart begin_call(const WorkspaceView& ws, const void* first_input) {
   pdl_wait_and_release();
-  return workspace_poisoned(ws);
+  CallStart start;
+  start.poisoned = workspace_poisoned(ws);
+  start.seq = load_sequence(ws);
+  if (first_input != nullptr) prefetch_l1(first_input);
+  return start;
 }
 
 }  // namespace sgl_sm120
