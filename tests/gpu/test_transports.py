@@ -271,15 +271,20 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
             if failures:
                 break
         del graph
-        for comm in comms:
-            err = comm.timeout_error()
-            if err is not None:
-                failures.append(f"timed out: {err}")
-        if comms[0].scratch_dirty_count():
-            failures.append("push scratch not clean after the local group's calls")
+        _group_left_clean(comms, "the local group's calls", failures)
     finally:
         close_local_group(comms)
     return failures
+
+
+def _group_left_clean(comms, after: str, failures: list[str]) -> None:
+    """After a local group's calls: no rank timed out, and its push scratch is empty again (I4)."""
+    for comm in comms:
+        err = comm.timeout_error()
+        if err is not None:
+            failures.append(f"timed out: {err}")
+    if comms[0].scratch_dirty_count():
+        failures.append(f"push scratch not clean after {after}")
 
 
 @pytest.mark.gpu(1)
@@ -369,12 +374,7 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
                         norm_bits = _bits(outs[0][0])
             if failures:
                 break
-        for comm in comms:
-            err = comm.timeout_error()
-            if err is not None:
-                failures.append(f"timed out: {err}")
-        if comms[0].scratch_dirty_count():
-            failures.append("push scratch not clean after the launch-shape sweep")
+        _group_left_clean(comms, "the launch-shape sweep", failures)
     finally:
         close_local_group(comms)
     return failures
