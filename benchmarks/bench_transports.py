@@ -29,7 +29,8 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   parallel branches of one CUDA graph, so the ranks really exchange (in one GPU's memory) and wait for one
   another: ONESHOT, TWOSHOT and (W >= 4, two islands) ISLAND. Per call: the graph's replay time / calls.
 Median over `iters` replays. Each stage's wall time is printed and kept (`stage_seconds`): about 500 loopback
-launches and 210 concurrent ones, a few tens of ms each, well under 4 minutes on an H200.
+launches and 210 concurrent ones, a few tens of ms each, well under 4 minutes on an H200. Past SWEEP_TIME_LIMIT_S
+(150 s; env BENCH_SWEEP_TIME_LIMIT_S) the remaining sweep launches are left out (`sweep_launches_left_out`).
 Nothing here crosses a link: on a PCIe box the transports differ by what the fabric does with many posted writes
 against loads, which only a run there shows (python -m sglang_sm120.tune).
 Output: transports_<gpu>_loopback.json.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import statistics
 import time
 
@@ -58,6 +60,9 @@ SWEEP_THREADS = (64, 128, 256, 512)  # the plain one-shot's CTA sizes
 SWEEP_CLUSTERS = (1, 2, 4, 8)  # the fused one-shot's CTAs per row the kernels build
 SWEEP_CTA_CAPS = (8, 16, 32)  # staged push's CTA caps, and the whole budget
 TARGET_RATIO = 1.10  # issue 30: the default launch within this factor of the best swept one at every swept shape
+# A bound on the loopback stage: past it the remaining sweep launches are left out (counted in the JSON), the default
+# ones still run, so a slow GPU cannot push the run past its stage's time.
+SWEEP_TIME_LIMIT_S = float(os.environ.get("BENCH_SWEEP_TIME_LIMIT_S", "150"))
 
 
 def sweep_windows(world: int) -> tuple[int, ...]:
@@ -160,11 +165,12 @@ def _loopback_configs(world: int, rows: int, sm: int):
             yield launch
 
 
-def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict]:
+def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict, int]:
     from sgl_kernel_sm120 import _ext
 
     ops = _ext.ops()
-    records, fill_us, limits = [], {}, {}
+    records, fill_us, limits, left_out = [], {}, {}, 0
+    deadline = time.monotonic() + SWEEP_TIME_LIMIT_S
     for world, rows in itertools.product(WORLDS, ROWS):
         began = time.monotonic()
         ws = ops.ws_create_loopback(dev.index, world, rows * HIDDEN)
@@ -176,6 +182,9 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict]:
             fill = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
             fill_us[f"{world}x{rows}"] = fill
             for launch in _loopback_configs(world, rows, sm_budget):
+                if launch.config == "sweep" and time.monotonic() > deadline:
+                    left_out += 1
+                    continue
                 call = LoopbackCall(ops, ws, world, rows, dev, launch.variant, launch.transport, launch.op,
                                     launch.blocks, launch.cluster, launch.threads or 256, launch.window)
                 graph, _ = timing.capture_graph(call, args.calls)
@@ -202,7 +211,7 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict]:
             ops.ws_destroy(ws)
         stages[f"loopback W={world} rows={rows}"] = time.monotonic() - began
         print(f"stage loopback W={world} rows={rows}: {stages[f'loopback W={world} rows={rows}']:.1f} s", flush=True)
-    return records, fill_us, limits
+    return records, fill_us, limits, left_out
 
 
 def _concurrent(args, dev, stages: dict) -> list[dict]:
@@ -347,10 +356,12 @@ def readme_table(records: list[dict], rows: int = 3, worlds=(2, 8)) -> str:
 def run(args) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     began, stages = time.monotonic(), {}
-    records, fill_us, limits = _loopback(args, dev, stages)
+    records, fill_us, limits, left_out = _loopback(args, dev, stages)
     records += _concurrent(args, dev, stages)
     sweep = sweep_summary(records)
     stages["total"] = time.monotonic() - began
+    if left_out:
+        print(f"{left_out} sweep launches left out past {SWEEP_TIME_LIMIT_S:.0f} s (BENCH_SWEEP_TIME_LIMIT_S)")
     print(f"stages: loopback {sum(v for k, v in stages.items() if k.startswith('loopback')):.1f} s, concurrent "
           f"{sum(v for k, v in stages.items() if k.startswith('concurrent')):.1f} s, total {stages['total']:.1f} s")
     missed = [e for e in sweep if not e["within_target"]]
@@ -361,6 +372,7 @@ def run(args) -> dict:
     return microbench.document(
         "bench_transports", __doc__, "loopback and one-process concurrent groups", args, fill_us, records,
         summary=summary(records), sweep=sweep, launch_limits=limits, stage_seconds=stages,
+        sweep_launches_left_out=left_out,
         note="one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",
     )
 
