@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.bench_transports import OPS, summary
 
 
@@ -164,3 +166,70 @@ def test_a_loopback_call_passes_each_tensor_and_setting_where_the_ops_schema_wan
             assert got["residual_out"] is call.out and got["norm_out"] is call.norm and got["residual"] is call.res
             assert got["weight"] is call.weight and got["cluster"] == 4
     assert seen["refills"] == [7, 7]
+
+
+def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_rates_the_default(monkeypatch):
+    """bench_transports._loopback end to end on CPU: the ops, graphs and timings are stand-ins (a call fills its
+    output with the expected sum, and its time is a function of its launch), the launch choice and the records are
+    the benchmark's own."""
+    import argparse
+    import types
+
+    import torch
+
+    from benchmarks import bench_transports as bt
+
+    calls = []
+
+    def fill(out, world, op):
+        out.fill_(world + (op != "all_reduce"))
+
+    ops = types.SimpleNamespace(
+        ws_create_loopback=lambda device, world, numel: world,
+        ws_launch_limits=lambda ws: [132, 66, 62, 15],
+        ws_loopback_refill=lambda ws: None,
+        ws_destroy=lambda ws: None,
+        fused_cluster_for=lambda rows, hidden, blocks, capacity: calls.append((rows, blocks, tuple(capacity))) or 4,
+        all_reduce=lambda ws, x, out, variant, threads, blocks, pdl, code, window: fill(out, ws, "all_reduce"),
+        all_reduce_add_rmsnorm=lambda ws, x, res, w, eps, norm, out, variant, blocks, pdl, cluster, code, window:
+            fill(out, ws, "fused"),
+    )
+    def capture_graph(step, n):
+        step(0)
+        return types.SimpleNamespace(step=step), None
+
+    def replay_times(graph, iters, sync_each=True):
+        c = graph.step
+        if not isinstance(c, bt.LoopbackCall):
+            return [20.0] * iters  # the fills alone: 1 us per call
+        us = 10.0 - (c.blocks == 132) - (c.threads == 128) - (c.window == 2) - (c.cluster == 8)
+        return [us * 20 + 20.0] * iters  # plus 1 us of fill per call
+
+    monkeypatch.setattr(bt, "WORLDS", (4,))
+    monkeypatch.setattr(bt, "ROWS", (3, 4))
+    monkeypatch.setattr(bt.timing, "capture_graph", capture_graph)
+    monkeypatch.setattr(bt.timing, "replay_times", replay_times)
+    monkeypatch.setattr("sgl_kernel_sm120._ext.ops", lambda: ops)
+    stages = {}
+    args = argparse.Namespace(calls=20, iters=3)
+    records, fill_us, limits, left_out = bt._loopback(args, torch.device("cpu"), stages)
+    assert left_out == 0 and fill_us == {"4x3": 1.0, "4x4": 1.0}
+    assert limits == {"4": {"sm_budget": 132, "cluster_capacity": {"2": 66, "4": 62, "8": 15}}}
+    assert set(stages) == {"loopback W=4 rows=3", "loopback W=4 rows=4"}
+    assert len(records) == len(list(bt._loopback_configs(4, 3, 132))) + len(list(bt._loopback_configs(4, 4, 132)))
+    assert all(r["result_correct"] is not False for r in records)
+    for r in records:
+        assert r["us_per_call_median"] == pytest.approx(10.0 - (r["blocks"] == 132) - (r["threads"] == 128)
+                                                        - (r["window"] == 2) - (r["cluster"] == 8))
+        fused_one_shot = r["op"] != "all_reduce" and r["variant"] == "ONESHOT"
+        assert (r["cluster_used"] is not None) == fused_one_shot
+        assert r["cluster_used"] == (r["cluster"] if r["cluster"] != "rule" else 4) or not fused_one_shot
+        assert (r["window"] is not None) == (r["transport"] == "staged")
+    # The rule was asked with the call's CTA cap and the capacities for 2, 4, 8.
+    assert (3, 8, (66, 62, 15)) in calls and (3, 132, (66, 62, 15)) in calls
+    sweep = {(e["op"], e["transport"]): e for e in bt.sweep_summary(records)}
+    staged = sweep[("all_reduce", "staged")]
+    assert staged["best_us"] == pytest.approx(8.0) and staged["best_launch"] == "132 CTAs x 256 threads, window 2"
+    assert staged["default_over_best"] == pytest.approx(10.0 / 8.0) and not staged["within_target"]
+    push = sweep[("all_reduce", "push")]
+    assert push["best_launch"] == "132 CTAs x 128 threads" and push["default_over_best"] == pytest.approx(9 / 8)
