@@ -88,7 +88,8 @@ def run(args) -> dict:
                     correct = bool(torch.equal(t["out"], expected))
                     used = None
                     if op != "all_reduce":
-                        used = cluster or int(ops.fused_cluster_for(rows, HIDDEN, sm_count))
+                        used = cluster or int(ops.fused_cluster_for(rows, HIDDEN, sm_count,
+                                                                    list(ops.ws_launch_limits(ws))[1:]))
                     rec = {
                         "op": op, "world": world, "rows": rows, "hidden": HIDDEN, "dtype": "bfloat16",
                         "polling": label, "variant": variant, "cluster_requested": cluster, "cluster": used,

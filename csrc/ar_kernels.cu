@@ -27,6 +27,7 @@ struct CallArgs {
   int packs_per_row;
   float eps;
   float inv_hidden;
+  int window;  // staged push: passes in flight before their pacing waits (transports/staged_push.cuh S3), >= 1
 };
 
 // Fused kernels: a CTA per row. A row of up to 1024 packs (hidden <= 8192) gets one pack per thread of up to
@@ -37,6 +38,64 @@ struct CallArgs {
 // (tests/test_build.py checks the cubins).
 constexpr int kWideThreads = 512;
 constexpr int kHeldPacks = 2;
+// Staged push: the packs a thread keeps in registers across its passes (S4) when it has no more than this many; with
+// more it reads them from the input in every pass. Bounded so that no kernel spills (tests/test_build.py, ptxas 12.8
+// included): the plain kernels have 128 registers a thread, the 1024-thread fused ones 64 (the grouped kernel, which
+// keeps its group's indices too, spilled with 2 held packs under ptxas 12.8 at 8 ranks), the cluster kernel 128.
+constexpr int kStagedHeldPlain = 4;
+constexpr int kStagedHeldFused = 2;
+constexpr int kStagedHeldGrouped = 1;
+
+// The packs of one thread of a one-shot or hierarchical kernel, in the same order on every rank (P5): at(k) is the
+// pack index of its k-th pack (k = 0, 1, ..), -1 past the last and from then on; value(g) is the remapped input.
+// Called as a generator, packs(emit) calls emit(g, value) for each. With kHold > 0 (the staged passes call it once
+// per pass, S4) a thread with at most kHold packs loads them once, all loads in flight together, and emits them
+// from registers in every pass; a thread with more reads them from the input every time.
+template <int kHold, typename At, typename Value>
+struct ThreadPacks {
+  At at;
+  Value value;
+  uint4 held[kHold > 0 ? kHold : 1];
+  bool in_registers = false;
+
+  __device__ __forceinline__ ThreadPacks(At a, Value v) : at(a), value(v) {
+    if constexpr (kHold > 0) {
+      in_registers = at(kHold) < 0;
+      if (in_registers) {
+#pragma unroll
+        for (int k = 0; k < kHold; ++k) {
+          const long long g = at(k);
+          if (g >= 0) held[k] = value(g);
+        }
+      }
+    }
+  }
+
+  template <typename Emit>
+  __device__ __forceinline__ void operator()(Emit emit) const {
+    if constexpr (kHold > 0) {
+      if (in_registers) {
+#pragma unroll
+        for (int k = 0; k < kHold; ++k) {
+          const long long g = at(k);
+          if (g >= 0) emit(g, held[k]);
+        }
+        return;
+      }
+    }
+    for (int k = 0;; ++k) {
+      const long long g = at(k);
+      if (g < 0) break;
+      emit(g, value(g));
+    }
+  }
+};
+
+// kHold for transport kT: only the staged passes emit a thread's packs more than once.
+template <int kT, int kBound, typename At, typename Value>
+__device__ __forceinline__ auto thread_packs(At at, Value value) {
+  return ThreadPacks<kT == kTransportStaged ? kBound : 0, At, Value>(at, value);
+}
 
 // One-shot over any transport: publish every own pack (push: into every peer's slot at once; staged: the same
 // stores in permutation passes; pull: into our own pull area, then every peer's flag, then wait for theirs), then
@@ -47,9 +106,10 @@ struct OneShotPath {
   OneShotSlots<kWorld> slots;
   PullOneShot<kWorld> pull;
   unsigned long long seq;
+  int window;  // staged: S3
 
-  __device__ __forceinline__ OneShotPath(const WorkspaceView& ws, unsigned long long s)
-      : slots(ws, parity_of(s)), pull(s), seq(s) {}
+  __device__ __forceinline__ OneShotPath(const WorkspaceView& ws, unsigned long long s, int w)
+      : slots(ws, parity_of(s)), pull(s), seq(s), window(w) {}
 
   template <typename Packs>
   __device__ __forceinline__ void publish(const WorkspaceView& ws, Packs packs) const {
@@ -58,7 +118,7 @@ struct OneShotPath {
       packs([&](long long g, uint4 v) { slots.push_pack(ws, g, v); });
     } else if constexpr (kT == kTransportStaged) {
       staged_passes<kWorld - 1>(
-          ws, seq, kFlagOneShot, kPhaseOneShot,
+          ws, seq, window, kFlagOneShot, kPhaseOneShot,
           [&](int p) {
             const int dest = (ws.rank + 1 + p) % kWorld;  // S2
             char* slot = region_of(ws, dest, slots.parity) + slots.push_offset;
@@ -84,15 +144,19 @@ struct OneShotPath {
 
 template <typename T, int kWorld, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const CallStart start = begin_call(ws, first < a.num_packs ? a.inp + first : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
-  path.publish(ws, [&](auto emit) {
-    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
-  });
+  path.publish(ws, thread_packs<kT, kStagedHeldPlain>(
+                       [&](int k) {
+                         const long long g = first + k * stride;
+                         return g < a.num_packs ? g : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
   for (long long g = first; g < a.num_packs; g += stride) {
     a.out[g] = round_pack<T>(path.template reduce<T>(ws, g, remap_half_pack(a.inp[g])));
   }
@@ -102,11 +166,12 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel
 // The polling this file had before I10, kept only for the polling microbenchmark (push, bf16, 8 ranks).
 template <typename T, int kWorld>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial_poll_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const CallStart start = begin_call(ws, first < a.num_packs ? a.inp + first : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
 
   for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
   for (long long g = first; g < a.num_packs; g += stride) {
@@ -170,23 +235,37 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   // its bits, unchanged).
   constexpr int kBatch = (kT == kTransportPush || !kHoldRow || kWorld <= 4) ? kWorld : 4;
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
   const int ppr = a.packs_per_row;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < ppr;
+  const CallStart start =
+      begin_call(ws, has_first ? a.inp + static_cast<long long>(blockIdx.x) * ppr + threadIdx.x : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  auto input = [&](long long g) { return remap_half_pack(a.inp[g]); };
+  if constexpr (kHoldRow) {  // a pack per row: the k-th is row blockIdx.x + k * gridDim.x's
+    path.publish(ws, thread_packs<kT, kStagedHeldFused>(
+                         [&](int k) {
+                           const int row = static_cast<int>(blockIdx.x + k * gridDim.x);
+                           const int j = static_cast<int>(threadIdx.x);
+                           return row < a.rows && j < ppr ? static_cast<long long>(row) * ppr + j : -1ll;
+                         },
+                         input));
+  } else {
+    path.publish(ws, [&](auto emit) {
+      for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
 #pragma unroll kUnroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int j = threadIdx.x + k * blockDim.x;
-        if (j < ppr) {
-          const long long g = static_cast<long long>(row) * ppr + j;
-          emit(g, remap_half_pack(a.inp[g]));
+        for (int k = 0; k < kPacks; ++k) {
+          const int j = threadIdx.x + k * blockDim.x;
+          if (j < ppr) {
+            const long long g = static_cast<long long>(row) * ppr + j;
+            emit(g, input(g));
+          }
         }
       }
-    }
-  });
+    });
+  }
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     constexpr int kHeld = kHoldRow ? kPacks : 1;
     uint4 res[kHeld], own[kHeld];
@@ -224,15 +303,28 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
 // rows x kCluster SMs share the work. CTA c of a row's cluster owns the row's packs [c x per, (c+1) x per) with
 // per = ceil(packs / kCluster), one per thread (blockDim = per rounded up to a warp, at most kWideThreads), so at
 // hidden 7168 every CTA gets 112 packs rather than CTAs 0-6 getting 128 and CTA 7 none.
-// The RMSNorm sum of squares: each CTA reduces its part (block_sum, fixed order),
-// puts it in its shared memory, and after a cluster barrier every CTA adds the kCluster parts in CTA order
-// from distributed shared memory, so all CTAs of the row, and every rank (same grid shape, same bits in),
-// get the same bits. A second barrier (arrive after the reads, wait before the part is written again or the
-// CTA exits) keeps a part alive until every CTA has read it.
+// The RMSNorm sum of squares takes one cluster barrier per row:
+//  C1  No CTA stores into another's shared memory before every CTA of the cluster has started: each arrives on the
+//      cluster barrier right after begin_call and waits on it just before its first remote store (the row's
+//      reduce lies between, so the wait costs nothing).
+//  C2  Each warp's sum of squares (warp_sum: a fixed shuffle tree) is stored by lane c into CTA c's slot [row
+//      parity][this CTA][warp] (st.shared::cluster), for every c; then one barrier.cluster arrive.release /
+//      wait.acquire, after which every CTA holds every warp sum of the row in its own shared memory and adds them in
+//      a fixed order (parts_in_order: each CTA's warps in order, then the CTAs in order). So every CTA of the row,
+//      and every rank (the same grid, the same bits in), gets the same bits; the grouped kernel below computes them
+//      too, one group per CTA.
+//  C3  The slots are double-buffered by the parity of the row's turn in the CTA's loop: a CTA stores its sums of
+//      turn i + 2 into a slot only after passing turn i + 1's barrier, which every CTA reaches only after reading
+//      turn i's. No barrier at exit: after a CTA's last wait no CTA stores into its shared memory again (every
+//      store precedes its CTA's arrive, which releases it), and it reads only its own.
 // I8 holds per cluster: the host caps the number of clusters at what every GPU of the group can hold at once
 // (cudaOccupancyMaxActiveClusters, agreed at construction) and at the SM budget, and rows beyond it loop.
 // oneshot_add_rmsnorm_grouped_kernel below computes the same bits without a cluster (where cluster launch is
 // unavailable).
+constexpr int kMaxWarps = kWideThreads / 32;
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ unsigned cluster_cta_rank() {
@@ -240,14 +332,34 @@ __device__ __forceinline__ unsigned cluster_cta_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// Read a float at `local` in the shared memory of CTA `cta` of this cluster.
-__device__ __forceinline__ float load_cluster_shared(const float* local, unsigned cta) {
+// Store a float at `local` in the shared memory of CTA `cta` of this cluster.
+__device__ __forceinline__ void store_cluster_shared(float* local, unsigned cta, float v) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+
+// The sum of one float per lane over the warp, the same bits on every lane and every rank (a fixed xor tree).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// The row's sum of squares from its warps' sums (C2): sums[c * stride + w] is warp w's sum in part c (a CTA of the
+// cluster, a group of the grouped kernel), w < warps. Each part adds its warps in order, then the parts are added in
+// order.
+template <int kParts>
+__device__ __forceinline__ float parts_in_order(const float* sums, int stride, int warps) {
+  float total = 0.f;
+#pragma unroll
+  for (int c = 0; c < kParts; ++c) {
+    float part = sums[c * stride];
+    for (int w = 1; w < warps; ++w) part += sums[c * stride + w];
+    total = c == 0 ? part : total + part;
+  }
+  return total;
 }
 
 // Packs per CTA (or per group of the grouped kernel) when a row of `packs_per_row` is split `parts` ways.
@@ -258,100 +370,75 @@ __host__ __device__ __forceinline__ int packs_per_part(int packs_per_row, int pa
 template <typename T, int kWorld, int kCluster, int kT>
 __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
-  __shared__ float s_red[33];
-  __shared__ float s_part;
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  __shared__ float s_sums[2][kCluster][kMaxWarps];  // C2, C3: [turn parity][CTA][warp]
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kCluster);
   const unsigned cta = cluster_cta_rank();
   const int j = static_cast<int>(cta) * per + static_cast<int>(threadIdx.x);
   const bool mine = static_cast<int>(threadIdx.x) < per && j < ppr;
-  const int first_row = static_cast<int>(blockIdx.x / kCluster);
+  const int first_row = static_cast<int>(blockIdx.x / kCluster);  // every CTA of a cluster has the same rows
   const int row_stride = static_cast<int>(gridDim.x / kCluster);
+  const CallStart start = begin_call(ws, mine ? a.inp + static_cast<long long>(first_row) * ppr + j : nullptr);
+  if (start.poisoned) return;  // I12: the whole cluster returns, before any barrier
+  cluster_arrive_relaxed();    // C1
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = first_row; row < a.rows; row += row_stride) {
-      if (mine) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        emit(g, remap_half_pack(a.inp[g]));
-      }
-    }
-  });
-  bool first = true;
+  path.publish(ws, thread_packs<kT, kStagedHeldFused>(
+                       [&](int k) {
+                         const int row = first_row + k * row_stride;
+                         return row < a.rows && mine ? static_cast<long long>(row) * ppr + j : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
+  int parity = 0;
   for (int row = first_row; row < a.rows; row += row_stride) {
     const long long g = static_cast<long long>(row) * ppr + j;
     uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
     float squares = 0.f;
     if (mine) {
+      // Every load that does not depend on the peers before the wait, the weight included.
       const uint4 own = remap_half_pack(a.inp[g]);
       const uint4 res = a.residual[g];
+      w = a.weight[j];
       Acc8 acc = path.template reduce<T>(ws, g, own);
       accumulate<T>(acc, res);
-      r = round_pack<T>(acc);  // residual_out, rounded once
-      a.out[g] = r;
-      w = a.weight[j];
+      r = round_pack<T>(acc);  // residual_out, rounded once (stored after the barrier: see below)
       squares = sum_of_squares<T>(r);
     }
-    const float part = block_sum(squares, s_red);
-    if (!first) cluster_wait();  // every CTA has read the previous row's part
-    if (threadIdx.x == 0) s_part = part;
+    const float sum = warp_sum(squares);
+    if (row == first_row) cluster_wait();  // C1
+    if (lane < kCluster) store_cluster_shared(&s_sums[parity][cta][warp], static_cast<unsigned>(lane), sum);  // C2
+    // The arrive's release waits for this thread's earlier stores to land; residual_out is not among them.
     cluster_arrive();
-    cluster_wait();  // every part of this row is written
-    float total = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCluster; ++c) total += load_cluster_shared(&s_part, static_cast<unsigned>(c));
-    cluster_arrive();  // done reading the parts
-    first = false;
+    cluster_wait();  // C2: every warp sum of this row is in our shared memory
+    const float total = parts_in_order<kCluster>(&s_sums[parity][0][0], kMaxWarps, static_cast<int>(blockDim.x) >> 5);
+    parity ^= 1;  // C3
     const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
-    if (mine) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+    if (mine) {
+      a.out[g] = r;
+      a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
+    }
   }
-  if (!first) cluster_wait();  // no CTA exits while a peer CTA may still read its part
   finish_call(ws, seq);
-}
-
-// The sum over groups of kGroups x warps_per_group warps, bit for bit what the cluster kernel computes with one
-// CTA of warps_per_group warps per group: block_sum's tree inside each group (lanes, then the group's warp sums
-// by one warp, zeros beyond them), then the group sums added in group order from 0. `scratch` holds 32 +
-// kGroups floats.
-template <int kGroups>
-__device__ __forceinline__ float grouped_sum(float v, float* scratch, int warps_per_group) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  __syncthreads();  // scratch may still be read by the previous row
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp < kGroups) {
-    float t = lane < warps_per_group ? scratch[warp * warps_per_group + lane] : 0.f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) t += __shfl_xor_sync(0xffffffffu, t, offset);
-    if (lane == 0) scratch[32 + warp] = t;
-  }
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int c = 0; c < kGroups; ++c) total += scratch[32 + c];
-  return total;
 }
 
 // The fallback of the cluster kernel where cluster launch is unavailable or unproven (issue 22): one CTA per
 // row of kGroups groups of blockDim / kGroups threads, group c laid out exactly as CTA c of a cluster (the same
-// packs on the same lanes of the same warps), so residual_out and norm_out are the bits the cluster kernel
-// gives: a box that cannot launch clusters computes what one that can does. Slower (`rows` SMs do the work of
-// rows x kGroups), which is why it is only the fallback. 1024 threads: one pack per thread (packs <= 1024).
+// packs on the same lanes of the same warps) and its warps' sums added as the cluster kernel adds them (C2,
+// parts_in_order), so residual_out and norm_out are the bits the cluster kernel gives: a box that cannot launch
+// clusters computes what one that can does. Slower (`rows` SMs do the work of rows x kGroups), which is why it is
+// only the fallback. 1024 threads: one pack per thread (packs <= 1024). The warp sums are double-buffered by the
+// row's turn (C3's argument, with the CTA barrier), so one barrier per row does.
 // At 8 ranks the wait loads the peers in two batches of 4 (one more round trip, the sum's order unchanged, see
-// OneShotSlots::reduce_pack): a thread has 64 registers here, and all 8 at once would leave none to spare.
+// OneShotSlots::reduce_pack): a thread has 64 registers here, and all 8 at once would leave none to spare; for the
+// same reason the residual and the weight are loaded after the wait.
 template <typename T, int kWorld, int kGroups, int kT>
 __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   constexpr int kBatch = kWorld > 4 ? 4 : kWorld;
-  __shared__ float s_red[32 + kGroups];
-  if (begin_call(ws)) return;  // I12
-  const unsigned long long seq = load_sequence(ws);
-  const OneShotPath<kWorld, kT> path(ws, seq);
+  __shared__ float s_sums[2][32];  // [turn parity][warp]
   const int ppr = a.packs_per_row;
   const int per = packs_per_part(ppr, kGroups);
   const int group_threads = static_cast<int>(blockDim.x) / kGroups;
@@ -359,15 +446,19 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
   const int i = static_cast<int>(threadIdx.x) - group * group_threads;
   const int j = group * per + i;
   const bool mine = i < per && j < ppr;
+  const bool has_first = mine && static_cast<int>(blockIdx.x) < a.rows;
+  const CallStart start = begin_call(ws, has_first ? a.inp + static_cast<long long>(blockIdx.x) * ppr + j : nullptr);
+  if (start.poisoned) return;  // I12
+  const unsigned long long seq = start.seq;
+  const OneShotPath<kWorld, kT> path(ws, seq, a.window);
 
-  path.publish(ws, [&](auto emit) {
-    for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
-      if (mine) {
-        const long long g = static_cast<long long>(row) * ppr + j;
-        emit(g, remap_half_pack(a.inp[g]));
-      }
-    }
-  });
+  path.publish(ws, thread_packs<kT, kStagedHeldGrouped>(
+                       [&](int k) {
+                         const int row = static_cast<int>(blockIdx.x + k * gridDim.x);
+                         return row < a.rows && mine ? static_cast<long long>(row) * ppr + j : -1ll;
+                       },
+                       [&](long long g) { return remap_half_pack(a.inp[g]); }));
+  int parity = 0;
   for (int row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const long long g = static_cast<long long>(row) * ppr + j;
     uint4 r = make_uint4(0u, 0u, 0u, 0u), w = r;
@@ -380,7 +471,12 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
       w = a.weight[j];
       squares = sum_of_squares<T>(r);
     }
-    const float total = grouped_sum<kGroups>(squares, s_red, group_threads >> 5);
+    const float sum = warp_sum(squares);
+    if ((threadIdx.x & 31) == 0) s_sums[parity][threadIdx.x >> 5] = sum;
+    __syncthreads();
+    const int warps_per_group = group_threads >> 5;
+    const float total = parts_in_order<kGroups>(&s_sums[parity][0], warps_per_group, warps_per_group);
+    parity ^= 1;
     const float inv_rms = rsqrtf(total * a.inv_hidden + a.eps);
     if (mine) a.norm_out[g] = scale_pack<T>(r, w, inv_rms);
   }
@@ -392,12 +488,12 @@ __global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(co
 // one-to-one already and stays as it is.
 template <typename T, int kIsland, int kT, typename Packs>
 __device__ __forceinline__ void hier_scatter(const WorkspaceView& ws, const Topology& t, const HierStep<T, kIsland>& step,
-                                             Packs packs) {
+                                             int window, Packs packs) {
   if constexpr (kT == kTransportPush) {
     packs([&](long long g, uint4 v) { step.scatter(g, v); });
   } else {
     staged_passes<kIsland - 1>(
-        ws, step.seq, kFlagReduceScatter, kPhaseReduceScatter,
+        ws, step.seq, window, kFlagReduceScatter, kPhaseReduceScatter,
         [&](int p) {
           const int pos = (t.my_index + 1 + p) % kIsland;
           const int dest = t.island_ranks[pos];
@@ -413,9 +509,9 @@ __device__ __forceinline__ void hier_scatter(const WorkspaceView& ws, const Topo
 // Staged all-gather: the owned results (already in `out`, stored by this very thread) to the island, pass by pass.
 template <typename T, int kIsland, typename Owned>
 __device__ __forceinline__ void hier_staged_gather(const WorkspaceView& ws, const Topology& t,
-                                                   const HierStep<T, kIsland>& step, Owned owned) {
+                                                   const HierStep<T, kIsland>& step, int window, Owned owned) {
   staged_passes<kIsland - 1>(
-      ws, step.seq, kFlagAllGather, kPhaseAllGather,
+      ws, step.seq, window, kFlagAllGather, kPhaseAllGather,
       [&](int p) {
         const int dest = t.island_ranks[(t.my_index + 1 + p) % kIsland];
         owned([&](long long g, uint4 v) { store_volatile(step.ag_slot(dest, t.my_index, g), v); });
@@ -427,15 +523,21 @@ __device__ __forceinline__ void hier_staged_gather(const WorkspaceView& ws, cons
 template <typename T, int kIsland, int kT>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const CallStart start = begin_call(ws, first_pack < a.num_packs ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
 
-  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
-    for (long long g = first; g < a.num_packs; g += stride) emit(g, remap_half_pack(a.inp[g]));
-  });
+  hier_scatter<T, kIsland, kT>(ws, t, step, a.window,
+                               thread_packs<kT, kStagedHeldPlain>(
+                                   [&](int k) {
+                                     const long long g = first + k * stride;
+                                     return g < a.num_packs ? g : -1ll;
+                                   },
+                                   [&](long long g) { return remap_half_pack(a.inp[g]); }));
   for (long long g = first; g < a.num_packs; g += stride) {
     if (step.owner(g) != t.my_index) continue;
     const uint4 v = remap_half_pack(round_pack<T>(step.reduce_owned(g, remap_half_pack(a.inp[g]))));
@@ -443,7 +545,7 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_all_reduce_kernel(co
     if constexpr (kT == kTransportPush) step.gather_send(g, v);
   }
   if constexpr (kT == kTransportStaged) {
-    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+    hier_staged_gather<T, kIsland>(ws, t, step, a.window, [&](auto emit) {
       for (long long g = first; g < a.num_packs; g += stride)
         if (step.owner(g) == t.my_index) emit(g, a.out[g]);
     });
@@ -480,13 +582,16 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
   constexpr int kUnroll = kPacks <= kHeldPacks ? kPacks : 1;
   constexpr int kHeld = kHoldRow ? kPacks : 1;
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * a.packs_per_row + threadIdx.x;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < a.packs_per_row;
+  const CallStart start = begin_call(ws, has_first ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const int ppr = a.packs_per_row;
   auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
 
-  hier_scatter<T, kIsland, kT>(ws, t, step, [&](auto emit) {
+  hier_scatter<T, kIsland, kT>(ws, t, step, a.window, [&](auto emit) {
     each_pack([&](long long g, int) { emit(g, remap_half_pack(a.inp[g])); });
   });
   if constexpr (kT == kTransportStaged) {
@@ -496,7 +601,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) hier_add_rmsnorm_kernel(const
       accumulate<T>(acc, a.residual[g]);
       a.out[g] = remap_half_pack(round_pack<T>(acc));  // as the peers will see it (I2)
     });
-    hier_staged_gather<T, kIsland>(ws, t, step, [&](auto emit) {
+    hier_staged_gather<T, kIsland>(ws, t, step, a.window, [&](auto emit) {
       each_pack([&](long long g, int) {
         if (step.owner(g) == t.my_index) emit(g, a.out[g]);
       });
@@ -610,9 +715,11 @@ struct PullHierSteps {
 template <typename T, int kIsland>
 __global__ void __launch_bounds__(kPlainMaxThreads, 1) hier_pull_all_reduce_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const CallStart start = begin_call(ws, first_pack < a.num_packs ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const PullHierSteps<T, kIsland> pull(ws, t, step);
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -651,9 +758,12 @@ template <typename T, int kIsland, int kPacks>
 __global__ void __launch_bounds__(kWideThreads, 1) hier_pull_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws,
                                        const __grid_constant__ CallArgs a, bool use_islands) {
   __shared__ float s_red[33];
-  if (begin_call(ws)) return;  // I12
+  const long long first_pack = static_cast<long long>(blockIdx.x) * a.packs_per_row + threadIdx.x;
+  const bool has_first = static_cast<int>(blockIdx.x) < a.rows && static_cast<int>(threadIdx.x) < a.packs_per_row;
+  const CallStart start = begin_call(ws, has_first ? a.inp + first_pack : nullptr);
+  if (start.poisoned) return;  // I12
   const Topology& t = use_islands ? ws.islands : ws.flat;
-  const HierStep<T, kIsland> step(ws, t, load_sequence(ws));
+  const HierStep<T, kIsland> step(ws, t, start.seq);
   const PullHierSteps<T, kIsland> pull(ws, t, step);
   auto each_pack = [&](auto f) { for_each_row_pack<kPacks>(a, f); };
   auto owned = [&](auto f) {
@@ -873,23 +983,36 @@ cudaError_t cluster_capacity_of(int world, bool fp16, int threads, int* clusters
 
 }  // namespace
 
-// Issue 12's rule, a pure function of group-identical values (so every rank launches the same grid shape):
-// spread a row over 8, else 4 CTAs when every row's cluster fits the SM budget (rows x cluster <= sm_budget)
-// and each CTA gets at least 2 warps of packs; otherwise one CTA per row. Rows wider than 8192 (more than one
-// pack per thread at 1024 threads) keep the one-CTA kernels. From benchmarks/results/polling_h200_loopback.json
-// (one H200, loopback, bf16 [rows, 7168]): 8 CTAs were the fastest wherever rows x 8 fit, 30-32% below one CTA
-// per row at 8 ranks and 15-19% at 2 ranks for 1-16 rows; 2 CTAs at 64 rows were within 2% of one CTA (slower
-// at 8 ranks), so the rule does not use 2; past the budget, rows loop and the split loses (4 or 8 at 64 rows:
-// 1.4-2.4x slower).
-int fused_cluster_size(int rows, int packs_per_row, int sm_budget) {
-  if (packs_per_row > 1024) return 1;
-  for (int c = 8; c >= 4; c /= 2)
-    if (static_cast<long long>(rows) * c <= sm_budget && packs_per_row >= c * 64) return c;
+// The fused one-shot's CTAs per row, a pure function of group-identical values (so every rank launches the same
+// grid shape): the largest of 8, 4, 2 whose clusters all run in one wave, every row's cluster within the call's
+// CTA cap (rows x c <= max_blocks) and, where the cluster kernel launches (capacity[c] > 0, I8), rows <= the
+// clusters of c CTAs the group holds at once, and each CTA gets at least 2 warps of packs; otherwise one CTA per
+// row. Rows wider than 1024 packs (hidden 8192) keep the one-CTA kernels. Past either bound rows loop over the
+// clusters and the split loses. The transport enters through the cap: staged push runs on few CTAs.
+// From the loopback sweeps on one H200 (bf16 [rows, 7168]; benchmarks/results/polling_h200_loopback.json and
+// ../shared/data/transports_h200_loopback_cbca0c2.json): 8 CTAs were fastest wherever 8 fit (30-32% below one
+// CTA per row at 8 ranks for 1-16 rows), 4 within 5% of 8 at 2 and 4 ranks; at 8 ranks and 16 rows the 8-CTA
+// clusters looped (7.5 us against 3.5 us for 4, the capacity then queried at 512-thread CTAs: fewer than 16 such
+// clusters fit); under staged push's 8-CTA cap 2 CTAs were best at 3 rows (8-17% below one) and one CTA at 16;
+// 2 CTAs at 64 rows on the whole grid were within 2.4% of one.
+int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* capacity) {
+  if (packs_per_row > kMaxClusterRowPacks) return 1;
+  for (int c = 8; c >= 2; c /= 2) {
+    const bool one_wave = static_cast<long long>(rows) * c <= max_blocks &&
+                          (capacity == nullptr || capacity[c] <= 0 || rows <= capacity[c]);
+    if (one_wave && packs_per_row >= c * 64) return c;
+  }
   return 1;
 }
 
-// I8 for the cluster kernel, per cluster size: the clusters of kWideThreads-thread CTAs (the largest block the
-// launch uses, so smaller ones fit as well) that `device` holds at once, for both element types (the smaller).
+// The largest CTA of a cluster launch of `cluster` CTAs: a row of at most kMaxClusterRowPacks packs split that many
+// ways, a pack per thread (512, 256, 128 threads for 2, 4, 8).
+constexpr int cluster_block_threads(int cluster) { return ((kMaxClusterRowPacks / cluster + 31) / 32) * 32; }
+
+// I8 for the cluster kernel, per cluster size: the clusters of the largest CTAs that size launches
+// (cluster_block_threads; smaller ones fit as well) that `device` holds at once, for both element types (the
+// smaller). Queried at that size rather than at kWideThreads: at 8 ranks a 512-thread CTA takes a whole SM's
+// registers, so fewer than 16 clusters of 8 fit on an H200, where 128-thread CTAs let several share an SM.
 // 0 where the device cannot launch clusters at all (cudaDevAttrClusterLaunch).
 cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters) {
   *clusters = 0;
@@ -899,9 +1022,9 @@ cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clus
   int per_type[2] = {0, 0};
   for (int fp16 = 0; fp16 < 2; ++fp16) {
     switch (cluster) {
-      case 2: err = cluster_capacity_of<2>(world, fp16, kWideThreads, &per_type[fp16]); break;
-      case 4: err = cluster_capacity_of<4>(world, fp16, kWideThreads, &per_type[fp16]); break;
-      case 8: err = cluster_capacity_of<8>(world, fp16, kWideThreads, &per_type[fp16]); break;
+      case 2: err = cluster_capacity_of<2>(world, fp16, cluster_block_threads(2), &per_type[fp16]); break;
+      case 4: err = cluster_capacity_of<4>(world, fp16, cluster_block_threads(4), &per_type[fp16]); break;
+      case 8: err = cluster_capacity_of<8>(world, fp16, cluster_block_threads(8), &per_type[fp16]); break;
       default: return cudaErrorInvalidValue;
     }
     if (err != cudaSuccess) return err;
@@ -916,8 +1039,10 @@ template <typename T>
 cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
   if (variant == Variant::kOneShot) {
-    const int cluster = shape.cluster > 0 ? shape.cluster : fused_cluster_size(a.rows, a.packs_per_row, shape.max_blocks);
-    if (cluster > 1 && a.packs_per_row > 1024) return cudaErrorInvalidValue;  // both layouts: a pack per thread
+    const int cluster = shape.cluster > 0 ? shape.cluster
+                                          : fused_cluster_size(a.rows, a.packs_per_row, shape.max_blocks,
+                                                               shape.cluster_capacity);
+    if (cluster > 1 && a.packs_per_row > kMaxClusterRowPacks) return cudaErrorInvalidValue;  // a pack per thread
     // Where the group agreed that clusters of this size work (shape.cluster_mask), the cluster kernel; else the
     // same bits from one CTA per row.
     const bool clusters = ((shape.cluster_mask >> cluster) & 1) != 0;
@@ -963,6 +1088,7 @@ cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType
   a.inp = static_cast<const uint4*>(inp);
   a.out = static_cast<uint4*>(out);
   a.num_packs = numel / kElemsPerPack;
+  a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
   if (type == ElemType::kBFloat16) return launch_plain<__nv_bfloat16>(ws, variant, a, shape, stream);
   return launch_plain<__half>(ws, variant, a, shape, stream);
 }
@@ -980,6 +1106,7 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant varia
   a.rows = rows;
   a.packs_per_row = hidden / kElemsPerPack;
   a.num_packs = static_cast<long long>(rows) * a.packs_per_row;
+  a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
   a.eps = eps;
   a.inv_hidden = 1.0f / static_cast<float>(hidden);
   if (type == ElemType::kBFloat16) return launch_fused<__nv_bfloat16>(ws, variant, a, shape, stream);

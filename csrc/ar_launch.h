@@ -27,10 +27,17 @@ struct LaunchShape {
   int cluster_mask = 0;  // bit c set: clusters of c CTAs may be launched; else the grouped one-CTA kernel runs
   int transport = kTransportPush;  // ar_types.h Transport: how the call's data travels
   int cluster_capacity[9] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
+  int window = 0;  // staged push: passes in flight before their pacing waits, 1 .. W-1; 0 = kDefaultStagedWindow
 };
 
-// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values.
-int fused_cluster_size(int rows, int packs_per_row, int sm_budget);
+// The staged passes' window when a call gives none (transports/staged_push.cuh S3): one pass at a time.
+constexpr int kDefaultStagedWindow = 1;
+
+// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values, the call's
+// CTA cap and the group's cluster capacities (capacity[c] for c = 2, 4, 8; 0 or nullptr: no cluster launch, no bound).
+int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* capacity);
+// A row split over a cluster holds at most this many packs, one per thread (hidden 8192).
+constexpr int kMaxClusterRowPacks = 1024;
 
 // I8 for the cluster kernel on `device`: clusters of `cluster` CTAs (2, 4, 8) it holds at once; 0 where the device
 // cannot launch clusters (cudaDevAttrClusterLaunch is 0).

@@ -60,7 +60,9 @@
 //  I12 A poisoned workspace (I7, exit mode) does nothing: every kernel reads Ctrl::poisoned right after
 //      pdl_wait (all threads, before any barrier, so the early return is uniform over the CTA and the cluster:
 //      the flag is only written inside a call, and calls are stream-ordered, I6) and returns without a push,
-//      a wait or a store to its outputs.
+//      a wait or a store to its outputs. Its seq slot and its first input pack are read in the same breath
+//      (begin_call): reads change nothing, and the call's first stores then wait for one memory round trip,
+//      not for two in a row.
 //  I13 Host-memory polls back off: after a miss, a thread sleeps (__nanosleep, 256 ns doubling to 1 us)
 //      before it loads again, so hundreds of threads polling host memory do not fill PCIe with reads that
 //      mostly find nothing. Device-memory polls hit the local L2 and spin without sleeping.
@@ -305,11 +307,19 @@ __device__ __forceinline__ char* pull_area_of(const WorkspaceView& ws, int rank,
   return ws.bases[rank] + ws.pull_offset + static_cast<long long>(parity) * ws.pull_region_bytes;
 }
 
-// The flag that `source` writes into `rank`'s slab for `phase` and CTA index `cta` (ar_types.h, slab layout).
+// The word of the flag area (ar_types.h, slab layout) that `source` writes for `phase`, CTA index `cta` and calls of
+// parity `parity`. Host-callable: tests/flag_slots_check.cu checks that the words are distinct and inside the area.
+__host__ __device__ __forceinline__ long long flag_index(int parity, int phase, int source, int cta) {
+  return ((static_cast<long long>(parity) * kFlagPhases + phase) * kMaxWorld + source) * kMaxCounters + cta;
+}
+
+// The flag that `source` writes into `rank`'s slab for `phase`, CTA index `cta` and call `seq` (transports/pull.cuh
+// P3). The parity is the call's own, never parity_of's: SGL_SM120_DEBUG_SINGLE_BUFFER breaks the data's double
+// buffer (I5) on purpose, and the flags must stay exact for that build's failure to be the data's.
 __device__ __forceinline__ unsigned long long* flag_of(const WorkspaceView& ws, int rank, int phase, int source,
-                                                       int cta) {
+                                                       int cta, unsigned long long seq) {
   return reinterpret_cast<unsigned long long*>(ws.bases[rank] + kCtrlBytes) +
-         ((static_cast<long long>(phase) * kMaxWorld + source) * kMaxCounters + cta);
+         flag_index(static_cast<int>(seq & 1ull), phase, source, cta);
 }
 
 __device__ __forceinline__ void store_flag_release(unsigned long long* flag, unsigned long long value) {
@@ -331,20 +341,22 @@ __device__ __forceinline__ unsigned long long load_flag_relaxed(const unsigned l
   return v;
 }
 
-// Spin until our own flag from `peer` holds at least `target` (the call counter the peer publishes, transports/
-// pull.cuh P3), bounded by I7 and reported by I9 like every wait. The polls are relaxed loads; kAcquire: the one
-// that sees the target is followed by an acquire fence, so the data the peer released before it is visible to this
-// thread, and after a CTA barrier to the whole CTA. Returns false when the wait gave up (I7, exit mode).
+// Spin until our own flag from `peer` holds exactly `target`, this call's counter seq + 1 (transports/pull.cuh P3:
+// in the word of this call's parity no later call can be, so any other value means "not yet", and a peer whose
+// counter is not ours is a wait that ends in the timeout record naming this call), bounded by I7 and reported by
+// I9 like every wait. The polls are relaxed loads; kAcquire: the one that sees the target is followed by an
+// acquire fence, so the data the peer released before it is visible to this thread, and after a CTA barrier to
+// the whole CTA. Returns false when the wait gave up (I7, exit mode).
 template <bool kAcquire>
 __device__ __forceinline__ bool wait_for_flag(const WorkspaceView& ws, const unsigned long long* flag,
                                               unsigned long long target, int peer, int phase, unsigned long long seq) {
-  bool seen = load_flag_relaxed(flag) >= target;
+  bool seen = load_flag_relaxed(flag) == target;
   if (!seen) {
     const long long start = static_cast<long long>(global_timer_ns());
     unsigned int spins = 0;
     while (!seen) {
       poll_backoff(ws, spins + 1u);
-      seen = load_flag_relaxed(flag) >= target;
+      seen = load_flag_relaxed(flag) == target;
       if (!seen && (++spins & 255u) == 0u && wait_must_end(ws, start, peer, phase, seq)) return false;
     }
   }
@@ -378,11 +390,25 @@ __device__ __forceinline__ void pdl_wait_and_release() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
-// I12: the start of every kernel: wait for the previous grid (PDL), then true when the workspace is poisoned and the
-// kernel must return at once (every thread reads the same flag, before any barrier).
-__device__ __forceinline__ bool begin_call(const WorkspaceView& ws) {
+// Start fetching `p` into L1 (no register waits for it: a hint, the load that follows hits it or joins it).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+struct CallStart {
+  bool poisoned;           // I12: return at once
+  unsigned long long seq;  // this CTA's seq slot (I5)
+};
+
+// I12: the start of every kernel. Waits for the previous grid (PDL), then issues together the poisoned flag's load,
+// the seq slot's (I5) and a prefetch of the thread's first input pack (`first_input`, nullptr where it has none),
+// before the caller branches on the flag: the flag's load used to stand alone in front of the others, a whole
+// round trip to memory before the first push. Every thread reads the same flag, before any barrier.
+__device__ __forceinline__ CallStart begin_call(const WorkspaceView& ws, const void* first_input) {
   pdl_wait_and_release();
-  return workspace_poisoned(ws);
+  CallStart start;
+  start.poisoned = workspace_poisoned(ws);
+  start.seq = load_sequence(ws);
+  if (first_input != nullptr) prefetch_l1(first_input);
+  return start;
 }
 
 }  // namespace sgl_sm120

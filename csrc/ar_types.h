@@ -41,12 +41,16 @@ static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 enum Transport : int { kTransportPush = 0, kTransportStaged = 1, kTransportPull = 2 };
 
 // Slab layout, every rank alike: [Ctrl][flags][push region, parity 0][parity 1][pull area, parity 0][parity 1].
-// Flags: one 64-bit word per (phase, source rank, CTA index), written by the source (remote store) and read by
-// the slab's owner only; a word holds the call counter (seq + 1) of the latest call the source published in that
-// phase, so it only grows and never needs resetting (transports/pull.cuh P3).
+// Flags: one 64-bit word per (call parity, phase, source rank, CTA index), the parity outermost (flag_index in
+// ar_protocol.cuh), written by the source (remote store) and read by the slab's owner only; a word holds the call
+// counter (seq + 1) of the latest call of its parity that the source published in that phase, so it only grows
+// and never needs resetting, and a wait compares it with its own call's counter for equality (transports/pull.cuh
+// P3 says why one word per parity makes that exact).
 enum FlagPhase : int { kFlagOneShot = 0, kFlagReduceScatter = 1, kFlagCrossIsland = 2, kFlagAllGather = 3 };
 constexpr int kFlagPhases = 4;
-constexpr long long kFlagBytes = static_cast<long long>(kFlagPhases) * kMaxWorld * kMaxCounters * 8;  // 64 KiB
+constexpr int kFlagParities = 2;
+constexpr long long kFlagBytes =
+    static_cast<long long>(kFlagParities) * kFlagPhases * kMaxWorld * kMaxCounters * 8;  // 128 KiB
 constexpr long long kRegionsOffset = kCtrlBytes + kFlagBytes;
 
 // Host-mapped (cudaHostAllocMapped) so the CPU can read it after the kernel traps and the context is gone.

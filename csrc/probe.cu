@@ -49,8 +49,8 @@ namespace sgl_sm120 {
 namespace {
 
 // The rounds of one parity: one-shot slots, then the chunk blocks W at a time, then the push region's end, the
-// pull area's ends (transports/pull.cuh), and the flag area's ends (its flags are parity-free; probed with each
-// parity alike).
+// pull area's ends (transports/pull.cuh), and the flag area's ends (one area holds the flags of both call parities,
+// ar_types.h: its first and last pack are probed with each parity alike).
 __host__ __device__ __forceinline__ long long chunk_blocks(const WorkspaceView& v) {
   return v.chunk_slot_bytes > 0 ? v.region_bytes / v.chunk_slot_bytes : 0;
 }

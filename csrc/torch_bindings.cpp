@@ -157,9 +157,15 @@ std::vector<int64_t> ws_launch_limits(int64_t handle) {
 
 int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
 
-// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs and tests.
-int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t sm_budget) {
-  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack), static_cast<int>(sm_budget));
+// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs, tests and the
+// benchmark: max_blocks is the call's CTA cap, cluster_capacity the agreed capacities for clusters of [2, 4, 8]
+// (ws_launch_limits; empty: none launched as clusters, no bound).
+int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t max_blocks, std::vector<int64_t> cluster_capacity) {
+  TORCH_CHECK(cluster_capacity.empty() || cluster_capacity.size() == 3, "cluster_capacity lists sizes 2, 4 and 8");
+  int capacity[9] = {};
+  for (size_t i = 0; i < cluster_capacity.size(); ++i) capacity[2 << i] = static_cast<int>(cluster_capacity[i]);
+  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack),
+                            static_cast<int>(max_blocks), capacity);
 }
 
 // The kernels' limits and the codes of their enums, by name, as one JSON object of integers: the Python policy
@@ -303,19 +309,23 @@ void check_fits(const Workspace* ws, int64_t numel, Variant v) {
 }
 
 // The call's launch shape from the group-agreed limits (identical on every rank, so is the grid).
-LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster, int64_t transport) {
+LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster, int64_t transport,
+                         int64_t window) {
   TORCH_CHECK(transport == kTransportPush || transport == kTransportStaged || transport == kTransportPull,
               "unknown transport ", transport, " (0 push, 1 staged, 2 pull)");
+  TORCH_CHECK(window == 0 || (window >= 1 && window <= ws->view.world - 1),
+              "window must be 0 (the kernels' default) or 1 .. world - 1 = ", ws->view.world - 1, ", got ", window);
   LaunchShape shape{threads, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->limits.sm_budget))),
                     pdl, cluster};
   shape.transport = static_cast<int>(transport);
   shape.cluster_mask = ws->limits.cluster_mask;
   for (int c = 0; c < 9; ++c) shape.cluster_capacity[c] = ws->limits.cluster_capacity[c];
+  shape.window = static_cast<int>(window);
   return shape;
 }
 
 void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
-                int64_t max_blocks, bool pdl, int64_t transport) {
+                int64_t max_blocks, bool pdl, int64_t transport, int64_t window) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   check_io(ws, inp, inp, "inp");
@@ -326,7 +336,7 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   const Variant v = variant_of(ws, variant);
   check_fits(ws, inp.numel(), v);
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0, transport);
+  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0, transport, window);
   const cudaError_t err = launch_all_reduce(ws->view, v, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
                                             c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
@@ -334,7 +344,8 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
 
 void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster, int64_t transport) {
+                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster, int64_t transport,
+                            int64_t window) {
   Workspace* ws = as_workspace(handle);
   const ElemType type = elem_type_of(inp);
   TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
@@ -356,7 +367,7 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   const c10::cuda::CUDAGuard guard(ws->device);
   TORCH_CHECK(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
               "cluster must be 0 (automatic), 1, 2, 4 or 8");
-  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster), transport);
+  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster), transport, window);
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, v, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
@@ -391,7 +402,8 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
   m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
   m.def("ws_memory(int ws) -> int", &ws_memory);
-  m.def("fused_cluster_for(int rows, int hidden, int sm_budget) -> int", &fused_cluster_for);
+  m.def("fused_cluster_for(int rows, int hidden, int max_blocks, int[] cluster_capacity=[]) -> int",
+        &fused_cluster_for);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
@@ -406,12 +418,12 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
   m.def(
       "all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl, "
-      "int transport) -> ()",
+      "int transport, int window=0) -> ()",
       &all_reduce);
   m.def(
       "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
       "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl, int cluster, "
-      "int transport) -> ()",
+      "int transport, int window=0) -> ()",
       &all_reduce_add_rmsnorm);
 }
 

@@ -56,6 +56,16 @@ __global__ void fill_ready_kernel(uint32_t* p, long long words) {
     p[i] = 0x3F803F80u;
 }
 
+// Loopback: every flag of the slab published for the next call, whose counter is the Ctrl's seq + 1 (a wait reads
+// the word of its call's parity and wants exactly that, transports/pull.cuh P3). The previous call advanced seq
+// before this kernel starts (same stream, I6).
+__global__ void fill_flags_kernel(const Ctrl* ctrl, unsigned long long* flags, long long words) {
+  const unsigned long long next = *reinterpret_cast<const volatile unsigned long long*>(&ctrl->seq[0]) + 1ull;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += static_cast<long long>(gridDim.x) * blockDim.x)
+    flags[i] = next;
+}
+
 struct ScratchSizes {
   long long oneshot_slot;
   long long chunk_slot;
@@ -364,13 +374,15 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
 std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream) {
   if (!ws->loopback) return "refill is for loopback workspaces only";
   SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
-  // Everything after Ctrl, in our slab and the stand-in peers': every pack reads as arrived (push), every peer's
-  // pull copy holds 1.0 (pull), and every flag (0x3F80... as a call counter) as published.
+  // Everything after the flags, in our slab and the stand-in peers': every pack reads as arrived (push), every
+  // peer's pull copy holds 1.0 (pull); and our own flags, the only ones read, as published for the next call.
   for (int r = 0; r < ws->view.world; ++r) {
     char* slab = r == 0 ? ws->local : ws->loopback_slabs[r];
-    fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(slab + kCtrlBytes),
-                                               (ws->slab_bytes - kCtrlBytes) / 4);
+    fill_ready_kernel<<<128, 256, 0, stream>>>(reinterpret_cast<uint32_t*>(slab + kRegionsOffset),
+                                               (ws->slab_bytes - kRegionsOffset) / 4);
   }
+  auto* flags = reinterpret_cast<unsigned long long*>(ws->local + kCtrlBytes);
+  fill_flags_kernel<<<32, 256, 0, stream>>>(ws->view.ctrl, flags, kFlagBytes / 8);
   SGL_RETURN_IF_CUDA("loopback refill launch", cudaGetLastError());
   return "";
 }

@@ -356,11 +356,13 @@ class IpcAllReduce:
     # The checked ops
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, route: Route | None = None,
                    variant=None, transport=None, blocks: int | None = None,
-                   threads: int | None = None) -> torch.Tensor:
+                   threads: int | None = None, window: int | None = None) -> torch.Tensor:
         """Out-of-place sum over the group. `inp` is never written. `route`: the launch (e.g. a routing table's);
-        without one, the seed route of this size. `variant`, `transport`, `blocks` (the CTA cap) and `threads`
-        replace that field of the route (tests and benchmarks). The same on every rank."""
-        route = self._route(inp, route, variant=variant, transport=transport, ctas=blocks, threads=threads)
+        without one, the seed route of this size. `variant`, `transport`, `blocks` (the CTA cap), `threads` and
+        `window` (staged push's passes in flight) replace that field of the route (tests and benchmarks). The
+        same on every rank."""
+        route = self._route(inp, route, variant=variant, transport=transport, ctas=blocks, threads=threads,
+                            window=window)
         why = self.refusal(inp, route, fused=False, outs=(out,))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
@@ -380,6 +382,7 @@ class IpcAllReduce:
         transport=None,
         blocks: int | None = None,
         cluster: int | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight.
 
@@ -387,10 +390,11 @@ class IpcAllReduce:
         two-shot and island variants the owner of each slice adds its own `residual`: tensor parallelism
         replicates the residual on every rank, which is what makes that the caller's residual.
 
-        `route`, `variant`, `transport`, `blocks` as for all_reduce; `cluster` (fused one-shot: CTAs per row, 1,
-        2, 4 or 8) replaces the route's (None: the kernels' own rule). The same on every rank.
+        `route`, `variant`, `transport`, `blocks`, `window` as for all_reduce; `cluster` (fused one-shot: CTAs per
+        row, 1, 2, 4 or 8) replaces the route's (None: the kernels' own rule). The same on every rank.
         """
-        route = self._route(inp, route, variant=variant, transport=transport, ctas=blocks, cluster=cluster)
+        route = self._route(inp, route, variant=variant, transport=transport, ctas=blocks, cluster=cluster,
+                            window=window)
         why = self.refusal(inp, route, fused=True, residual=residual, weight=weight, outs=(norm_out, residual_out))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
@@ -583,7 +587,7 @@ def close_local_group(comms: list[IpcAllReduce]) -> None:
 
 def _trailing_args(route: Route) -> tuple:
     """The launch fields both ops take last, in their order (csrc/torch_bindings.cpp, TORCH_LIBRARY)."""
-    return (route.transport.code,)
+    return (route.transport.code, route.window or 0)
 
 
 def _require_cuda() -> None:

@@ -172,7 +172,7 @@ def _as_enum(kind: type[enum.Enum], value: Any) -> Any:
 
 
 # The launch fields a route id names after variant/transport/memory, each as /<letter><number>, in this order.
-LAUNCH_FIELDS = (("ctas", "b"), ("cluster", "c"), ("threads", "t"))
+LAUNCH_FIELDS = (("ctas", "b"), ("cluster", "c"), ("threads", "t"), ("window", "w"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +188,9 @@ class Route:
     ctas: int | None = None  # the launch's CTA cap
     cluster: int | None = None  # the fused one-shot's CTAs per row (ROW_SPLITS); fused calls only
     threads: int | None = None  # the plain kernels' CTA size; plain calls only
+    # staged push: passes in flight before their pacing waits, 1 .. world - 1 (csrc/transports/staged_push.cuh);
+    # None: the kernels' default (csrc/ar_launch.h kDefaultStagedWindow)
+    window: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "variant", _as_enum(Variant, self.variant))
@@ -203,11 +206,13 @@ class Route:
             raise ValueError(f"ctas {self.ctas} cannot hold one cluster of {self.cluster} CTAs")
         if self.threads is not None and self.threads % THREAD_GRAIN:
             raise ValueError(f"threads {self.threads}: a CTA is whole warps of {THREAD_GRAIN}")
+        if self.window is not None and self.transport is not Transport.STAGED:
+            raise ValueError(f"window {self.window}: only staged push runs its passes in a window")
 
     @property
     def id(self) -> str:
         """'ONESHOT/push/device', then '/b94' for at most 94 CTAs, '/c8' for a row over an 8-CTA cluster,
-        '/t256' for 256 threads per CTA."""
+        '/t256' for 256 threads per CTA, '/w2' for staged push with 2 passes in flight."""
         tail = "".join(f"/{letter}{getattr(self, name)}" for name, letter in LAUNCH_FIELDS
                        if getattr(self, name) is not None)
         return f"{self.variant.name}/{self.transport.value}/{self.memory.value}{tail}"
@@ -217,7 +222,7 @@ class Route:
         """The route of an id (ValueError naming what is wrong)."""
         parts = str(text).split("/")
         if len(parts) < 3:
-            raise ValueError(f"bad route {text!r}: expected 'VARIANT/TRANSPORT/MEMORY[/bN][/cN][/tN]'")
+            raise ValueError(f"bad route {text!r}: expected 'VARIANT/TRANSPORT/MEMORY[/bN][/cN][/tN][/wN]'")
         letters = [letter for _, letter in LAUNCH_FIELDS]
         launch: dict[str, int] = {}
         last = -1
@@ -284,6 +289,8 @@ def refusal(shape: WorkspaceShape, route: Route, nbytes: int, *, fused: bool, li
         return f"{route.ctas} CTAs: this workspace launches at most {shape.sm_budget}"
     if route.threads is not None and route.threads > limits.plain_max_threads:
         return f"{route.threads} threads: the plain kernels take at most {limits.plain_max_threads}"
+    if route.window is not None and route.window > shape.world_size - 1:
+        return f"a window of {route.window} passes: {shape.world_size} ranks make {shape.world_size - 1}"
     return None
 
 

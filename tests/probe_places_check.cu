@@ -1,6 +1,7 @@
 // Host-only check of the probe's read places (csrc/probe.cu R1, R2), built and run by tests/test_probe_places.py:
 // the places' geometry decides whether a read round can pass on a healthy fabric (two readers on one place would
-// empty each other's pack) and whether it covers the edges pull loads from, and none of it needs a GPU.
+// empty each other's pack) and whether it covers the edges pull loads from, and none of it needs a GPU. Also that
+// the write rounds reach both ends of the flag area.
 // One translation unit with the sources, so their internal helpers (scratch_sizes, read_place) are in reach.
 #include <cstdio>
 #include <set>
@@ -52,6 +53,17 @@ void check(int world, long long max_numel, const sgl_sm120::Topology& islands) {
   for (int r = 0; r < rounds; ++r)
     if (probe_round_reads(v, r) != (r >= rounds - kReadRounds)) fail("round kind", world, max_numel, -1, -1, -1, r);
   if (probe_round_reads(v, rounds)) fail("round past the end reads", world, max_numel, -1, -1, -1, rounds);
+  // The flag rounds write the first and last pack of the flag area, which holds the flags of both call parities.
+  bool flags_first = false, flags_last = false;
+  for (int r = 0; r < write_round_count(v); ++r) {
+    if (area_of(v, r) != kAreaFlags) continue;
+    for (int sender = 0; sender < world; ++sender) {
+      flags_first |= probe_place(v, r, sender, 0) == kCtrlBytes;
+      flags_last |= probe_place(v, r, sender, 1) == kCtrlBytes + kFlagBytes - kPackBytes;
+    }
+  }
+  if (!flags_first || !flags_last)
+    fail("an end of the flag area no write round reaches", world, max_numel, -1, -1, -1, -1);
   // pull.cuh's parts of one parity's area, as its consumers address them (R1): input copy, plane 0, 1, result.
   const long long part_start[4] = {0, v.pull_input_bytes, v.pull_input_bytes + v.chunk_slot_bytes,
                                    v.pull_input_bytes + 2 * v.chunk_slot_bytes};

@@ -204,18 +204,27 @@ def test_no_kernel_spills_with_the_oldest_supported_ptxas(tmp_path):
 
 
 def test_fused_cluster_rule_is_a_pure_function_of_the_call_shape():
-    """Issue 12: 8 or 4 CTAs per row when rows x cluster fits the SM budget, at least 2 warps of packs per CTA,
-    else one CTA per row, always for rows wider than 8192 (csrc/ar_kernels.cu fused_cluster_size, read through
-    the op the extension registers)."""
+    """The fused one-shot's CTAs per row: the largest of 8, 4, 2 whose clusters all run in one wave (rows x cluster
+    within the call's CTA cap, rows within the group's capacity for that size where clusters launch), at least 2
+    warps of packs per CTA, else one CTA per row, always for rows wider than 8192 (csrc/ar_kernels.cu
+    fused_cluster_size, read through the op the extension registers)."""
     _built_library()
     from sgl_kernel_sm120 import _ext
 
     rule = _ext.ops().fused_cluster_for
-    assert [rule(rows, 7168, 132) for rows in (1, 3, 4, 16, 17, 33, 34, 64, 257)] == [8, 8, 8, 8, 4, 4, 1, 1, 1]
+    rows = (1, 3, 4, 16, 17, 33, 34, 64, 67, 257)
+    assert [rule(r, 7168, 132) for r in rows] == [8, 8, 8, 8, 4, 4, 2, 2, 1, 1]
     assert rule(3, 7168, 188) == 8 and rule(24, 7168, 188) == 4  # RTX PRO 6000: 188 SMs
     assert rule(1, 2048, 132) == 4  # 256 packs: 8 CTAs would get one warp each
-    assert rule(1, 1024, 132) == 1  # 128 packs: even 4 CTAs would get one warp each
+    assert rule(1, 1024, 132) == 2  # 128 packs: 4 CTAs would get one warp each
+    assert rule(1, 512, 132) == 1  # 64 packs: even 2 CTAs would get one warp each
     assert rule(1, 8, 132) == 1 and rule(1, 16384, 132) == 1
+    # The group holds 15 clusters of 8 at once: 16 rows would loop, so 4 (I8); with 16 it is 8 again. A size the
+    # group does not launch as clusters (capacity 0: the grouped kernel) has no such bound.
+    assert rule(16, 7168, 132, [66, 33, 15]) == 4 and rule(16, 7168, 132, [66, 33, 16]) == 8
+    assert rule(16, 7168, 132, [66, 0, 15]) == 4 and rule(16, 7168, 132, [0, 0, 0]) == 8
+    # Staged push's 8-CTA cap: 8 at one row, 2 at three, one CTA per row at sixteen.
+    assert [rule(r, 7168, 8) for r in (1, 3, 16)] == [8, 2, 1]
 
 
 # The SGLang modules the overlay touches (every module of the installed version's seam table, and the model files

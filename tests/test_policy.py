@@ -24,7 +24,7 @@ def _header_constants() -> dict[str, int]:
     values: dict[str, int] = {}
     for name in ("ar_types.h", "ar_launch.h"):
         with open(os.path.join(REPO, "csrc", name)) as handle:
-            for const, expr in re.findall(r"constexpr (?:int|long long) (k\w+) = ([^;]+);", handle.read()):
+            for const, expr in re.findall(r"constexpr (?:int|long long) (k\w+) =\s*([^;]+);", handle.read()):
                 expr = re.sub(r"static_cast<long long>\((\w+)\)", r"\1", expr)
                 values[const] = int(eval(expr, {}, dict(values)))  # noqa: S307 - our own header's arithmetic
     return values
@@ -93,6 +93,8 @@ def test_a_route_names_every_field_that_changes_what_runs():
     route = Route("ONESHOT", "staged", "device", ctas=188, cluster=4)
     assert route.id == "ONESHOT/staged/device/b188/c4" and Route.parse(route.id) == route
     assert Route.parse("TWOSHOT/pull/host/t256") == Route(Variant.TWOSHOT, Transport.PULL, Memory.HOST, threads=256)
+    staged = Route("ONESHOT", "staged", "device", ctas=32, threads=128, window=7)
+    assert staged.id == "ONESHOT/staged/device/b32/t128/w7" and Route.parse(staged.id) == staged
     assert Route(0, "push", "device") == Route(Variant.ONESHOT)  # by code, by name, by member
 
 
@@ -107,6 +109,8 @@ def test_a_route_names_every_field_that_changes_what_runs():
     ({"variant": "TWOSHOT", "cluster": 4}, "cluster 4"),
     ({"ctas": 2, "cluster": 4}, "ctas 2 cannot hold one cluster of 4"),
     ({"threads": 100}, "whole warps"),
+    ({"window": 0}, "window 0: a positive number"),
+    ({"transport": "push", "window": 2}, "only staged push runs its passes in a window"),
 ])
 def test_a_route_the_kernels_cannot_launch_is_refused_when_made(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -137,6 +141,8 @@ RTX = WorkspaceShape(8, "device", "pcie", num_islands=2, clusters=(2, 4), sm_bud
     (Route("ONESHOT", threads=256), 1024, True, "the fused kernels size their own CTAs"),
     (Route("TWOSHOT", "staged"), 1 << 20, False, None),
     (Route("ONESHOT", "pull"), 1 << 20, True, None),
+    (Route("ONESHOT", "staged", window=7), 1024, True, None),
+    (Route("ONESHOT", "staged", window=8), 1024, False, "a window of 8 passes: 8 ranks make 7"),
 ])
 def test_what_a_workspace_runs_as_the_route_says(route, nbytes, fused, why):
     found = policy.refusal(RTX, route, nbytes, fused=fused, limits=LIMITS)
@@ -239,11 +245,11 @@ def test_a_launch_hands_the_route_to_the_ops_field_by_field(monkeypatch):
     ws.launch(Route("TWOSHOT", "pull", "device", ctas=94, threads=128), x)
     ws.launch(Route("ONESHOT", "staged", "device"), x)
     ws.launch_fused(Route("ONESHOT", "push", "device", ctas=188, cluster=4), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
-    ws.launch_fused(Route("ISLAND", "staged", "device"), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
+    ws.launch_fused(Route("ISLAND", "staged", "device", window=3), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
     small = policy.plain_threads(x.numel() * 2)
-    assert calls == [
-        ("plain", (int(Variant.TWOSHOT), 128, 94, True, Transport.PULL.code)),
-        ("plain", (int(Variant.ONESHOT), small, policy.STAGED_MAX_CTAS, True, Transport.STAGED.code)),
-        ("fused", (int(Variant.ONESHOT), 188, True, 4, Transport.PUSH.code)),
-        ("fused", (int(Variant.ISLAND), policy.STAGED_MAX_CTAS, True, 0, Transport.STAGED.code)),
+    assert calls == [  # the window last: 0 asks for the kernels' default
+        ("plain", (int(Variant.TWOSHOT), 128, 94, True, Transport.PULL.code, 0)),
+        ("plain", (int(Variant.ONESHOT), small, policy.STAGED_MAX_CTAS, True, Transport.STAGED.code, 0)),
+        ("fused", (int(Variant.ONESHOT), 188, True, 4, Transport.PUSH.code, 0)),
+        ("fused", (int(Variant.ISLAND), policy.STAGED_MAX_CTAS, True, 0, Transport.STAGED.code, 3)),
     ]

@@ -15,9 +15,19 @@
 //      every store that precedes it in causality order, and the barrier puts every store of the CTA there (the PTX
 //      memory model; the pattern of a grid barrier). SGL_SM120_DEBUG_FLAG_BEFORE_DATA breaks this on purpose (the
 //      flags go out before the stores): consumers then read stale packs, and the tests must see it.
-//  P3  Flags are counters: a flag holds the latest call its source published in that phase, only grows (as the
-//      call counter does, I5) and means "call s is there" when it is >= s + 1. No flag is ever reset, and the
-//      transports of different calls of one workspace can share a phase's flags.
+//  P3  Flags are counters, one word per parity of the call (ar_types.h, flag_index): the word of (parity, phase,
+//      source, CTA) holds seq + 1 of the latest call of that parity its source published in that phase, and "call s
+//      is there" is exactly: the word of parity s & 1 EQUALS s + 1. Exact, because no later call can have written
+//      it: a rank ends call s + 1 only after every peer has begun it (every output of an all-reduce needs every
+//      input), so while we are in call s a source is at most in call s + 1, which writes the other parity's word,
+//      and its next call of our parity, s + 2, needs our call s + 1. The word holds s + 1 or an earlier call's
+//      counter (s - 1, s - 3, .., 0). One word for both parities would not do: the source's call s + 1 may replace
+//      s + 1 by s + 2 before we load it (it needs only our flag of call s, published before we wait), and
+//      equality would then wait forever. Any other value (a peer CTA that skipped the call, a peer launching
+//      another grid, P5, a stale or foreign word) never reads as ready: the wait ends in the timeout record naming
+//      this call (I7), never in another call's data. (A rank that skips a whole call and goes on presents, in its
+//      next call, the counter of the one it skipped: the device counts a rank's own calls; only the host can tell.)
+//      No flag is ever reset, and the transports of different calls of one workspace share a phase's words.
 //  P4  A consumer loads a producer's packs only after one of its threads saw the producer's flag and then issued an
 //      acquire fence (system scope), and the CTA passed a barrier since. The polls themselves are relaxed loads:
 //      a relaxed load that reads the released value followed by an acquire fence is an acquire (PTX memory model),
@@ -56,7 +66,8 @@ struct PullSignals {
     const int i = static_cast<int>(threadIdx.x);
     if (i < count) {
       const int peer = peer_of(i);
-      if (peer != ws.rank) store_flag_release(flag_of(ws, peer, flag_phase, ws.rank, blockIdx.x), seq + 1ull);
+      if (peer != ws.rank)
+        store_flag_release(flag_of(ws, peer, flag_phase, ws.rank, blockIdx.x, seq), seq + 1ull);  // P3
     }
   }
 
@@ -67,8 +78,8 @@ struct PullSignals {
     if (i < count) {
       const int peer = peer_of(i);
       if (peer != ws.rank)
-        wait_for_flag<true>(ws, flag_of(ws, ws.rank, flag_phase, peer, blockIdx.x), seq + 1ull, peer, report_phase,
-                            seq);
+        wait_for_flag<true>(ws, flag_of(ws, ws.rank, flag_phase, peer, blockIdx.x, seq), seq + 1ull, peer,
+                            report_phase, seq);  // P3: equal to this call's counter
     }
     __syncthreads();  // P4: the whole CTA may load now
   }

@@ -21,16 +21,23 @@ import os
 import subprocess
 import sys
 import tempfile
+import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from sgl_kernel_sm120 import IpcAllReduce, Variant, reference_all_reduce, reference_all_reduce_add_rmsnorm
+from sgl_kernel_sm120 import (
+    IpcAllReduce,
+    IpcAllReduceTimeoutError,
+    Variant,
+    reference_all_reduce,
+    reference_all_reduce_add_rmsnorm,
+)
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
 from sgl_kernel_sm120.ipc_allreduce import close_local_group
 from tests.gpu.harness import need_ranks, run_ranks
-from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _same_on_all_ranks, _stable_seed
+from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -131,6 +138,58 @@ def test_every_transport_exact_and_same_bits_in_host_memory(world, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Pull's readiness names the call (csrc/transports/pull.cuh P3): a flag wait is for its own call's counter exactly.
+def _scenario_pull_rank_skips_call_one(rank, world, how):
+    """Call #1 forced to pull. how="call": the last rank never makes it (nor any later call). how="ctas": the last
+    rank makes it on one CTA where its peers launch several, so its other CTAs skip call #1, and then makes call #2 as
+    usual. Either way every other rank must end in IpcAllReduceTimeoutError naming the last rank and call #1: with
+    flags compared by >=, the skipped CTAs' waits would have taken call #2's counter and the call ended with no
+    error. With "ctas" the last rank then waits in its call #2 for peers that gave up: a timeout naming call #2."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    skipper = world - 1
+    ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout="exit")
+    cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024  # host memory: a smaller one-shot bound
+    x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
+    out = ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+    ar.synchronize()
+    assert torch.equal(out, torch.full_like(x, world)), "call #0 gave a wrong sum"
+    dist.barrier()
+    failure = None
+    # Whatever happens, every rank reaches the barrier below (see _scenario_rank_skips_a_call).
+    try:
+        if rank != skipper:
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            try:
+                ar.synchronize()
+            except IpcAllReduceTimeoutError as err:
+                assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
+                assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
+            else:
+                raise AssertionError(f"call #1, which rank {skipper} skipped ({how}), completed instead of timing out")
+        elif how == "ctas":
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull", blocks=1)
+            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            try:
+                ar.synchronize()
+            except IpcAllReduceTimeoutError as err:
+                assert err.rank == rank and err.seq == 2, f"wrong details: {err}"
+            else:
+                raise AssertionError("call #2 completed although its peers had given up in call #1")
+    except BaseException:  # noqa: B036 - reported after the barrier
+        failure = traceback.format_exc()
+    dist.barrier()
+    ar.close(collective=False)
+    assert failure is None, failure
+
+
+@need_ranks(2)
+@pytest.mark.parametrize("how", ["call", "ctas"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_pull_rank_skipping_a_call_ends_in_timeout_error_naming_the_call(world, how):
+    run_ranks(world, _scenario_pull_rank_skips_call_one, how, timeout_s=240)
+
+
+# --------------------------------------------------------------------------------------------------------
 # One process, the ranks concurrent.
 def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, replays: int) -> list[str]:
     """Eager calls on a stream per rank, then a CUDA graph of W parallel branches of mixed calls (every transport
@@ -212,12 +271,110 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
             if failures:
                 break
         del graph
+        _group_left_clean(comms, "the local group's calls", failures)
+    finally:
+        close_local_group(comms)
+    return failures
+
+
+def _group_left_clean(comms, after: str, failures: list[str]) -> None:
+    """After a local group's calls: no rank timed out, and its push scratch is empty again (I4)."""
+    for comm in comms:
+        err = comm.timeout_error()
+        if err is not None:
+            failures.append(f"timed out: {err}")
+    if comms[0].scratch_dirty_count():
+        failures.append(f"push scratch not clean after {after}")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_transport_exact_with_the_ranks_running_concurrently(world):
+    failures = _local_group_sweep(world, (1, 3, 64), (7168, 8), calls_per_graph=24, replays=20)
+    assert not failures, "\n".join(failures[:20])
+
+
+def _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures) -> None:
+    """Every rank's outputs of one call against the exact sum (plain), residual (fused, exact) and norm (1 ulp), and,
+    where given, norm_out's bits against `norm_bits` (`bits_of` names whose)."""
+    expected, ref_norm, ref_res = want
+    tol = ULP[torch.bfloat16] * ref_norm.float().abs() + 1e-6
+    for r, got in enumerate(outs):
+        if op == "all_reduce":
+            if not torch.equal(got, expected):
+                failures.append(f"{tag} rank {r}: wrong sum")
+            continue
+        if not torch.equal(got[1], ref_res):
+            failures.append(f"{tag} rank {r}: wrong residual_out")
+        if ((got[0].float() - ref_norm.float()).abs() > tol).any():
+            failures.append(f"{tag} rank {r}: norm_out off by more than 1 ulp")
+        if norm_bits is not None and not torch.equal(_bits(got[0]), norm_bits):
+            failures.append(f"{tag} rank {r}: norm_out bits differ from {bits_of}")
+
+
+def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -> list[str]:
+    """Every launch shape benchmarks/bench_transports.py sweeps, with the ranks running concurrently: the plain
+    one-shot's CTA sizes (32 .. 512 threads) per transport; staged push at several CTA caps and every window, plain and
+    fused, every variant; the fused one-shot at every cluster size per transport. Sums are exact (integer inputs);
+    a window never changes a bit (staged_push.cuh S1, S4), nor does the transport at a given cluster size."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comms = IpcAllReduce.local_group(dev, world, max(rows_list) * hidden, islands=_islands(world, "device"),
+                                     timeout_s=10.0)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    budget = comms[0].max_blocks
+    failures = []
+
+    def run(op, inputs, residual, weight, threads=None, **kw):
+        outs = [None] * world
+        torch.cuda.synchronize()
+        for r, comm in enumerate(comms):  # call-major (IpcAllReduce.local_group)
+            comm.threads = threads
+            with torch.cuda.stream(streams[r]):
+                if op == "all_reduce":
+                    outs[r] = comm.all_reduce(inputs[r], **kw)
+                else:
+                    outs[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, **kw)
+        torch.cuda.synchronize()
         for comm in comms:
-            err = comm.timeout_error()
-            if err is not None:
-                failures.append(f"timed out: {err}")
-        if comms[0].scratch_dirty_count():
-            failures.append("push scratch not clean after the local group's calls")
+            comm.threads = None
+        return outs
+
+    try:
+        for rows in rows_list:
+            inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
+                                                    _stable_seed("shapes", world, rows), dev)
+            want = (reference_all_reduce(inputs), *reference_all_reduce_add_rmsnorm(inputs, residual, weight, EPS))
+
+            def check(tag, outs, op, norm_bits=None, bits_of="", want=want):
+                _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures)
+
+            for transport, threads in itertools.product(TRANSPORTS, (32, 64, 128, 256, 512)):
+                outs = run("all_reduce", inputs, residual, weight, threads, variant=Variant.ONESHOT,
+                           transport=transport)
+                check(f"W={world} [{rows}, {hidden}] plain {transport} {threads} threads", outs, "all_reduce")
+            for op, variant, blocks in itertools.product(("all_reduce", "all_reduce_add_rmsnorm"),
+                                                         _variants(world, "device"), sorted({1, 8, 16, budget})):
+                blocks = min(blocks, budget)
+                norm_bits = None
+                for window in range(1, world):
+                    tag = f"W={world} [{rows}, {hidden}] {op} {variant.name} staged {blocks} CTAs window {window}"
+                    outs = run(op, inputs, residual, weight, variant=variant, transport="staged", blocks=blocks,
+                               window=window)
+                    check(tag, outs, op, norm_bits, "window 1's")
+                    if op != "all_reduce" and norm_bits is None:
+                        norm_bits = _bits(outs[0][0])
+            for cluster in (1, 2, 4, 8):
+                norm_bits = None
+                for transport in TRANSPORTS:
+                    outs = run("all_reduce_add_rmsnorm", inputs, residual, weight, variant=Variant.ONESHOT,
+                               transport=transport, cluster=cluster)
+                    check(f"W={world} [{rows}, {hidden}] fused {transport} cluster {cluster}", outs,
+                          "all_reduce_add_rmsnorm", norm_bits, "push's")
+                    if norm_bits is None:
+                        norm_bits = _bits(outs[0][0])
+            if failures:
+                break
+        _group_left_clean(comms, "the launch-shape sweep", failures)
     finally:
         close_local_group(comms)
     return failures
@@ -225,8 +382,8 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
 
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_every_transport_exact_with_the_ranks_running_concurrently(world):
-    failures = _local_group_sweep(world, (1, 3, 64), (7168, 8), calls_per_graph=24, replays=20)
+def test_every_swept_launch_shape_exact_with_the_ranks_running_concurrently(world):
+    failures = _launch_shapes_sweep(world)
     assert not failures, "\n".join(failures[:20])
 
 

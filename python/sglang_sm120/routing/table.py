@@ -39,7 +39,7 @@ from sgl_kernel_sm120.policy import DTYPES, Memory, Route
 # The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
 # measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
 FORMAT_VERSION = 1
-TUNE_VERSION = 2
+TUNE_VERSION = 3  # 3: staged push timed in windows of its passes
 
 KINDS = ("plain", "fused")
 NCCL = "nccl"

@@ -15,6 +15,8 @@ workspace runs, are sgl_kernel_sm120.policy's; this module only picks which of t
   fused_cluster_size). Shapes that launch the same grid at this size are timed once (policy.plain_grid,
   policy.fused_grid: the kernels clamp the grid to the work, so at few rows most caps are the same launch), and
   the route keeps the largest cap of them (the kernels' own default);
+- staged push's window (its passes in flight before their pacing waits, `staged_windows`): one pass at a time and
+  all of them (W - 1) in the quick tune, and 2 between in a full one; at 2 ranks there is one pass;
 - NCCL is not a candidate of ours: the tuner always times it, as the incumbent.
 Every candidate is a route the workspace runs as it is (policy.refusal), so what was timed is what a server runs.
 """
@@ -54,6 +56,12 @@ def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[i
         if not quick:
             caps |= {c for c in (cap * 2, cap * 4, budget // 2) if cap < c < budget}
     return sorted(caps)
+
+
+def staged_windows(world_size: int, quick: bool) -> list[int]:
+    """The windows staged push is timed at, ascending: 1 .. world - 1 passes in flight."""
+    last = max(1, world_size - 1)
+    return sorted({1, last} | (set() if quick else {min(2, last)}))
 
 
 def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
@@ -101,8 +109,10 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
     routes: list[Route] = []
     for variant in variants:
         for transport in transports:
+            windows = staged_windows(shape.world_size, quick) if transport is Transport.STAGED else [None]
             for ctas, cluster in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
-                route = Route(variant, transport, shape.memory, ctas, cluster)
-                if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
-                    routes.append(route)
+                for window in windows:
+                    route = Route(variant, transport, shape.memory, ctas, cluster, window=window)
+                    if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
+                        routes.append(route)
     return routes

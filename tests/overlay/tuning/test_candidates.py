@@ -22,13 +22,14 @@ def shape(world, memory="device", **kw):
 
 def test_two_ranks_time_the_one_shot_over_every_transport():
     routes = cand.candidates("plain", ROW, 7168, shape(2), LIMITS, quick=False)
-    assert ids(routes) == ["sm120/ONESHOT/push/device", "sm120/ONESHOT/staged/device", "sm120/ONESHOT/pull/device"]
+    assert ids(routes) == ["sm120/ONESHOT/push/device", "sm120/ONESHOT/staged/device/w1", "sm120/ONESHOT/pull/device"]
 
 
 def test_eight_ranks_with_islands_time_every_variant_over_every_transport():
     routes = cand.candidates("plain", ROW, 7168, shape(8, num_islands=2), LIMITS, quick=True)
-    assert ids(routes) == [f"sm120/{v}/{t}/device" for v in ("ONESHOT", "TWOSHOT", "ISLAND")
-                           for t in ("push", "staged", "pull")]
+    assert ids(routes) == [f"sm120/{v}/{t}/device{w}" for v in ("ONESHOT", "TWOSHOT", "ISLAND")
+                           for t in ("push", "staged", "pull")
+                           for w in (("/w1", "/w7") if t == "staged" else ("",))]
 
 
 def test_host_memory_pushes_only_has_no_islands_and_bounds_the_one_shot():
@@ -60,14 +61,17 @@ def test_every_tuned_route_names_its_ctas_and_the_fused_one_shot_its_cluster_and
             assert all(refusal(RTX, r, rows * ROW, fused=kind == "fused", limits=LIMITS) is None for r in routes)
 
 
-def test_staged_push_is_tried_at_its_own_cap_and_on_the_whole_budget():
+def test_staged_push_is_tried_at_its_own_cap_and_on_the_whole_budget_each_in_a_window_of_one_and_of_every_pass():
     routes = cand.candidates("plain", 128 * ROW, 7168, RTX, LIMITS, quick=True)
     one = [r for r in routes if r.variant.name == "ONESHOT"]
-    assert sorted(r.ctas for r in one if r.transport.value == "staged") == [8, 188]
+    assert sorted((r.ctas, r.window) for r in one if r.transport.value == "staged") == [
+        (8, 1), (8, 7), (188, 1), (188, 7)]
     assert sorted(r.ctas for r in one if r.transport.value == "push") == [94, 188]
+    assert all(r.window is None for r in one if r.transport.value != "staged")
     full = [r for r in cand.candidates("plain", 128 * ROW, 7168, RTX, LIMITS, quick=False)
             if r.variant.name == "ONESHOT"]
-    assert sorted(r.ctas for r in full if r.transport.value == "staged") == [8, 16, 32, 94, 188]
+    assert sorted({r.ctas for r in full if r.transport.value == "staged"}) == [8, 16, 32, 94, 188]
+    assert sorted({r.window for r in full if r.transport.value == "staged"}) == [1, 2, 7]
     assert sorted(r.ctas for r in full if r.transport.value == "push") == [47, 94, 188]
 
 
@@ -75,7 +79,7 @@ def test_caps_that_launch_the_same_grid_are_timed_once_keeping_the_largest():
     # one row of 7168 bf16 is 896 packs: 4 CTAs of 256 threads whatever the cap above that
     routes = [r for r in cand.candidates("plain", ROW, 7168, RTX, LIMITS, quick=True) if r.variant.name == "ONESHOT"]
     assert sorted(r.ctas for r in routes if r.transport.value == "push") == [188]
-    assert sorted(r.ctas for r in routes if r.transport.value == "staged") == [188]
+    assert sorted(r.ctas for r in routes if r.transport.value == "staged") == [188, 188]  # windows 1 and 7
     assert plain_grid(ROW, 188, 256, LIMITS) == 4 and plain_grid(128 * ROW, 94, 512, LIMITS) == 94
 
 
