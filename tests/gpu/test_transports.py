@@ -321,22 +321,19 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
     comms = IpcAllReduce.local_group(dev, world, max(rows_list) * hidden, islands=_islands(world, "device"),
                                      timeout_s=10.0)
     streams = [torch.cuda.Stream() for _ in range(world)]
-    budget = comms[0].max_blocks
+    budget = comms[0].shape.sm_budget
     failures = []
 
     def run(op, inputs, residual, weight, threads=None, **kw):
         outs = [None] * world
         torch.cuda.synchronize()
         for r, comm in enumerate(comms):  # call-major (IpcAllReduce.local_group)
-            comm.threads = threads
             with torch.cuda.stream(streams[r]):
                 if op == "all_reduce":
-                    outs[r] = comm.all_reduce(inputs[r], **kw)
+                    outs[r] = comm.all_reduce(inputs[r], threads=threads, **kw)
                 else:
                     outs[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, **kw)
         torch.cuda.synchronize()
-        for comm in comms:
-            comm.threads = None
         return outs
 
     try:
