@@ -47,7 +47,7 @@ import time
 import torch
 
 from benchmarks.harness import microbench, timing
-from sgl_kernel_sm120.policy import STAGED_MAX_CTAS, Transport, plain_threads
+from sgl_kernel_sm120.policy import STAGED_FEW_CTAS, Transport, plain_threads
 
 WORLDS = (2, 4, 8)
 HIDDEN = 7168
@@ -57,7 +57,7 @@ OPS = ("all_reduce", "all_reduce_add_rmsnorm")
 SWEEP_ROWS = (1, 3, 16)  # the sweep's shapes: a decode step, a verify step, a larger verify step
 SWEEP_THREADS = (64, 128, 256, 512)  # the plain one-shot's CTA sizes
 SWEEP_CLUSTERS = (1, 2, 4, 8)  # the fused one-shot's CTAs per row the kernels build
-SWEEP_CTA_CAPS = (8, 16, 32)  # staged push's CTA caps, and the whole budget
+SWEEP_CTA_CAPS = (STAGED_FEW_CTAS, 16, 32)  # staged push's CTA caps, and the whole budget
 TARGET_RATIO = 1.10  # issue 30: the default launch within this factor of the best swept one at every swept shape
 # A bound on the loopback stage: past it the remaining sweep launches are left out (counted in the JSON), the default
 # ones still run, so a slow GPU cannot push the run past its stage's time.
@@ -70,8 +70,8 @@ def sweep_windows(world: int) -> tuple[int, ...]:
 
 
 def default_blocks(transport: str, sm: int) -> int:
-    """The CTAs the product gives a call: staged push is capped (STAGED_MAX_CTAS), the others take the grid."""
-    return min(sm, STAGED_MAX_CTAS) if transport == "staged" else sm
+    """The CTAs the product gives a call: the whole budget, every transport (sgl_kernel_sm120.policy.cta_cap)."""
+    return sm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +134,20 @@ class LoopbackCall:
 def _loopback_configs(world: int, rows: int, sm: int):
     """Every Launch timed at (world, rows) on a workspace of `sm` CTAs' budget.
 
-    config "default" is what the product launches (staged capped at STAGED_MAX_CTAS, the plain kernels' CTA size
-    by plain_threads, the fused one-shot's cluster by the kernels' own rule, staged's window by the kernels'
-    default); the README table and the summary use these only. config "sweep", at rows SWEEP_ROWS and one-shot
+    config "default" is what the product launches (the whole budget, the plain kernels' CTA size by plain_threads,
+    the fused one-shot's cluster by the kernels' own rule, staged's window by the kernels' default); the README
+    table and the summary use these only. config "sweep", at rows SWEEP_ROWS and one-shot
     only: the plain one-shot per transport at SWEEP_THREADS; the fused one-shot per transport at SWEEP_CLUSTERS;
     staged push at SWEEP_CTA_CAPS and the whole budget x sweep_windows(world), plain and fused. A sweep launch the
     same as a default one is not timed twice."""
-    threads = plain_threads(rows * HIDDEN * 2)
+    def threads(transport):
+        return plain_threads(rows * HIDDEN * 2, transport)
+
     variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
     defaults = []
     for (vname, variant), tname, op in itertools.product(variants, TRANSPORTS, OPS):
-        launch = Launch(vname, variant, tname, op, default_blocks(tname, sm), threads if op == "all_reduce" else None)
+        launch = Launch(vname, variant, tname, op, default_blocks(tname, sm),
+                        threads(tname) if op == "all_reduce" else None)
         defaults.append(launch)
         yield launch
     if rows not in SWEEP_ROWS:
@@ -157,7 +160,8 @@ def _loopback_configs(world: int, rows: int, sm: int):
                             config="sweep"))
     caps = sorted({min(cap, sm) for cap in SWEEP_CTA_CAPS} | {sm})
     for op, cap, window in itertools.product(OPS, caps, sweep_windows(world)):
-        sweep.append(Launch("ONESHOT", 0, "staged", op, cap, threads if op == "all_reduce" else None, 0, window,
+        plain_size = threads("staged") if op == "all_reduce" else None
+        sweep.append(Launch("ONESHOT", 0, "staged", op, cap, plain_size, 0, window,
                             config="sweep"))
     for launch in sweep:
         if not any(launch.same_launch(d) for d in defaults):

@@ -9,7 +9,7 @@ The misses, at bf16 [3, 7168] in the loopback benchmark (benchmarks/bench_transp
 W = 8 (target <= 3.0 us), and staged push and pull at W = 2 (target: within 10% of push). A case runs WARMUP + 1
 calls, each after the loopback refill (its kernel, fill_ready_kernel, does not match the filter above), so the
 profiled launch is the (WARMUP + 1)-th all-reduce kernel, with the same launch as the benchmark's default config:
-staged on STAGED_MAX_CTAS CTAs, the fused cluster by the kernels' own rule. The result is checked (every source
+every transport on the whole SM budget, the fused cluster by the kernels' own rule. The result is checked (every source
 holds 1.0, so the sum is W, plus the residual's 1.0 when fused); a wrong one exits 1.
 """
 

@@ -30,8 +30,12 @@ struct LaunchShape {
   int window = 0;  // staged push: passes in flight before their pacing waits, 1 .. W-1; 0 = kDefaultStagedWindow
 };
 
-// The staged passes' window when a call gives none (transports/staged_push.cuh S3): one pass at a time.
-constexpr int kDefaultStagedWindow = 1;
+// The staged passes' window when a call gives none (transports/staged_push.cuh S3): every pass in flight (the
+// kernels clamp it to a phase's passes). On 1x H200, loopback, 2026-12-03 (benchmarks/results/
+// transports_h200_loopback.json, `sweep`), W - 1 passes were the fastest window or within 3% of it at W = 2, 4 and
+// 8 and rows 1, 3 and 16, plain and fused, where one pass at a time was up to 1.5x slower. A PCIe box may want
+// the pacing back: the tuner times one pass at a time too.
+constexpr int kDefaultStagedWindow = kMaxWorld - 1;
 
 // CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values, the call's
 // CTA cap and the group's cluster capacities (capacity[c] for c = 2, 4, 8; 0 or nullptr: no cluster launch, no bound).

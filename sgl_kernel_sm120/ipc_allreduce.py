@@ -441,7 +441,8 @@ class IpcAllReduce:
         nbytes = inp.numel() * inp.element_size()
         _ext.ops().all_reduce(
             self._handle, _aligned_copy(inp), target, int(route.variant),
-            route.threads or policy.plain_threads(nbytes), policy.cta_cap(route, self.shape), self.use_pdl,
+            route.threads or policy.plain_threads(nbytes, route.transport), policy.cta_cap(route, self.shape),
+            self.use_pdl,
             *_trailing_args(route),
         )
         if target is not result:

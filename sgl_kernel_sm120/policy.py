@@ -80,9 +80,12 @@ THREAD_GRAIN = 32  # a CTA size is whole warps
 
 # Push for every size until the tuner measures another transport on the box.
 SEED_TRANSPORT = Transport.PUSH
-# Staged push paces its passes CTA by CTA and is meant for few CTAs (FlashInfer caps its staged ring at 4): its
-# seed cap. The tuner also tries it on the whole SM budget.
-STAGED_MAX_CTAS = 8
+# Staged push paces its passes CTA by CTA and was meant for few CTAs (FlashInfer caps its staged ring at 4). On 1x
+# H200, loopback, 2026-12-03 (benchmarks/results/transports_h200_loopback.json, `sweep`), 8 CTAs were up to 5x
+# slower than the whole budget at rows 3 and 16 and never faster by more than 2%, so the seed launches staged push
+# on the whole budget like the other transports; the tuner also tries this few-CTA cap, for the PCIe fabrics where
+# fewer streams at once may win.
+STAGED_FEW_CTAS = 8
 # At 2 ranks one-shot beat two-shot at every size measured on 2x H200 (benchmarks/results/allreduce_h200_tp2.json).
 # The 4- and 8-rank bounds are unmeasured: the NVLink one from the one-shot's (W-1)x traffic, the PCIe ones from
 # published PCIe Gen5 P2P figures (all-to-all posted writes collapse on root complexes past a few tens of KB, so
@@ -95,9 +98,15 @@ PCIE_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 32 * 1024, 8: 16 * 1024}
 # 8-rank bounds come from that arithmetic (a poll of host memory is a ~1 us round trip). A host-memory workspace
 # sizes its one-shot slots by them (`oneshot_max_bytes`).
 HOST_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 16 * 1024, 8: 8 * 1024}
-# The plain kernels' CTA size: more, smaller CTAs while latency dominates, larger ones for bandwidth (2x H200:
-# 256 threads best up to [16, 7168] bf16, 512 from [64, 7168] on).
-PLAIN_THREADS_SMALL, PLAIN_THREADS_LARGE = 256, 512
+# The plain kernels' CTA size: more, smaller CTAs while latency dominates, larger ones for bandwidth. Push and pull,
+# 1x H200 loopback, 2026-12-03 (benchmarks/results/transports_h200_loopback.json, `sweep`, bf16 [rows, 7168]):
+# 64 threads fastest or within 8% at rows 1 and 3 (43,008 B) for W = 2, 4, 8, where 256 were up to 1.5x slower;
+# 128 fastest at rows 16 (229,376 B), where 64 were up to 1.9x slower. The switch between them sits between
+# those measured sizes, at 64 KiB (not measured there). Past 256 KiB 512 threads (2x H200, 2026-11-29: 512 from
+# [64, 7168] on). Staged push keeps 256 below that: its swept windows and caps ran at 256 threads only.
+PLAIN_THREADS_TINY, PLAIN_THREADS_SMALL, PLAIN_THREADS_LARGE = 64, 128, 512
+PLAIN_THREADS_STAGED_SMALL = 256
+PLAIN_THREADS_TINY_BYTES = 64 * 1024
 PLAIN_THREADS_SWITCH_BYTES = 256 * 1024
 
 
@@ -178,7 +187,7 @@ LAUNCH_FIELDS = (("ctas", "b"), ("cluster", "c"), ("threads", "t"), ("window", "
 @dataclasses.dataclass(frozen=True)
 class Route:
     """One launch of the kernels, every field that changes what runs. A launch field left None takes its seed
-    rule at the call, from the workspace it runs on: `ctas` the whole SM budget (staged push STAGED_MAX_CTAS),
+    rule at the call, from the workspace it runs on: `ctas` the whole SM budget,
     `cluster` the kernels' own rule (csrc/ar_kernels.cu fused_cluster_size), `threads` plain_threads(). A route
     that names them is exactly the launch that was measured."""
 
@@ -296,14 +305,16 @@ def refusal(shape: WorkspaceShape, route: Route, nbytes: int, *, fused: bool, li
 
 def cta_cap(route: Route, shape: WorkspaceShape) -> int:
     """The CTA cap `route` launches with on the workspace of `shape`: its own, else the seed cap."""
-    if route.ctas is not None:
-        return route.ctas
-    return min(shape.sm_budget, STAGED_MAX_CTAS) if route.transport is Transport.STAGED else shape.sm_budget
+    return route.ctas if route.ctas is not None else shape.sm_budget
 
 
-def plain_threads(nbytes: int) -> int:
-    """The plain kernels' seed CTA size for a message of `nbytes` bytes."""
-    return PLAIN_THREADS_SMALL if nbytes <= PLAIN_THREADS_SWITCH_BYTES else PLAIN_THREADS_LARGE
+def plain_threads(nbytes: int, transport: Transport | str = SEED_TRANSPORT) -> int:
+    """The plain kernels' seed CTA size for a message of `nbytes` bytes over `transport`."""
+    if nbytes > PLAIN_THREADS_SWITCH_BYTES:
+        return PLAIN_THREADS_LARGE
+    if _as_enum(Transport, transport) is Transport.STAGED:
+        return PLAIN_THREADS_STAGED_SMALL
+    return PLAIN_THREADS_TINY if nbytes <= PLAIN_THREADS_TINY_BYTES else PLAIN_THREADS_SMALL
 
 
 def plain_grid(nbytes: int, ctas: int, threads: int, limits: KernelLimits) -> int:

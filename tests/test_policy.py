@@ -65,10 +65,21 @@ def test_a_library_built_from_other_sources_is_refused_by_name():
 def test_the_policy_uses_the_limits_within_what_the_kernels_take():
     element_bytes = LIMITS.pack_bytes // LIMITS.elems_per_pack
     assert element_bytes == policy.ELEMENT_BYTES  # the element size the policy assumes is the kernels' pack math
-    for nbytes in (16, 43008, policy.PLAIN_THREADS_SWITCH_BYTES, policy.PLAIN_THREADS_SWITCH_BYTES + 16, 1 << 26):
-        threads = policy.plain_threads(nbytes)
-        assert threads <= LIMITS.plain_max_threads and threads % policy.THREAD_GRAIN == 0
-    assert policy.STAGED_MAX_CTAS <= LIMITS.max_ctas and max(policy.WORLD_SIZES) == LIMITS.max_world
+    for nbytes in (16, 43008, policy.PLAIN_THREADS_TINY_BYTES, policy.PLAIN_THREADS_SWITCH_BYTES,
+                   policy.PLAIN_THREADS_SWITCH_BYTES + 16, 1 << 26):
+        for transport in Transport:
+            threads = policy.plain_threads(nbytes, transport)
+            assert threads <= LIMITS.plain_max_threads and threads % policy.THREAD_GRAIN == 0
+    assert policy.STAGED_FEW_CTAS <= LIMITS.max_ctas and max(policy.WORLD_SIZES) == LIMITS.max_world
+
+
+def test_the_seed_cta_size_follows_the_measured_sweep():
+    """Push and pull: 64 threads up to 64 KiB, 128 up to 256 KiB; staged push 256 there (its sweep's size); 512
+    past 256 KiB for all."""
+    assert [policy.plain_threads(n) for n in (43008, 65536, 65552, 229376, 262144, 262160)] == [
+        64, 64, 128, 128, 128, 512]
+    assert policy.plain_threads(43008, "pull") == 64 and policy.plain_threads(43008, Transport.STAGED) == 256
+    assert policy.plain_threads(1 << 20, "staged") == 512
     for world in policy.WORLD_SIZES:
         for memory in Memory:
             numel = policy.oneshot_max_numel(world, memory, 458752 // 2, LIMITS)
@@ -162,9 +173,9 @@ def test_islands_and_the_one_shot_bound_are_the_workspaces():
 def test_the_cta_cap_is_the_routes_else_the_seed_cap():
     assert policy.cta_cap(Route("ONESHOT", ctas=94), RTX) == 94
     assert policy.cta_cap(Route("ONESHOT"), RTX) == 188
-    assert policy.cta_cap(Route("ONESHOT", "staged"), RTX) == policy.STAGED_MAX_CTAS
+    assert policy.cta_cap(Route("ONESHOT", "staged"), RTX) == 188  # every transport on the whole budget
     small = dataclasses.replace(RTX, sm_budget=4)
-    assert policy.cta_cap(Route("ONESHOT", "staged"), small) == 4  # never past the budget
+    assert policy.cta_cap(Route("ONESHOT", "staged"), small) == 4
 
 
 def test_a_shape_survives_its_dict_form():
@@ -246,10 +257,10 @@ def test_a_launch_hands_the_route_to_the_ops_field_by_field(monkeypatch):
     ws.launch(Route("ONESHOT", "staged", "device"), x)
     ws.launch_fused(Route("ONESHOT", "push", "device", ctas=188, cluster=4), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
     ws.launch_fused(Route("ISLAND", "staged", "device", window=3), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
-    small = policy.plain_threads(x.numel() * 2)
+    staged_threads = policy.plain_threads(x.numel() * 2, Transport.STAGED)
     assert calls == [  # the window last: 0 asks for the kernels' default
         ("plain", (int(Variant.TWOSHOT), 128, 94, True, Transport.PULL.code, 0)),
-        ("plain", (int(Variant.ONESHOT), small, policy.STAGED_MAX_CTAS, True, Transport.STAGED.code, 0)),
+        ("plain", (int(Variant.ONESHOT), staged_threads, 188, True, Transport.STAGED.code, 0)),
         ("fused", (int(Variant.ONESHOT), 188, True, 4, Transport.PUSH.code, 0)),
-        ("fused", (int(Variant.ISLAND), policy.STAGED_MAX_CTAS, True, 0, Transport.STAGED.code, 3)),
+        ("fused", (int(Variant.ISLAND), 188, True, 0, Transport.STAGED.code, 3)),
     ]

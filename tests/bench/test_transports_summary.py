@@ -92,7 +92,6 @@ def test_the_sweep_never_takes_a_wrong_launch_as_the_best_and_a_default_there_is
 
 def test_the_sweep_runs_every_launch_the_kernels_take_at_its_rows_only_and_none_twice():
     from benchmarks.bench_transports import (
-        STAGED_MAX_CTAS,
         SWEEP_CLUSTERS,
         SWEEP_CTA_CAPS,
         SWEEP_ROWS,
@@ -109,13 +108,14 @@ def test_the_sweep_runs_every_launch_the_kernels_take_at_its_rows_only_and_none_
         default = [c for c in configs if c.config == "default"]
         variants = 2 if world > 2 else 1  # ONESHOT, and TWOSHOT from 4 ranks on
         assert len(default) == variants * 3 * 2  # x push/staged/pull x plain/fused
-        assert all(c.blocks == (STAGED_MAX_CTAS if c.transport == "staged" else 132) and c.cluster == 0
-                   and c.window == 0 and c.threads == (256 if c.op == "all_reduce" else None) for c in default)
+        seed_threads = {"push": 128, "pull": 128, "staged": 256}  # plain_threads at 16 rows of 7168 bf16
+        assert all(c.blocks == 132 and c.cluster == 0 and c.window == 0
+                   and c.threads == (seed_threads[c.transport] if c.op == "all_reduce" else None) for c in default)
         sweep = [c for c in configs if c.config == "sweep"]
         assert all(c.variant_name == "ONESHOT" for c in sweep)
         assert not any(s.same_launch(d) for s in sweep for d in default)
         plain = {(c.transport, c.threads) for c in sweep if c.op == "all_reduce" and c.window == 0}
-        assert plain == {(t, n) for t in ("push", "staged", "pull") for n in SWEEP_THREADS if n != 256}
+        assert plain == {(t, n) for t in ("push", "staged", "pull") for n in SWEEP_THREADS if n != seed_threads[t]}
         clusters = {(c.transport, c.cluster) for c in sweep if c.cluster}
         assert clusters == {(t, c) for t in ("push", "staged", "pull") for c in SWEEP_CLUSTERS}
         staged = {(c.op, c.blocks, c.window) for c in sweep if c.window}
@@ -202,7 +202,7 @@ def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_r
         c = graph.step
         if not isinstance(c, bt.LoopbackCall):
             return [20.0] * iters  # the fills alone: 1 us per call
-        us = 10.0 - (c.blocks == 132) - (c.threads == 128) - (c.window == 2) - (c.cluster == 8)
+        us = 10.0 - (c.blocks == 132) - (c.threads == 128) - 1.5 * (c.window == 2) - (c.cluster == 8)
         return [us * 20 + 20.0] * iters  # plus 1 us of fill per call
 
     monkeypatch.setattr(bt, "WORLDS", (4,))
@@ -220,7 +220,7 @@ def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_r
     assert all(r["result_correct"] is not False for r in records)
     for r in records:
         assert r["us_per_call_median"] == pytest.approx(10.0 - (r["blocks"] == 132) - (r["threads"] == 128)
-                                                        - (r["window"] == 2) - (r["cluster"] == 8))
+                                                        - 1.5 * (r["window"] == 2) - (r["cluster"] == 8))
         fused_one_shot = r["op"] != "all_reduce" and r["variant"] == "ONESHOT"
         assert (r["cluster_used"] is not None) == fused_one_shot
         assert r["cluster_used"] == (r["cluster"] if r["cluster"] != "rule" else 4) or not fused_one_shot
@@ -229,7 +229,7 @@ def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_r
     assert (3, 8, (66, 62, 15)) in calls and (3, 132, (66, 62, 15)) in calls
     sweep = {(e["op"], e["transport"]): e for e in bt.sweep_summary(records)}
     staged = sweep[("all_reduce", "staged")]
-    assert staged["best_us"] == pytest.approx(8.0) and staged["best_launch"] == "132 CTAs x 256 threads, window 2"
-    assert staged["default_over_best"] == pytest.approx(10.0 / 8.0) and not staged["within_target"]
+    assert staged["best_us"] == pytest.approx(7.5) and staged["best_launch"] == "132 CTAs x 256 threads, window 2"
+    assert staged["default_over_best"] == pytest.approx(9.0 / 7.5) and not staged["within_target"]
     push = sweep[("all_reduce", "push")]
     assert push["best_launch"] == "132 CTAs x 128 threads" and push["default_over_best"] == pytest.approx(9 / 8)

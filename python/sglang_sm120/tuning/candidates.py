@@ -9,7 +9,7 @@ workspace runs, are sgl_kernel_sm120.policy's; this module only picks which of t
 - device memory: every transport; host memory: push only (every byte goes through the shared host buffer, where
   the staged pacing and the peer loads have nothing to gain);
 - the launch shape of each, in the quick tune too (`launch_shapes`): a few CTA caps up to the group's SM budget
-  (staged push: from its own cap STAGED_MAX_CTAS up to the budget), and for the fused one-shot every cluster size
+  (staged push: from its few-CTA cap STAGED_FEW_CTAS up to the budget), and for the fused one-shot every cluster size
   the workspace agreed (1 always; 2, 4, 8 where the cluster check passed) whose clusters all fit the CTAs at
   once (rows x cluster <= CTAs: past that rows loop and the split loses, csrc/ar_kernels.cu
   fused_cluster_size). Shapes that launch the same grid at this size are timed once (policy.plain_grid,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from sgl_kernel_sm120.policy import (
     ELEMENT_BYTES,
     ROW_SPLITS,
-    STAGED_MAX_CTAS,
+    STAGED_FEW_CTAS,
     KernelLimits,
     Memory,
     Route,
@@ -51,7 +51,7 @@ def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[i
         return []
     caps = {max(1, budget // f) for f in (QUICK_CTA_FRACTIONS if quick else FULL_CTA_FRACTIONS)}
     if transport is Transport.STAGED:
-        cap = max(1, min(STAGED_MAX_CTAS, budget))
+        cap = max(1, min(STAGED_FEW_CTAS, budget))
         caps = {cap, budget}
         if not quick:
             caps |= {c for c in (cap * 2, cap * 4, budget // 2) if cap < c < budget}
@@ -81,7 +81,7 @@ def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int
             if cluster is not None and cluster > 1 and rows * cluster > cap:
                 continue
             if kind == "plain":
-                grid = plain_grid(nbytes, cap, plain_threads(nbytes), limits)
+                grid = plain_grid(nbytes, cap, plain_threads(nbytes, transport), limits)
             else:
                 grid = fused_grid(rows, cap, cluster or 1)
             chosen[(cluster or 1, grid)] = (cap, cluster)  # ascending caps: the largest of a grid stays
