@@ -10,10 +10,10 @@ the norm, without any waiting for a peer. Measured in CUDA graphs of `calls` x (
 `calls` fills alone, per call; median over `iters` replays. Output: polling_<gpu>_loopback.json.
 
 Cases, bf16 [rows, 7168], rows 1, 3, 4, 16, 64:
-- issue 9 (8 ranks, rows 1 and 3, plain and fused): variant 3, the polling before I10 (each peer's pack
+- polling (8 ranks, rows 1 and 3, plain and fused): variant 3, the polling before I10 (each peer's pack
   loaded, waited on and tested before the next load issues; kept in csrc/ar_kernels.cu for this benchmark
   only), against variant 0, the kernels as they serve (every peer's load issued before any test);
-- issue 12 (fused): one CTA per row (cluster 1) against a row spread over 2, 4 or 8 CTAs of a cluster, and
+- clusters (fused): one CTA per row (cluster 1) against a row spread over 2, 4 or 8 CTAs of a cluster, and
   the kernels' rule (fused_cluster_size).
 On a PCIe box the peer packs are written by other GPUs and the pushes cross PCIe; neither is modelled here.
 The numbers say what the kernels' own work costs, nothing about link latency.
@@ -31,7 +31,7 @@ WORLDS = (8, 2)
 HIDDEN = 7168
 ROWS = (1, 3, 4, 16, 64)
 SERIAL, BATCHED = 3, 0  # variant numbers: the polling before I10 (bench only), the one-shot kernels as they serve
-# Fused one-shot CTAs per row: 1 = one CTA per row (the kernel before issue 12), 0 = the kernels' rule
+# Fused one-shot CTAs per row: 1 = one CTA per row (the kernel before the cluster split), 0 = the kernels' rule
 # (fused_cluster_size in csrc/ar_kernels.cu), 2/4/8 forced.
 CLUSTERS = (1, 0, 2, 4, 8)
 PUSH = 0  # the transport these kernels are timed with (benchmarks/bench_transports.py times all three)
@@ -109,7 +109,7 @@ def run(args) -> dict:
 
 
 def comparisons(records: list[dict]) -> dict:
-    """Issue 9: serial against batched polling at 8 ranks, [1|3, 7168]. Issue 12: the fused kernel with the
+    """Serial against batched polling at 8 ranks, [1|3, 7168]; the fused kernel with the
     kernels' cluster rule against the one-CTA-per-row kernel with the old polling (at 8 ranks) and with I10."""
     def pick(**kw):
         found = [r["us_per_call_median"] for r in records if all(r.get(k) == v for k, v in kw.items())]

@@ -1,4 +1,4 @@
-"""One-GPU microbenchmark of the kernels' own work for every transport x schedule (issue 17), the successor of
+"""One-GPU microbenchmark of the kernels' own work for every transport x schedule, the successor of
 bench_polling for the transports, and the launch sweep that one GPU call sets the kernels' defaults from.
 
     python -m benchmarks.bench_transports [--out benchmarks/results] [--iters 30] [--calls 20]
@@ -20,7 +20,8 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   set from (_loopback_configs): the plain one-shot per transport at SWEEP_THREADS threads, the fused one-shot per
   transport at every cluster size, staged push at SWEEP_CTA_CAPS and the whole budget x SWEEP windows, plain and
   fused. `sweep` in the JSON sets them beside the default per (W, rows, op, transport): the default's time, the
-  best launch and its time, and their ratio, which issue 30 wants within TARGET_RATIO; `launch_limits` holds each
+  best launch and its time, and their ratio, wanted within TARGET_RATIO (a default that lags a launch the
+  kernels already take by more is a seed to change); `launch_limits` holds each
   loopback workspace's SM budget and cluster capacities (the fused rule's inputs).
   Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
   one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
@@ -58,7 +59,7 @@ SWEEP_ROWS = (1, 3, 16)  # the sweep's shapes: a decode step, a verify step, a l
 SWEEP_THREADS = (64, 128, 256, 512)  # the plain one-shot's CTA sizes
 SWEEP_CLUSTERS = (1, 2, 4, 8)  # the fused one-shot's CTAs per row the kernels build
 SWEEP_CTA_CAPS = (STAGED_FEW_CTAS, 16, 32)  # staged push's CTA caps, and the whole budget
-TARGET_RATIO = 1.10  # issue 30: the default launch within this factor of the best swept one at every swept shape
+TARGET_RATIO = 1.10  # the default launch within this factor of the best swept one at every swept shape
 # A bound on the loopback stage: past it the remaining sweep launches are left out (counted in the JSON), the default
 # ones still run, so a slow GPU cannot push the run past its stage's time.
 SWEEP_TIME_LIMIT_S = float(os.environ.get("BENCH_SWEEP_TIME_LIMIT_S", "150"))
@@ -290,7 +291,7 @@ def _is_default(record: dict) -> bool:
 def sweep_summary(records: list[dict]) -> list[dict]:
     """Per (world, rows, op, transport) of the loopback one-shot sweep: every launch's median us (`us_by_launch`, a
     wrong result as None), the default launch's time, the best correct launch (its words, its fields and its time)
-    and default / best, which issue 30 wants within TARGET_RATIO (`within_target`)."""
+    and default / best, wanted within TARGET_RATIO (`within_target`)."""
     def us(r):
         return r["us_per_call_median"] if r["result_correct"] is not False else None
 

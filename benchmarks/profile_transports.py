@@ -1,4 +1,4 @@
-"""Targets for Nsight Compute on issue 17's two misses: one loopback call configuration per process, so that `ncu`
+"""Targets for Nsight Compute on the transports' speed misses: one loopback call configuration per process, so that `ncu`
 profiles exactly that kernel (scripts/gpu_suite.sh, stage profile-transports, runs every case under ncu).
 
     python -m benchmarks.profile_transports --list

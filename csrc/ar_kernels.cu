@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
   finish_call(ws, seq);
 }
 
-// Fused one-shot with each row spread over a thread-block cluster of kCluster CTAs (issue 12): at a few rows
+// Fused one-shot with each row spread over a thread-block cluster of kCluster CTAs: at a few rows
 // the one-CTA-per-row kernel has only `rows` SMs pushing, polling and reducing a whole row each; here
 // rows x kCluster SMs share the work. CTA c of a row's cluster owns the row's packs [c x per, (c+1) x per) with
 // per = ceil(packs / kCluster), one per thread (blockDim = per rounded up to a warp, at most kWideThreads), so at
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
   finish_call(ws, seq);
 }
 
-// The fallback of the cluster kernel where cluster launch is unavailable or unproven (issue 22): one CTA per
+// The fallback of the cluster kernel where cluster launch is unavailable or unproven: one CTA per
 // row of kGroups groups of blockDim / kGroups threads, group c laid out exactly as CTA c of a cluster (the same
 // packs on the same lanes of the same warps) and its warps' sums added as the cluster kernel adds them (C2,
 // parts_in_order), so residual_out and norm_out are the bits the cluster kernel gives: a box that cannot launch

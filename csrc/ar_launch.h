@@ -136,7 +136,7 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
 // arrived (the calls empty what they read, so the benchmark refills before each call).
 std::string workspace_loopback_refill(Workspace* ws, cudaStream_t stream);
 // Tests and benchmarks: the workspaces of ranks 0..world-1, all in this process on one device, see each other's
-// slabs directly (no IPC): one process runs the whole group, its ranks' kernels concurrently (issue 17).
+// slabs directly (no IPC): one process runs the whole group, its ranks' kernels concurrently.
 std::string workspace_link_local(Workspace** group, int world);
 // kHost: removes the shared buffer's name once every rank has mapped it (the memory stays until all unmap).
 std::string workspace_unlink_shared(Workspace* ws);

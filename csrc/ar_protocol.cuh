@@ -37,7 +37,8 @@
 //              (every 256 polls, below) and gives up too, so the call ends within microseconds with garbage in
 //              its outputs, and I12 makes every later call a no-op. The CUDA context stays usable; the host
 //              raises IpcAllReduceTimeoutError from the record (synchronize(), and every later call). With
-//              several processes time-slicing one GPU, a trap was seen not to reach every process (issue 22):
+//              several processes time-slicing one GPU, a trap was seen not to reach every process
+//              (benchmarks/results/trap_delivery_h200_w8.json):
 //              exit mode is what tests and the tuner use there.
 //  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
 //      a launch are co-resident (grid <= SM count; cluster launches also <= the clusters the GPU can hold at
@@ -54,7 +55,7 @@
 //      a later call's pushes of this rank except a system-scope fence. So every thread fences (system scope)
 //      after its last emptying store and before the call ends; I5's argument then holds again: a peer writes
 //      into a slot only after it has seen our push of the following call, which we issue after the fence.
-//      (Issue 22 asked for one release fence by one thread after a CTA barrier instead. It was built, but the
+//      (One release fence by one thread after a CTA barrier was tried instead. It was built, but the
 //      GPU run that was to judge it hung for another reason, in the host-memory workspace's construction, so
 //      the per-thread fence that earlier runs passed with stays until a run compares the two.)
 //  I12 A poisoned workspace (I7, exit mode) does nothing: every kernel reads Ctrl::poisoned right after

@@ -1,4 +1,4 @@
-"""Does a kernel trap reach every process when several ranks share one GPU? (issue 22, item 7)
+"""Does a kernel trap reach every process when several ranks share one GPU? (the trap mode of a timeout relies on it)
 
 Held-out runs with 8 ranks time-slicing one H200 saw every waiting rank record its timeout, most of them raise,
 and one or more stay inside torch.cuda.synchronize() for minutes. This script reproduces that situation and

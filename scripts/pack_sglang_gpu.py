@@ -24,7 +24,7 @@ in a version that works (KINDS.md's list). Version pins that matter:
 - 0.5.13.post1: transformers 5.8.1 (the image's 5.17 refuses SGLang's qwen3_asr config registration) with
   tokenizers 0.22.2 (5.8.1 wants <= 0.23.0), openai 2.6.1, apache-tvm-ffi 0.1.9, compressed-tensors 0.20.1;
 - 0.5.23: apache-tvm-ffi 0.1.11, compressed-tensors 0.18.0; transformers is the image's 5.17 (0.5.23 pins
-  5.19.0; what the tests import works with 5.17: checked on CPU, see the report of issue 20), tokenizers the
+  5.19.0; what the tests import works with 5.17: checked on CPU by importing them), tokenizers the
   image's 0.23.2 (= 0.5.23's pin).
 - jedi/parso (5 MB) are left out: `import IPython` (SGLang's `sglang.utils` imports IPython.display) does not
   import them.

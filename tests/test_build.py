@@ -138,7 +138,7 @@ def _resource_usage(path: str) -> list[tuple[str, str, int, int]]:
 
 
 def test_no_kernel_spills_to_local_memory():
-    """Issue 9 item 6: a spill is a local-memory round trip inside the polling loops. Every kernel must fit its
+    """A spill is a local-memory round trip inside the polling loops. Every kernel must fit its
     registers (the launch bounds decide how many: 64 per thread at 1024 threads, 128 at 512) with a stack
     frame of 0 bytes on both targets; csrc/ar_kernels.cu says how each kernel stays within them."""
     rows = _resource_usage(_built_library())
@@ -151,7 +151,7 @@ def test_no_kernel_spills_to_local_memory():
     assert not spilling, "kernels with a stack frame (spills):\n" + "\n".join(spilling)
 
 
-# Issue 22 item 9: the 1024-thread fused kernels sit at exactly 64 of their 64 registers, so a spill could appear
+# The 1024-thread fused kernels sit at exactly 64 of their 64 registers, so a spill could appear
 # with another toolkit. README asks for an nvcc of torch's CUDA major; with a CUDA 12 build of torch that is 12.x,
 # and 12.8 is the oldest that knows sm_120. Registers and
 # spills are decided by ptxas, and the pinned `nvidia-cuda-nvcc-cu12` wheel carries ptxas 12.8 (not the nvcc

@@ -168,7 +168,7 @@ def test_no_driver_or_gpu_is_named_as_such(single_rank_group, monkeypatch):
 
 
 def test_launch_limits_are_agreed_on_the_smallest_gpu_and_every_cluster_check():
-    """Issue 22 item 2: a group mixing two SKUs launches one grid shape everywhere (the smallest SM count and
+    """A group mixing two SKUs launches one grid shape everywhere (the smallest SM count and
     cluster capacity), and one rank whose cluster check failed takes clusters away from every rank."""
     from sgl_kernel_sm120.construction import agree_launch_limits
 
@@ -185,7 +185,7 @@ def test_launch_limits_are_agreed_on_the_smallest_gpu_and_every_cluster_check():
 
 
 def test_host_workspace_is_sized_by_the_one_shot_it_serves():
-    """Issue 22 item 3: at 8 ranks the host-memory workspace serves one-shot only up to HOST_ONESHOT_MAX_BYTES,
+    """At 8 ranks the host-memory workspace serves one-shot only up to HOST_ONESHOT_MAX_BYTES,
     so its one-shot slots are sized by that, not by the whole bound. The one-shot regions alone are 2 W^2 x bound
     (56 MiB at the 458,752 B bound, 2 parities x 8 slabs x 8 slots); sized by the 8 KiB one-shot range they
     shrink to 2 x 8 x the staged slots (18 chunks of bound / 8), so the whole buffer (with the pull areas and

@@ -1,4 +1,4 @@
-// The staged push (issue 17): the very bytes push sends, ordered as permutation passes. In pass p rank r stores
+// The staged push: the very bytes push sends, ordered as permutation passes. In pass p rank r stores
 // only into rank (r + 1 + p) mod W (of the flat group, or of its island for the reduce-scatter and all-gather
 // phases), then tells that rank it is done and waits until the rank that stores into r in pass p, (r - 1 - p) mod
 // W, has told r the same. At any moment each GPU then has one outbound and one inbound stream: the pattern that

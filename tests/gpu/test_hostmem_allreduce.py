@@ -1,6 +1,6 @@
 """GPU tests of IpcAllReduce(memory="host"): the workspace in shared pinned host memory (GPUs without P2P).
 
-Also the tmpfs that holds it being too small (issue 22: Docker and Kubernetes give /dev/shm 64 MiB): a named
+Also the tmpfs that holds it being too small (Docker and Kubernetes give /dev/shm 64 MiB): a named
 IpcAllReduceHostMemoryError on every rank, no SIGBUS, nothing left in the folder.
 
 The same scenarios as tests/gpu/test_ipc_allreduce.py (exact integer sums and bitwise agreement across ranks,

@@ -194,7 +194,7 @@ def test_fused_every_cluster_size_exact_and_identical_across_ranks():
 
 
 def _scenario_cluster_fallback(rank, world):
-    """Issue 22 item 1: with the cluster check failing on purpose (SGL_SM120_DEBUG_CLUSTER_CHECK=trap: the child
+    """With the cluster check failing on purpose (SGL_SM120_DEBUG_CLUSTER_CHECK=trap: the child
     process runs a trapping kernel, as an illegal instruction would), this rank survives, the group agrees on no
     clusters, the fallback is reported, and the fused results are bitwise those of a workspace launching clusters.
     The launch limits are the same on every rank."""
@@ -528,7 +528,7 @@ def test_rank_skipping_a_call_ends_in_timeout_error_not_hang():
 @need_ranks(2)
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_rank_skipping_a_call_ends_in_timeout_error_on_every_rank_exit_mode(world):
-    """Issue 22 item 7: at every world size each waiting rank raises (exit mode: no trap to be lost when several
+    """At every world size each waiting rank raises (exit mode: no trap to be lost when several
     processes share one GPU), and the workspace refuses the next call."""
     run_ranks(world, _scenario_rank_skips_a_call, "exit", timeout_s=240)
 

@@ -1,4 +1,4 @@
-"""GPU tests of the transports (issue 17): push, staged push and pull give the same bits, in both ways ranks run
+"""GPU tests of the transports: push, staged push and pull give the same bits, in both ways ranks run
 on one GPU.
 
 - Processes sharing the GPU (tests.gpu.harness.run_ranks, SGL_SM120_TEST_SHARE_GPUS=1): the real IPC paths, the

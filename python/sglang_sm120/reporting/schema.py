@@ -56,7 +56,7 @@ def crossover_bytes(ours: Mapping[int, float | None], nccl: Mapping[int, float |
 # Targets a run is judged by, each a speed-up of ours over a peer at one [rows, hidden] shape and op, computed
 # from the measured medians (evaluate_targets) and stored in the JSON under "targets"; never set by hand: the
 # validator recomputes every verdict from the times next to it and the result entries they came from.
-# Issue 13, item 3 (the --no-p2p run, 2x H200 with NCCL_P2P_DISABLE=1): at [3, 7168] bf16, ours through host
+# The host-memory target (the --no-p2p run, 2x H200 with NCCL_P2P_DISABLE=1): at [3, 7168] bf16, ours through host
 # memory >= 3x faster than NCCL's shared-memory transport, plain all-reduce, and fused against NCCL + the
 # Triton add+RMSNorm (benchmarks/harness/triton_add_rmsnorm.py).
 NO_P2P_TARGETS = (

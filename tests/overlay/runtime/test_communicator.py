@@ -503,7 +503,7 @@ def test_host_workspace_failure_is_not_retried(fake_kernel_module):
 
 
 def test_host_workspace_that_does_not_fit_its_tmpfs_names_the_folder_and_sizes(fake_kernel_module, caplog):
-    """Issue 22 item 3: a small /dev/shm (64 MiB in Docker and Kubernetes) leaves the group on NCCL with one line
+    """A small /dev/shm (64 MiB in Docker and Kubernetes) leaves the group on NCCL with one line
     that names the folder, its free space and the size needed, not a SIGBUS."""
     from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError
 
