@@ -1,5 +1,5 @@
-"""Targets for Nsight Compute on the transports' speed misses: one loopback call configuration per process, so that `ncu`
-profiles exactly that kernel (scripts/gpu_suite.sh, stage profile-transports, runs every case under ncu).
+"""Targets for Nsight Compute on the transports' speed misses: one loopback call configuration per process, so that
+`ncu` profiles exactly that kernel (scripts/gpu_suite.sh, stage profile-transports, runs every case under ncu).
 
     python -m benchmarks.profile_transports --list
     ncu --clock-control none --kernel-name regex:"all_reduce|rmsnorm" --launch-skip 5 --launch-count 1 \
