@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from benchmarks.harness import microbench, timing
+from benchmarks.harness import concurrent, microbench, timing
 from sgl_kernel_sm120.policy import STAGED_FEW_CTAS, Transport, plain_threads
 
 WORLDS = (2, 4, 8)
@@ -243,26 +243,7 @@ def _concurrent(args, dev, stages: dict) -> list[dict]:
                         outs[r] = comms[r].all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, variant=variant,
                                                                   transport=transport)[1]
 
-                def calls(r):
-                    for _ in range(args.calls):
-                        call(r)
-
-                # Warm-up, eager, each rank on its own stream, call-major (IpcAllReduce.local_group: lazy loading).
-                for _ in range(args.calls):
-                    for r in range(world):
-                        with torch.cuda.stream(streams[r]):
-                            call(r)
-                torch.cuda.synchronize()
-                main = torch.cuda.Stream()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=main):
-                    for s in streams:
-                        s.wait_stream(main)
-                    for r in range(world):
-                        with torch.cuda.stream(streams[r]):
-                            calls(r)
-                    for s in streams:
-                        main.wait_stream(s)
+                graph = concurrent.capture_concurrent(streams, call, args.calls)
                 per_call = [v / args.calls for v in timing.replay_times(graph, args.iters, warmup=2)]
                 expected = torch.full_like(xs[0], world + (op != "all_reduce"))
                 correct = all(torch.equal(o, expected) for o in outs) and all(c.timeout_error() is None for c in comms)

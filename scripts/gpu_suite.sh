@@ -9,6 +9,8 @@
 #   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
 #   transports: tests/gpu/test_transports.py (push / staged / pull, processes sharing the GPU and one process running
 #   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
+#   tuner-pick: benchmarks/bench_tuner_pick.py (the one-process quick tune's pick against a sweep of every launch, at
+#   2, 4 and 8 ranks; tuner_pick_<gpu>_concurrent.json)
 #   profile-transports: Nsight Compute (ncu, or $NCU) on each case of benchmarks/profile_transports.py (the
 #   transports' speed misses), each report and its details page as results/ncu_<gpu>_<case>.{ncu-rep,txt} (in the tarball)
 #   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
@@ -188,6 +190,7 @@ for stage in $stages; do
     transports) step transport-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_transports.py \
               --junitxml="$WORK/results/junit-transports.xml" ;;
     bench-transports) step bench-transports $PY -m benchmarks.bench_transports --out "$WORK/results" ;;
+    tuner-pick) step tuner-pick $PY -m benchmarks.bench_tuner_pick --out "$WORK/results" ;;
     profile-transports)  # Nsight Compute on each case of benchmarks/profile_transports.py (the speed misses)
       NCU=${NCU:-$(command -v ncu || echo "$CUDA_HOME/bin/ncu")}
       for case in $($PY -m benchmarks.profile_transports --list); do

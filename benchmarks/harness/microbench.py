@@ -1,5 +1,5 @@
-"""The one-GPU microbenchmarks' common frame (bench_polling, bench_transports): the result document's head and the
-entry point that writes `<kind>_<gpu>_loopback.json` and fails on a wrong result."""
+"""The one-GPU microbenchmarks' common frame (bench_polling, bench_transports, bench_tuner_pick): the result
+document's head and the entry point that writes `<kind>_<gpu>_<mode>.json` and fails on a wrong result."""
 
 from __future__ import annotations
 
@@ -30,17 +30,20 @@ def document(benchmark: str, doc: str, hardware: str, args, fill_us: dict, recor
 
 
 def main(run: Callable[[argparse.Namespace], dict], kind: str, doc: str, argv=None, *, iters: int,
-         calls: int) -> int:
-    """Parse --out/--iters/--calls, run, write the JSON; exit 1 when any record's result was wrong."""
+         calls: int, mode: str = "loopback", options: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """Parse --out/--iters/--calls (and the benchmark's own `options`), run, write `<kind>_<gpu>_<mode>.json`; exit
+    1 when any record's result was wrong."""
     import torch
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(io.RESULTS_DIR))
     p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--calls", type=int, default=calls)
+    if options is not None:
+        options(p)
     args = p.parse_args(argv)
     result = run(args)
-    path = Path(args.out) / f"{kind}_{io.gpu_slug(torch.cuda.get_device_name())}_loopback.json"
+    path = Path(args.out) / f"{kind}_{io.gpu_slug(torch.cuda.get_device_name())}_{mode}.json"
     io.write_json(path, result)
     print(f"wrote {path}")
     return 1 if any(r["result_correct"] is False for r in result["records"]) else 0

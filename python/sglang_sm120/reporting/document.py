@@ -41,13 +41,15 @@ RESULT_KINDS = {
     "verify": "benchmarks/bench_verify.py",
     "transports": "benchmarks/bench_transports.py",
     "polling": "benchmarks/bench_polling.py",
+    "tuner_pick": "benchmarks/bench_tuner_pick.py",
     "trap delivery": "scripts/diagnose_trap_delivery.py",
     "routing table": "python -m sglang_sm120.tune --out",
     "server test": "tests/gpu/test_sglang_server.py",
 }
-# Fields of a bench_transports / bench_polling record kept when one is cut (a wrong result is always kept).
-RECORD_FIELDS = ("mode", "op", "world", "rows", "hidden", "dtype", "variant", "transport", "polling", "cluster",
-                 "us_per_call_median", "result_correct")
+# Fields of a bench_transports / bench_polling / bench_tuner_pick record kept when one is cut (a wrong result is
+# always kept).
+RECORD_FIELDS = ("mode", "op", "kind", "world", "rows", "hidden", "dtype", "variant", "transport", "route",
+                 "polling", "cluster", "us_per_call_median", "us", "result_correct", "error")
 
 
 def _run(command: Sequence[str], timeout: float = 30.0) -> str | None:
@@ -116,7 +118,7 @@ def classify(doc: Any) -> str | None:
     if not isinstance(doc, Mapping):
         return None
     named = str(doc.get("benchmark") or "").removeprefix("bench_")
-    if named in ("allreduce", "verify", "transports", "polling"):
+    if named in ("allreduce", "verify", "transports", "polling", "tuner_pick"):
         return named
     if "pattern" in doc:
         return "verify"
@@ -175,7 +177,7 @@ def _slim(entry: Mapping[str, Any]) -> dict[str, Any]:
     head = {"path": entry["path"], "kind": kind}
     if kind == "routing table":
         return {**head, "table": doc}
-    if kind in ("transports", "polling"):
+    if kind in ("transports", "polling", "tuner_pick"):
         records = doc.get("records") or []
         return {**head, "hardware": doc.get("hardware"), "date": doc.get("timestamp"), "note": doc.get("note"),
                 "summary": doc.get("summary") or doc.get("comparisons"), "records": len(records),

@@ -177,8 +177,8 @@ def rows_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def records_doc_markdown(doc: Mapping[str, Any]) -> str:
-    """bench_transports / bench_polling: what it measured, its summary (or comparisons), and the count of its
-    records (the file holds them; a wrong result is listed)."""
+    """bench_transports / bench_polling / bench_tuner_pick: what it measured, its summary (or comparisons), and the
+    count of its records (the file holds them; a wrong result is listed)."""
     records = doc.get("records") or []
     parts = [str(doc.get("what") or ""), f"note: {doc.get('note')}" if doc.get("note") else ""]
     summary = doc.get("summary") if doc.get("summary") is not None else doc.get("comparisons")
