@@ -48,7 +48,7 @@ import time
 import torch
 
 from benchmarks.harness import concurrent, microbench, timing
-from sgl_kernel_sm120.policy import STAGED_FEW_CTAS, Transport, plain_threads
+from sgl_kernel_sm120.policy import STAGED_FEW_CTAS, Transport, kernel_limits, plain_threads
 
 WORLDS = (2, 4, 8)
 HIDDEN = 7168
@@ -142,7 +142,7 @@ def _loopback_configs(world: int, rows: int, sm: int):
     staged push at SWEEP_CTA_CAPS and the whole budget x sweep_windows(world), plain and fused. A sweep launch the
     same as a default one is not timed twice."""
     def threads(transport):
-        return plain_threads(rows * HIDDEN * 2, transport)
+        return plain_threads(rows * HIDDEN * 2, transport, ctas=sm, limits=kernel_limits())
 
     variants = [("ONESHOT", 0)] + ([("TWOSHOT", 1)] if world > 2 else [])
     defaults = []

@@ -38,7 +38,6 @@ from sgl_kernel_sm120.policy import (
     ELEMENT_BYTES,
     ROW_SPLITS,
     STAGED_FEW_CTAS,
-    THREAD_GRAIN,
     KernelLimits,
     Memory,
     Route,
@@ -51,6 +50,7 @@ from sgl_kernel_sm120.policy import (
     plain_threads,
     refusal,
 )
+from sglang_sm120.tuning.candidates import effective_threads
 
 HIDDEN = 7168
 ROWS = (1, 3, 16)  # bench_transports' swept shapes: a decode step, a verify step, a larger verify step
@@ -91,11 +91,9 @@ def launch_key(route: Route, kind: str, rows: int, shape: WorkspaceShape, limits
     if route.transport is Transport.STAGED:
         window = min(route.window or shape.world_size - 1, shape.world_size - 1)
     if kind == "plain":
-        threads = route.threads or plain_threads(nbytes, route.transport)
-        packs = max(1, nbytes // limits.pack_bytes)
-        used = min(threads, limits.plain_max_threads, -(-packs // THREAD_GRAIN) * THREAD_GRAIN)
-        return (kind, route.variant.name, route.transport.value, plain_grid(nbytes, ctas, threads, limits), used,
-                window)
+        threads = route.threads or plain_threads(nbytes, route.transport, ctas=ctas, limits=limits)
+        return (kind, route.variant.name, route.transport.value, plain_grid(nbytes, ctas, threads, limits),
+                effective_threads(nbytes, threads, limits), window)
     if route.variant is Variant.ONESHOT and route.cluster is None:
         return (kind, route.variant.name, route.transport.value, "rule", ctas, window)
     cluster = route.cluster or 1

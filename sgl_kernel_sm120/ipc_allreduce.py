@@ -439,9 +439,10 @@ class IpcAllReduce:
         result = torch.empty_like(inp) if out is None else out
         target = result if _aligned(result) else torch.empty_like(inp)
         nbytes = inp.numel() * inp.element_size()
+        ctas = policy.cta_cap(route, self.shape)
         _ext.ops().all_reduce(
             self._handle, _aligned_copy(inp), target, int(route.variant),
-            route.threads or policy.plain_threads(nbytes, route.transport), policy.cta_cap(route, self.shape),
+            route.threads or policy.plain_threads(nbytes, route.transport, ctas=ctas, limits=self.limits), ctas,
             self.use_pdl,
             *_trailing_args(route),
         )

@@ -104,6 +104,10 @@ HOST_ONESHOT_MAX_BYTES = {2: 1 << 62, 4: 16 * 1024, 8: 8 * 1024}
 # 128 fastest at rows 16 (229,376 B), where 64 were up to 1.9x slower. The switch between them sits between
 # those measured sizes, at 64 KiB (not measured there). Past 256 KiB 512 threads (2x H200, 2026-11-29: 512 from
 # [64, 7168] on). Staged push keeps 256 below that: its swept windows and caps ran at 256 threads only.
+# Under a CTA cap too small for that many CTAs in one wave the size doubles until they fit (up to the kernels'
+# largest): in one-process groups (a W-th of the SMs per rank, 1x H200, 2026-12-03,
+# benchmarks/results/tuner_pick_h200_concurrent_session7_call1.json) the size-only seed was 1.10-1.24x off the best
+# launch at W = 2 rows 16, W = 4 rows 3 and 16, W = 8 rows 3 and 16, and the one-wave size is the best one's there.
 PLAIN_THREADS_TINY, PLAIN_THREADS_SMALL, PLAIN_THREADS_LARGE = 64, 128, 512
 PLAIN_THREADS_STAGED_SMALL = 256
 PLAIN_THREADS_TINY_BYTES = 64 * 1024
@@ -308,13 +312,21 @@ def cta_cap(route: Route, shape: WorkspaceShape) -> int:
     return route.ctas if route.ctas is not None else shape.sm_budget
 
 
-def plain_threads(nbytes: int, transport: Transport | str = SEED_TRANSPORT) -> int:
-    """The plain kernels' seed CTA size for a message of `nbytes` bytes over `transport`."""
+def plain_threads(nbytes: int, transport: Transport | str = SEED_TRANSPORT, *, ctas: int | None = None,
+                  limits: KernelLimits | None = None) -> int:
+    """The plain kernels' seed CTA size for a message of `nbytes` bytes over `transport`; with a CTA cap `ctas` (and
+    the library's `limits`) doubled until the call's CTAs fit the cap in one wave, up to the kernels' largest."""
     if nbytes > PLAIN_THREADS_SWITCH_BYTES:
-        return PLAIN_THREADS_LARGE
-    if _as_enum(Transport, transport) is Transport.STAGED:
-        return PLAIN_THREADS_STAGED_SMALL
-    return PLAIN_THREADS_TINY if nbytes <= PLAIN_THREADS_TINY_BYTES else PLAIN_THREADS_SMALL
+        threads = PLAIN_THREADS_LARGE
+    elif _as_enum(Transport, transport) is Transport.STAGED:
+        threads = PLAIN_THREADS_STAGED_SMALL
+    else:
+        threads = PLAIN_THREADS_TINY if nbytes <= PLAIN_THREADS_TINY_BYTES else PLAIN_THREADS_SMALL
+    if ctas is not None and limits is not None and ctas > 0:
+        packs = max(1, nbytes // limits.pack_bytes)
+        while threads * 2 <= limits.plain_max_threads and -(-packs // threads) > ctas:
+            threads *= 2
+    return threads
 
 
 def plain_grid(nbytes: int, ctas: int, threads: int, limits: KernelLimits) -> int:

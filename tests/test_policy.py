@@ -80,6 +80,18 @@ def test_the_seed_cta_size_follows_the_measured_sweep():
         64, 64, 128, 128, 128, 512]
     assert policy.plain_threads(43008, "pull") == 64 and policy.plain_threads(43008, Transport.STAGED) == 256
     assert policy.plain_threads(1 << 20, "staged") == 512
+
+
+def test_under_a_small_cta_cap_the_seed_cta_size_doubles_until_one_wave_holds_the_call():
+    """The best launches of the one-process sweep (a W-th of an H200's SMs per rank) at bf16 [rows, 7168]: 256
+    threads at W = 2 rows 16 (66 CTAs), 128 at W = 4 rows 3 (33), 512 at W = 4 rows 16, 256 at W = 8 rows 3 (16)."""
+    row = 7168 * 2
+    for rows, ctas, best in ((16, 66, 256), (3, 33, 128), (16, 33, 512), (3, 16, 256), (16, 16, 512)):
+        assert policy.plain_threads(rows * row, "push", ctas=ctas, limits=LIMITS) == best, (rows, ctas)
+    # where the seed's CTAs fit the cap already, the seed stays (a whole RTX PRO 6000, or an H200's 132 SMs)
+    for rows in (1, 3, 16, 64):
+        assert policy.plain_threads(rows * row, "pull", ctas=132, limits=LIMITS) == policy.plain_threads(rows * row)
+    assert policy.plain_threads(1 << 26, "push", ctas=1, limits=LIMITS) == LIMITS.plain_max_threads
     for world in policy.WORLD_SIZES:
         for memory in Memory:
             numel = policy.oneshot_max_numel(world, memory, 458752 // 2, LIMITS)
@@ -251,7 +263,7 @@ def test_a_launch_hands_the_route_to_the_ops_field_by_field(monkeypatch):
 
     monkeypatch.setattr(_ext, "ops", lambda: Ops())
     ws = IpcAllReduce.__new__(IpcAllReduce)  # no GPU: the arguments of a launch, not the launch
-    ws._handle, ws._shape, ws.use_pdl, ws._watchdog = 1, RTX, True, None
+    ws._handle, ws._shape, ws.use_pdl, ws._watchdog, ws.limits = 1, RTX, True, None, LIMITS
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     ws.launch(Route("TWOSHOT", "pull", "device", ctas=94, threads=128), x)
     ws.launch(Route("ONESHOT", "staged", "device"), x)

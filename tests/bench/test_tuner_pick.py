@@ -56,7 +56,7 @@ def test_launch_key_resolves_defaults_as_the_call_does():
     ws = shape(8)
     rows, kind = 3, "plain"
     seeded = Route("ONESHOT", "push", "device")
-    named = Route("ONESHOT", "push", "device", ctas=ws.sm_budget, threads=64)
+    named = Route("ONESHOT", "push", "device", ctas=ws.sm_budget, threads=256)  # 168 packs a CTA: one wave of 16
     assert tp.launch_key(seeded, kind, rows, ws, LIMITS) == tp.launch_key(named, kind, rows, ws, LIMITS)
     staged = Route("ONESHOT", "staged", "device", ctas=8)
     assert tp.launch_key(staged, kind, rows, ws, LIMITS) == tp.launch_key(

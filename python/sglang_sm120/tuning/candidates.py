@@ -9,7 +9,11 @@ workspace runs, are sgl_kernel_sm120.policy's; this module only picks which of t
 - device memory: every transport; host memory: push only (every byte goes through the shared host buffer, where
   the staged pacing and the peer loads have nothing to gain);
 - the launch shape of each, in the quick tune too (`launch_shapes`): a few CTA caps up to the group's SM budget
-  (staged push: from its few-CTA cap STAGED_FEW_CTAS up to the budget), and for the fused one-shot every cluster size
+  (staged push: from its few-CTA cap STAGED_FEW_CTAS up to the budget); for the plain kernels their CTA size
+  (`thread_sizes`: on the whole budget, the seed size and two and four times it in the quick tune, 64 to 512 in a
+  full one; staged push at its seed size in the quick tune; the seed is policy.plain_threads under that cap), as
+  the one-GPU sweep of every launch found a fixed CTA size up to 1.24x off the best at some sizes
+  (benchmarks/bench_tuner_pick.py, 1x H200, 2026-12-03); and for the fused one-shot every cluster size
   the workspace agreed (1 always; 2, 4, 8 where the cluster check passed) whose clusters all fit the CTAs at
   once (rows x cluster <= CTAs: past that rows loop and the split loses, csrc/ar_kernels.cu
   fused_cluster_size). Shapes that launch the same grid at this size are timed once (policy.plain_grid,
@@ -27,6 +31,7 @@ from sgl_kernel_sm120.policy import (
     ELEMENT_BYTES,
     ROW_SPLITS,
     STAGED_FEW_CTAS,
+    THREAD_GRAIN,
     KernelLimits,
     Memory,
     Route,
@@ -42,6 +47,10 @@ from sgl_kernel_sm120.policy import (
 # The CTA caps tried, as fractions of the SM budget (the budget itself always; staged push from its own cap up).
 QUICK_CTA_FRACTIONS = (2, 1)  # budget / 2, budget
 FULL_CTA_FRACTIONS = (4, 2, 1)
+# The plain kernels' CTA sizes tried on the whole budget: the seed size times these in the quick tune, every one of
+# FULL_THREAD_SIZES in a full one (each up to the kernels' largest).
+QUICK_THREAD_STEPS = (1, 2, 4)
+FULL_THREAD_SIZES = (64, 128, 256, 512)
 
 
 def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[int]:
@@ -64,27 +73,48 @@ def staged_windows(world_size: int, quick: bool) -> list[int]:
     return sorted({1, last} | (set() if quick else {min(2, last)}))
 
 
+def thread_sizes(nbytes: int, transport: Transport, ctas: int, limits: KernelLimits, quick: bool) -> list[int]:
+    """The plain kernels' CTA sizes tried under a cap of `ctas` (the whole budget), ascending (the seed always)."""
+    seed = plain_threads(nbytes, transport, ctas=ctas, limits=limits)
+    if quick:
+        sizes = {seed} if transport is Transport.STAGED else {seed * step for step in QUICK_THREAD_STEPS}
+    else:
+        sizes = {seed, *FULL_THREAD_SIZES}
+    return sorted(t for t in sizes if t <= limits.plain_max_threads)
+
+
+def effective_threads(nbytes: int, threads: int, limits: KernelLimits) -> int:
+    """The CTA size a plain call of `nbytes` really launches with `threads` asked (policy.plain_grid's clamp)."""
+    packs = max(1, nbytes // limits.pack_bytes)
+    return min(threads, limits.plain_max_threads, -(-packs // THREAD_GRAIN) * THREAD_GRAIN)
+
+
 def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
-                  limits: KernelLimits, quick: bool) -> list[tuple[int | None, int | None]]:
-    """(CTA cap, cluster) of every launch of one variant and transport timed at this size, each a distinct grid.
-    (None, cluster): the kernels' own cap, where the SM budget is not known."""
+                  limits: KernelLimits, quick: bool) -> list[tuple[int | None, int | None, int | None]]:
+    """(CTA cap, cluster, threads) of every launch of one variant and transport timed at this size, each a distinct
+    launch (grid and CTA size). (None, cluster, None): the kernels' own cap and CTA size, where the SM budget is not
+    known. threads: plain calls only; the seed size at caps below the budget, every one of thread_sizes on it."""
     caps = cta_caps(transport, shape, quick)
     fused_oneshot = kind == "fused" and variant is Variant.ONESHOT
     clusters: list[int | None] = [None]
     if fused_oneshot:
         clusters = [c for c in ROW_SPLITS if c == 1 or c in shape.clusters]
     if not caps:
-        return [(None, c) for c in clusters]
-    chosen: dict[tuple[int, int], tuple[int, int | None]] = {}
+        return [(None, c, None) for c in clusters]
+    chosen: dict[tuple[int, int, int], tuple[int, int | None, int | None]] = {}
     for cluster in clusters:
         for cap in caps:
             if cluster is not None and cluster > 1 and rows * cluster > cap:
                 continue
             if kind == "plain":
-                grid = plain_grid(nbytes, cap, plain_threads(nbytes, transport), limits)
+                seed = plain_threads(nbytes, transport, ctas=cap, limits=limits)
+                for threads in (thread_sizes(nbytes, transport, cap, limits, quick) if cap == caps[-1] else [seed]):
+                    grid = plain_grid(nbytes, cap, threads, limits)
+                    # ascending caps: the largest of a launch stays
+                    chosen[(1, grid, effective_threads(nbytes, threads, limits))] = (cap, None, threads)
             else:
                 grid = fused_grid(rows, cap, cluster or 1)
-            chosen[(cluster or 1, grid)] = (cap, cluster)  # ascending caps: the largest of a grid stays
+                chosen[(cluster or 1, grid, 0)] = (cap, cluster, None)
     return list(chosen.values())
 
 
@@ -110,9 +140,9 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
     for variant in variants:
         for transport in transports:
             windows = staged_windows(shape.world_size, quick) if transport is Transport.STAGED else [None]
-            for ctas, cluster in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
+            for ctas, cluster, threads in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
                 for window in windows:
-                    route = Route(variant, transport, shape.memory, ctas, cluster, window=window)
+                    route = Route(variant, transport, shape.memory, ctas, cluster, threads, window)
                     if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
                         routes.append(route)
     return routes

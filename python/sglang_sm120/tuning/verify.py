@@ -88,10 +88,11 @@ def fused_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
 
 
 def mismatch(name: str, got, expected) -> str | None:
-    """None when `got` equals `expected` exactly (as values, on the CPU), else the first difference in words."""
+    """None when `got` equals `expected` exactly (as values, on the CPU), else the first difference in words. Both
+    are moved to the CPU: the tuner's outputs and its expected values live on the GPU."""
     import torch
 
-    got = got.detach().to("cpu")
+    got, expected = got.detach().to("cpu"), expected.detach().to("cpu")
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return f"{name}: shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
     g, e = got.float(), expected.float()

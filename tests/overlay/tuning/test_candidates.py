@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sgl_kernel_sm120 import policy
 from sgl_kernel_sm120.policy import Route, WorkspaceShape, kernel_limits, plain_grid, refusal
 from sglang_sm120.routing.table import parse_route, route_id
 from sglang_sm120.tuning import candidates as cand
@@ -72,15 +73,35 @@ def test_staged_push_is_tried_at_its_own_cap_and_on_the_whole_budget_each_in_a_w
             if r.variant.name == "ONESHOT"]
     assert sorted({r.ctas for r in full if r.transport.value == "staged"}) == [8, 16, 32, 94, 188]
     assert sorted({r.window for r in full if r.transport.value == "staged"}) == [1, 2, 7]
-    assert sorted(r.ctas for r in full if r.transport.value == "push") == [47, 94, 188]
+    assert sorted((r.ctas, r.threads) for r in full if r.transport.value == "push") == [
+        (47, 512), (94, 512), (188, 64), (188, 128), (188, 256), (188, 512)]
 
 
 def test_caps_that_launch_the_same_grid_are_timed_once_keeping_the_largest():
     # one row of 7168 bf16 is 896 packs: 4 CTAs of 256 threads whatever the cap above that
     routes = [r for r in cand.candidates("plain", ROW, 7168, RTX, LIMITS, quick=True) if r.variant.name == "ONESHOT"]
-    assert sorted(r.ctas for r in routes if r.transport.value == "push") == [188]
     assert sorted(r.ctas for r in routes if r.transport.value == "staged") == [188, 188]  # windows 1 and 7
     assert plain_grid(ROW, 188, 256, LIMITS) == 4 and plain_grid(128 * ROW, 94, 512, LIMITS) == 94
+    # push at 64 threads: 14 CTAs, which the cap of 94 launches as well; the budget's route stays
+    assert sorted((r.ctas, r.threads) for r in routes if r.transport.value == "push") == [
+        (188, 64), (188, 128), (188, 256)]
+
+
+def test_the_plain_kernels_cta_size_is_tuned_on_the_whole_budget():
+    for rows, seed in ((1, 64), (16, 128), (128, 512)):
+        routes = cand.candidates("plain", rows * ROW, 7168, RTX, LIMITS, quick=True)
+        one = [r for r in routes if r.variant.name == "ONESHOT"]
+        assert all(r.threads is not None for r in routes)  # every plain route names its CTA size
+        quick = sorted({r.threads for r in one if r.transport.value == "pull" and r.ctas == 188})
+        assert quick == [t for t in (seed, 2 * seed, 4 * seed) if t <= LIMITS.plain_max_threads], (rows, quick)
+        assert {r.threads for r in one if r.transport.value == "staged" and r.ctas == 188} == {
+            256 if rows < 128 else 512}
+        # at its few-CTA cap staged push's CTAs are larger, so that one wave holds the call (policy.plain_threads)
+        assert all(r.threads == policy.plain_threads(rows * ROW, "staged", ctas=8, limits=LIMITS)
+                   for r in one if r.transport.value == "staged" and r.ctas == 8)
+        assert all(r.threads == seed for r in one if r.ctas < 188 and r.transport.value != "staged")
+        full = cand.candidates("plain", rows * ROW, 7168, RTX, LIMITS, quick=False)
+        assert {r.threads for r in full if r.ctas == 188} == {64, 128, 256, 512}
 
 
 def test_the_fused_one_shot_times_every_agreed_cluster_whose_rows_all_fit_at_once():

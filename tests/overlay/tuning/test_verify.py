@@ -40,6 +40,29 @@ def test_a_wrong_value_or_a_nan_is_named():
     assert "shape/dtype" in verify.mismatch("sum", total.half(), total)
 
 
+class OnAnotherDevice:
+    """A tensor as the tuner holds it on the GPU: usable only once moved to the CPU (a GPU tune's mismatch report
+    once compared a moved output with an expected value left on the GPU, and raised instead of naming it)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def detach(self):
+        return self
+
+    def to(self, device):
+        assert device == "cpu"
+        return self.tensor
+
+
+def test_a_difference_between_device_tensors_is_named_on_the_cpu():
+    _, total = verify.plain_case(2, 2, 64, "bfloat16")
+    wrong = total.clone()
+    wrong[0, 3] += 1
+    text = verify.mismatch("sum", OnAnotherDevice(wrong), OnAnotherDevice(total))
+    assert "1 of 128 elements differ, first at [0, 3]" in text
+
+
 def test_the_digest_sees_the_sign_of_zero():
     a = torch.zeros(8, dtype=torch.bfloat16)
     assert verify.output_digest(a) != verify.output_digest(-a)
