@@ -45,12 +45,10 @@ from sgl_kernel_sm120.policy import (
     Variant,
     WorkspaceShape,
     cta_cap,
-    fused_grid,
-    plain_grid,
     plain_threads,
     refusal,
 )
-from sglang_sm120.tuning.candidates import effective_threads
+from sglang_sm120.tuning.candidates import launch_of
 
 HIDDEN = 7168
 ROWS = (1, 3, 16)  # bench_transports' swept shapes: a decode step, a verify step, a larger verify step
@@ -90,14 +88,12 @@ def launch_key(route: Route, kind: str, rows: int, shape: WorkspaceShape, limits
     window = None
     if route.transport is Transport.STAGED:
         window = min(route.window or shape.world_size - 1, shape.world_size - 1)
-    if kind == "plain":
-        threads = route.threads or plain_threads(nbytes, route.transport, ctas=ctas, limits=limits)
-        return (kind, route.variant.name, route.transport.value, plain_grid(nbytes, ctas, threads, limits),
-                effective_threads(nbytes, threads, limits), window)
-    if route.variant is Variant.ONESHOT and route.cluster is None:
-        return (kind, route.variant.name, route.transport.value, "rule", ctas, window)
-    cluster = route.cluster or 1
-    return (kind, route.variant.name, route.transport.value, fused_grid(rows, ctas, cluster), cluster, window)
+    head = (kind, route.variant.name, route.transport.value)
+    if kind == "fused" and route.variant is Variant.ONESHOT and route.cluster is None:
+        return (*head, "rule", ctas, window)
+    threads = (route.threads or plain_threads(nbytes, route.transport, ctas=ctas, limits=limits)
+               if kind == "plain" else None)
+    return (*head, *launch_of(kind, nbytes, rows, ctas, route.cluster, threads, limits), window)
 
 
 def sweep_routes(kind: str, rows: int, shape: WorkspaceShape, limits: KernelLimits) -> list[Route]:

@@ -89,6 +89,15 @@ def effective_threads(nbytes: int, threads: int, limits: KernelLimits) -> int:
     return min(threads, limits.plain_max_threads, -(-packs // THREAD_GRAIN) * THREAD_GRAIN)
 
 
+def launch_of(kind: str, nbytes: int, rows: int, ctas: int, cluster: int | None, threads: int | None,
+              limits: KernelLimits) -> tuple[int, int, int]:
+    """(CTAs per row, grid, CTA size) the kernels launch for these launch fields at this size: two launches with
+    the same triple run the same grid (plain: `threads` given, fused: CTA size 0, the kernels size their own)."""
+    if kind == "plain":
+        return 1, plain_grid(nbytes, ctas, threads, limits), effective_threads(nbytes, threads, limits)
+    return cluster or 1, fused_grid(rows, ctas, cluster or 1), 0
+
+
 def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
                   limits: KernelLimits, quick: bool) -> list[tuple[int | None, int | None, int | None]]:
     """(CTA cap, cluster, threads) of every launch of one variant and transport timed at this size, each a distinct
@@ -106,15 +115,13 @@ def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int
         for cap in caps:
             if cluster is not None and cluster > 1 and rows * cluster > cap:
                 continue
+            sizes: list[int | None] = [None]
             if kind == "plain":
-                seed = plain_threads(nbytes, transport, ctas=cap, limits=limits)
-                for threads in (thread_sizes(nbytes, transport, cap, limits, quick) if cap == caps[-1] else [seed]):
-                    grid = plain_grid(nbytes, cap, threads, limits)
-                    # ascending caps: the largest of a launch stays
-                    chosen[(1, grid, effective_threads(nbytes, threads, limits))] = (cap, None, threads)
-            else:
-                grid = fused_grid(rows, cap, cluster or 1)
-                chosen[(cluster or 1, grid, 0)] = (cap, cluster, None)
+                sizes = (thread_sizes(nbytes, transport, cap, limits, quick) if cap == caps[-1]
+                         else [plain_threads(nbytes, transport, ctas=cap, limits=limits)])
+            for threads in sizes:
+                # ascending caps: the largest of a launch stays
+                chosen[launch_of(kind, nbytes, rows, cap, cluster, threads, limits)] = (cap, cluster, threads)
     return list(chosen.values())
 
 
