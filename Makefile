@@ -10,6 +10,7 @@
 #   make test-gpu  pytest -m gpu on an existing environment (e.g. `make test-gpu PY=python`)
 #   make clean     build outputs;  make distclean  also the venvs
 #   STACKS=sglang-0.5.13.post1 make test   one stack only;  PIP_ATTEMPTS=1 make venv   no retry of a failed pip install
+#   DROP_VENVS=1 make test   remove each stack's venv once its tests ran (CI: one venv on disk at a time, ~6 GB)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -40,6 +41,10 @@ PIP_NOISE   := is ignored: it is neither a file nor a directory
 # retry a read cut mid-wheel) failed a whole CI run. So a failed install is shown in full, then tried again, a few
 # times; the last failure still fails the target. The log is kept in build/ for the run's record.
 PIP_ATTEMPTS ?= 3
+DROP_VENVS   ?= 0
+# A venv with torch's CUDA wheels takes about 6 GB; pip needs room for the wheels it unpacks beside it. Checked
+# before a venv is made, so a full disk is one clear line instead of three failed installs.
+VENV_FREE_GB ?= 8
 define pip_install
 	@mkdir -p build; log=build/pip-$(STACK).log; \
 	for attempt in $$(seq 1 $(PIP_ATTEMPTS)); do \
@@ -63,6 +68,10 @@ $(STAMP): $(REQS)
 	@echo ">>> creating $(VENV) with $(BOOT_PY) (pins hash $(REQ_HASH))"
 	rm -rf $(VENV)
 	mkdir -p $(VENVS)
+	@free_gb=$$(( $$(df -Pk $(VENVS) | awk 'NR==2 {print $$4}') / 1048576 )); \
+	if [ "$$free_gb" -lt $(VENV_FREE_GB) ]; then \
+		echo ">>> only $$free_gb GB free under $(VENVS) (df below); a venv for $(STACK) needs about $(VENV_FREE_GB) GB"; \
+		df -h $(VENVS); exit 1; fi
 	$(BOOT_PY) -m venv $(VENV)
 	$(call pip_install,-r requirements/$(STACK)/ci.txt)
 	$(call pip_install,--no-deps -r requirements/$(STACK)/sglang-nodeps.txt)
@@ -91,12 +100,14 @@ pytest:
 	@echo ">>> [$(STACK)] pytest -m 'not gpu'"
 	SGL_SM120_EXT_LIBRARY=$$(ls $(abspath $(EXT_DIR))/sgl_kernel_sm120/_C_torch*.so) $(PY) -m pytest -m "not gpu"
 
+# Lint runs in the first stack, before its venv may be dropped.
 test-stack: venv-one
 	$(MAKE) --no-print-directory build-one pytest STACK=$(STACK) PY=$(VENV_PY)
+	@if [ "$(STACK)" = "$(firstword $(STACKS))" ]; then $(MAKE) --no-print-directory lint STACK=$(STACK); fi
+	@if [ "$(DROP_VENVS)" = 1 ]; then echo ">>> removing $(VENV) (DROP_VENVS=1)"; rm -rf $(VENV); fi
 
 test:
 	@for s in $(STACKS); do $(MAKE) --no-print-directory test-stack STACK=$$s; done
-	$(MAKE) --no-print-directory lint STACK=$(firstword $(STACKS))
 
 test-gpu:
 	$(PY) -m pytest -m gpu
