@@ -15,6 +15,8 @@
 #   transports' speed misses), each report and its details page as results/ncu_<gpu>_<case>.{ncu-rep,txt} (in the tarball)
 #   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
 #   junit: merge the stages' junit XML into $OUT/gpu_tests_<gpu>_tp<N>.xml (N: GPUs the ranks ran on)
+#   build compiles the kernels in place, or puts in place the library carried in .device-lib (made on the dev
+#   machine by scripts/device_lib.py build) when it matches these sources, Python, torch and archs and loads;
 #   build also starts the negative-control builds in the background (tests/gpu/test_negative_controls.py), which
 #   the negative stage then uses (NEGATIVE_BUILDS=0: not started)
 #   sglang-server: a real `sglang.launch_server` (SGLang 0.5.13.post1, TP=2 on one GPU, EAGLE-3, on against off;
@@ -150,7 +152,11 @@ fi
 
 for stage in $stages; do
   case $stage in
-    build) step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
+    build) # a library carried in .device-lib (scripts/device_lib.py build, on the dev machine) saves the compile
+           # when it was built from these sources for this Python, torch and archs, and loads; else it compiles
+           if ! $PY scripts/device_lib.py install 2>&1 | tee -a "$OUT/summary.log"; then
+             step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
+           fi
            # NEGATIVE_BUILDS=0 skips them: they compete for the CPUs with what runs next (the server stage's
            # JIT and Triton compiles took 30% longer beside them on 1x H200, 2026-12-02)
            if [ "${NEGATIVE_BUILDS:-1}" != 0 ]; then
