@@ -29,7 +29,9 @@ SCRIPT = textwrap.dedent(
         w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(torch.bfloat16)
         ref_n, ref_r = reference_add_rmsnorm(x, r, w, 1e-6)
         # out of place: inputs untouched
+        x_before, r_before = x.clone(), r.clone()
         n, rr = k.add_rmsnorm(x, r, w, 1e-6)
+        assert torch.equal(x, x_before) and torch.equal(r, r_before), "add_rmsnorm wrote into its inputs"
         assert torch.equal(rr, ref_r), "residual_out"
         assert torch.allclose(n.float(), ref_n.float(), rtol=1 / 128, atol=1 / 128), (n - ref_n).abs().max()
         # in place, like sgl_kernel.fused_add_rmsnorm

@@ -61,6 +61,7 @@ def run_ranks(world, target):
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors
+    assert sorted(results) == list(range(world)), f"ranks that finished: {sorted(results)}"
     return results
 
 
@@ -229,9 +230,8 @@ def test_build_failure_on_one_rank_disables_every_rank(fake_kernel_module):
         backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
         results[rank] = backend
 
-    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    _threads(2, body)
+    assert sorted(results) == [0, 1]
     for backend in results.values():
         assert not backend.active
         assert "rank 1" in backend.build_error and "cudaIpcOpenMemHandle" in backend.build_error
@@ -357,9 +357,21 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
 
 
 def _threads(world, body):
-    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(world)]
+    """Runs body(rank) on one thread per rank; fails when a rank raised or did not finish, so a test never judges
+    from the ranks that happened to return."""
+    errors = {}
+
+    def run(rank):
+        try:
+            body(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(world)]
     [t.start() for t in threads]
     [t.join(30) for t in threads]
+    assert not [t.name for t in threads if t.is_alive()], "ranks still running after 30 s"
+    assert not errors, f"ranks raised: {errors!r}"
 
 
 @pytest.mark.parametrize("hostmem,enabled", [("auto", True), ("off", False)])
@@ -431,6 +443,7 @@ def _build_all(world, store, name, **kwargs):
         results[rank] = backend
 
     _threads(world, body)
+    assert sorted(results) == list(range(world)), sorted(results)
     return results
 
 

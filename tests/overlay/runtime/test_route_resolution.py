@@ -90,11 +90,22 @@ def resolve_all(tune, children=None, world=2, facts_fn=facts, max_bytes=4 * ROW,
             facts=lambda device, r=rank: facts_fn(r), library=lambda r=rank: library(r), run_child=children,
             graph_rows=graph_rows)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(world)]
+    errors = {}
+
+    def run(rank):
+        try:
+            body(rank)
+        except BaseException as exc:  # noqa: BLE001 - resolve_routes must not raise: reported below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert not [t.name for t in threads if t.is_alive()], "ranks still resolving after 60 s"
+    assert not errors, f"resolve_routes raised: {errors!r}"
+    assert sorted(out) == list(range(world)), sorted(out)
     return out, logs
 
 
