@@ -11,6 +11,7 @@ import os
 import torch
 
 from . import _abi
+from .env import setting
 from .errors import KernelsNotBuiltError
 
 BUILD_HINT = (
@@ -60,7 +61,7 @@ def missing_reason(package_dir: str = PACKAGE_DIR) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[object | None, str]:
-    override = os.environ.get(LIBRARY_OVERRIDE_ENV)
+    override = setting(LIBRARY_OVERRIDE_ENV)
     if override:
         try:
             torch.ops.load_library(override)
@@ -82,7 +83,7 @@ def _load() -> tuple[object | None, str]:
 def library_path() -> str:
     """The file of the loaded library (the override, or the packaged module for this torch)."""
     ops()
-    override = os.environ.get(LIBRARY_OVERRIDE_ENV)
+    override = setting(LIBRARY_OVERRIDE_ENV)
     if override:
         return os.path.abspath(override)
     module = importlib.import_module(f"{__package__}.{expected_module()}")

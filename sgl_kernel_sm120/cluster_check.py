@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+from .env import setting
 from .policy import CLUSTER_SIZES
 
 CACHE_ENV = "SGLANG_SM120_CACHE"
@@ -57,7 +58,7 @@ class ClusterVerdict:
 
 def cache_dir(environ=None) -> str:
     env = os.environ if environ is None else environ
-    return env.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "sglang_sm120")
+    return setting(CACHE_ENV, "", env) or os.path.join(os.path.expanduser("~"), ".cache", "sglang_sm120")
 
 
 def _driver_version() -> str:
@@ -92,12 +93,12 @@ def _read_cache(path: str) -> dict:
 def verdict_for(device_index: int, uuid: str, library_path: str, environ=None) -> ClusterVerdict:
     """The verdict for one local GPU: cached, or found out now in a child process (and cached)."""
     env = os.environ if environ is None else environ
-    switch = env.get(SWITCH_ENV, "auto").strip().lower() or "auto"
+    switch = setting(SWITCH_ENV, "auto", env).strip().lower() or "auto"
     if switch not in ("auto", "off"):
         raise ValueError(f"{SWITCH_ENV}={switch!r}: expected auto or off")
     if switch == "off":
         return ClusterVerdict(False, f"cluster launch switched off ({SWITCH_ENV}=off)", "off")
-    debug = env.get(DEBUG_ENV, "").strip()
+    debug = setting(DEBUG_ENV, "", env).strip()
     folder = cache_dir(env)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, CACHE_FILE)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ext, cluster_check
+from .env import setting
 from .errors import IpcAllReduceError, IpcAllReduceHostMemoryError
 from .policy import CLUSTER_SIZES, Memory
 
@@ -140,7 +141,7 @@ def create_host(ops, group, config: Config) -> int:
         need = int(ops.host_shared_bytes_for(config.world_size, config.max_numel, config.oneshot_max_numel))
         stat = os.statvfs(config.shm_dir)
         free = stat.f_bavail * stat.f_frsize
-        if free < need and os.environ.get(SHM_NO_PRECHECK_ENV) != "1":
+        if free < need and setting(SHM_NO_PRECHECK_ENV) != "1":
             error = (f"{HOST_MEMORY_ERROR} {config.shm_dir} has {free / 2**20:.1f} MiB free, the workspace needs "
                      f"{need / 2**20:.1f} MiB ({config.world_size} slabs of "
                      f"{need / config.world_size / 2**20:.1f} MiB); {SHM_ADVICE}")

@@ -10,11 +10,10 @@ every rank, naming the pairs, the direction and the area.
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from .construction import joint_check
+from .env import setting
 from .errors import IpcAllReduceProbeError
 
 # The probe runs right after a gloo collective, so every rank's pushes land within milliseconds on a healthy
@@ -47,7 +46,7 @@ def drop_target(rank: int, environ=None, round_index: int | None = None, memory:
     to P2P traffic, so by default it applies to device-memory workspaces only (MEMORY device); a host-memory
     workspace, which crosses no P2P path, is probed untouched, as the overlay's retry in host memory needs. @host
     or @any make the host-memory probe fail too (its own tests)."""
-    raw = (os.environ if environ is None else environ).get(PROBE_DROP_ENV, "").strip()
+    raw = setting(PROBE_DROP_ENV, "", environ).strip()
     if not raw:
         return -1
     spec, _, applies_to = raw.partition("@")

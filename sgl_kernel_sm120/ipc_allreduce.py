@@ -28,12 +28,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from . import _ext, construction, data_path_probe, policy
+from .env import setting
 from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
 from .link import local_gpu_has_nvlink
 from .policy import Link, Memory, Route, Transport, Variant, WorkspaceShape
@@ -212,10 +212,10 @@ class IpcAllReduce:
         )
         # Programmatic dependent launch lets our launch overlap the previous kernel (csrc/ar_protocol.cuh,
         # pdl_wait_and_release). Needs SM90+; both targets (sm_90a, sm_120a) have it.
-        self.use_pdl = os.environ.get(PDL_ENV, "1") != "0"
+        self.use_pdl = setting(PDL_ENV, "1") != "0"
         self.on_timeout = on_timeout
         self.transport = transport
-        self.shm_dir = os.environ.get(construction.SHM_DIR_ENV, "").strip() or construction.DEFAULT_SHM_DIR
+        self.shm_dir = setting(construction.SHM_DIR_ENV).strip() or construction.DEFAULT_SHM_DIR
         self.abort_after_s = seconds_from_env(ABORT_AFTER_ENV, DEFAULT_ABORT_AFTER_S)
         # The one-shot bound of this workspace (host memory: the seed bound at 4 and 8 ranks, see policy.py).
         self.oneshot_max_numel = self.max_numel  # the one-shot slots' bound (policy.oneshot_max_numel)

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .env import setting
 from .errors import IpcAllReduceTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class SlowRecord(ctypes.Structure):
 
 
 def seconds_from_env(name: str, default: float, environ=None) -> float:
-    raw = (os.environ if environ is None else environ).get(name, "")
+    raw = setting(name, "", environ)
     if raw.strip() == "":
         return default
     try:

@@ -14,6 +14,7 @@ import sgl_kernel_sm120 as k
 from sgl_kernel_sm120 import _ext, policy
 from sgl_kernel_sm120 import data_path_probe as probe
 from sgl_kernel_sm120.construction import placement, validate_islands
+from sgl_kernel_sm120.env import spelled_out
 from sgl_kernel_sm120.policy import Link, Variant, choose_variant
 
 
@@ -82,7 +83,10 @@ def test_choice_is_a_pure_function():
     calls = [
         (n, w, link, i) for n in (8, 43008, 1 << 22) for w in (2, 4, 8) for link in ("pcie", "nvlink") for i in (1, 2)
     ]
-    assert [choose_variant(*c) for c in calls] == [choose_variant(*c) for c in calls]
+    forward = [choose_variant(*c) for c in calls]
+    backward = [choose_variant(*c) for c in reversed(calls)][::-1]  # no answer depends on the calls before it
+    assert forward == backward
+    assert set(forward) == {Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND}  # the calls reach every schedule
     with pytest.raises(ValueError):
         choose_variant(-1, 2, "pcie")
     with pytest.raises(ValueError):
@@ -104,27 +108,49 @@ def test_islands_validation_and_placement():
         validate_islands([[0, 1], [1, 2]], 4)
 
 
-def test_eight_rank_island_schedule_index_arithmetic():
-    """Simulate the island schedule's ownership on the CPU: every pack is reduced by exactly one owner per
-    island, owners are twins across islands, and every rank receives every pack it does not own once."""
+@pytest.mark.parametrize("num_packs", [1, 31, 2688, 4096, 4097])  # 2688: [3, 7168] bf16
+def test_eight_rank_island_schedule_index_arithmetic(num_packs):
+    """The island schedule's ownership on the CPU, as csrc/transports/push.cuh's HierStep computes it (owner: the
+    pack's block of kOwnerBlockPacks, dealt round-robin over the island positions; offset: the owner's blocks one
+    after the other) and with the chunk size csrc/workspace.cu gives each owner: every pack is reduced by exactly
+    one owner per island, the owners are twins across islands, an owner's packs get distinct slots inside its
+    chunk, and every rank receives each pack it does not own exactly once (from its island's owner)."""
     world, groups = 8, validate_islands([[0, 1, 2, 3], [4, 5, 6, 7]], 8)
-    num_packs = 2688  # [3, 7168] bf16
     size = len(groups[0])
+    block = policy.kernel_limits().owner_block_packs
+
+    def owner(g):
+        return (g // block) % size
+
+    def offset(g):
+        return (g // (block * size)) * block + g % block
+
+    per_round = block * size
+    chunk_packs = -(-num_packs // per_round) * block
     owners_of = {g: [] for g in range(num_packs)}
+    position_of = {}
     for rank in range(world):
         members, twins, island, index = placement(groups, rank)
         assert twins[island] == rank
+        position_of[rank] = (members, index)
         for g in range(num_packs):
-            if g % size == index:
+            if owner(g) == index:
                 owners_of[g].append(rank)
     for g, owners in owners_of.items():
         assert len(owners) == 2 and owners[1] - owners[0] == 4, (g, owners)  # one per island, twins
-    # slot offsets: distinct within an owner's chunk and below the chunk bound
-    max_packs = num_packs
-    chunk = -(-max_packs // size)
     for index in range(size):
-        offs = [g // size for g in range(num_packs) if g % size == index]
-        assert len(set(offs)) == len(offs) and max(offs) < chunk
+        offs = [offset(g) for g in range(num_packs) if owner(g) == index]
+        assert len(set(offs)) == len(offs) and (not offs or max(offs) < chunk_packs), (index, offs[-3:])
+    received = {rank: {} for rank in range(world)}
+    for g, owners in owners_of.items():
+        for sender in owners:  # the all-gather: each owner pushes its result to the rest of its island
+            members, _ = position_of[sender]
+            for rank in members:
+                if rank != sender:
+                    received[rank][g] = received[rank].get(g, 0) + 1
+    for rank in range(world):
+        not_owned = {g for g, owners in owners_of.items() if rank not in owners}
+        assert set(received[rank]) == not_owned and set(received[rank].values()) <= {1}, rank
 
 
 # ----------------------------------------------------------------------------------------- argument checks
@@ -267,18 +293,16 @@ def test_extension_registers_every_op():
 def test_library_override_that_fails_to_load_says_so(monkeypatch, tmp_path):
     # The negative-control builds are loaded through this variable; a bad path must be a clear error.
     missing = tmp_path / "no_such_library.so"
-    before = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)  # `make test` loads its out-of-tree build this way
-    monkeypatch.setenv(_ext.LIBRARY_OVERRIDE_ENV, str(missing))
+    # `make test` loads its out-of-tree build this way; SGLang may have copied it to the other spelling
+    for name in spelled_out(_ext.LIBRARY_OVERRIDE_ENV, ""):
+        monkeypatch.setenv(name, str(missing))
     _ext._load.cache_clear()
     try:
         assert not k.kernels_available()
         with pytest.raises(k.KernelsNotBuiltError, match="no_such_library.so"):
             _ext.ops()
     finally:
-        if before is None:
-            monkeypatch.delenv(_ext.LIBRARY_OVERRIDE_ENV)
-        else:
-            monkeypatch.setenv(_ext.LIBRARY_OVERRIDE_ENV, before)
+        monkeypatch.undo()
         _ext._load.cache_clear()
     assert k.kernels_available()
 

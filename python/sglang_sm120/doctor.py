@@ -101,8 +101,9 @@ BUILD_RECORD_SUFFIX = ".build.json"
 def kernel_build_record() -> tuple[str, dict | None]:
     """Where the build record of the library this process loads is, and the record (None when there is none)."""
     from sgl_kernel_sm120 import _ext
+    from sgl_kernel_sm120.env import setting
 
-    override = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)
+    override = setting(_ext.LIBRARY_OVERRIDE_ENV)
     if override:
         directory, module = os.path.dirname(override), os.path.basename(override).split(".", 1)[0]
     else:
@@ -254,9 +255,10 @@ def report_cluster_launch(found: list[dict]) -> None:
 def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
     """What the pinned host-memory workspace (no P2P) would take in its tmpfs at this bound, and what is free."""
     from sgl_kernel_sm120.construction import DEFAULT_SHM_DIR, SHM_DIR_ENV
+    from sgl_kernel_sm120.env import setting
     from sgl_kernel_sm120.policy import ELEMENT_BYTES, Memory, kernel_limits, oneshot_max_numel
 
-    folder = os.environ.get(SHM_DIR_ENV, "").strip() or DEFAULT_SHM_DIR
+    folder = setting(SHM_DIR_ENV).strip() or DEFAULT_SHM_DIR
     try:
         from sgl_kernel_sm120 import _ext
 

@@ -256,8 +256,10 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     # paths, not the tune's verdict (tests/gpu/test_tune_gpu.py does); a test may still set both through `env`.
     os.environ["SGLANG_SM120_ALLREDUCE_TUNE"] = "off"
     os.environ["SGLANG_SM120_CACHE"] = tempfile.mkdtemp(prefix=f"sgl_sm120_cache_r{rank}_")
+    from sgl_kernel_sm120.env import spelled_out
+
     for key, value in (env or {}).items():
-        os.environ[key] = value
+        os.environ.update(spelled_out(key, value))  # an SGL_ switch under both names: SGLang 0.5.23 copies them
     for path in (os.path.join(REPO, "python"), REPO):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -453,6 +455,7 @@ class _DryRunIpcAllReduce:
         import torch.distributed as dist
 
         from sgl_kernel_sm120 import policy
+        from sgl_kernel_sm120.env import setting
 
         self.group, self.device, self.max_numel = group, device, int(max_numel)
         self.memory, self.islands, self.num_islands = memory, islands, 1
@@ -461,7 +464,7 @@ class _DryRunIpcAllReduce:
         self.shape = policy.WorkspaceShape(self.world_size, memory, self.link, sm_budget=1)
         self.limits = policy.kernel_limits()
         self.timeout_s = None
-        drop = os.environ.get("SGL_SM120_DEBUG_PROBE_DROP", "").strip()  # the kernel's probe debug switch
+        drop = setting("SGL_SM120_DEBUG_PROBE_DROP").strip()  # the kernel's probe debug switch
         if drop and memory == "device":
             from sgl_kernel_sm120.errors import IpcAllReduceProbeError
 

@@ -127,8 +127,11 @@ def test_hostmem_on_a_full_tmpfs_is_a_named_error_not_sigbus(monkeypatch):
         os.rmdir(folder)
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        monkeypatch.setenv("SGL_SM120_SHM_DIR", folder)
-        monkeypatch.setenv("SGL_SM120_DEBUG_SHM_NO_PRECHECK", "1")
+        from sgl_kernel_sm120.env import spelled_out
+
+        for name, value in {**spelled_out("SGL_SM120_SHM_DIR", folder),
+                            **spelled_out("SGL_SM120_DEBUG_SHM_NO_PRECHECK", "1")}.items():
+            monkeypatch.setenv(name, value)
         # 2 ranks: a parity region is the larger of 2 one-shot slots (2 x 2 B x n) and the staged slots (6 chunks of
         # 2 B x n / 2), so 6 n bytes, and a slab (2 parities + a page) 12 n bytes: 3 MiB + 4 KiB at n = 256 Ki.
         max_numel = 256 * 1024

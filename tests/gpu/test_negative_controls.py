@@ -27,6 +27,7 @@ import tempfile
 import pytest
 
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+from sgl_kernel_sm120.env import spelled_out
 from tests.gpu.harness import need_ranks, run_ranks
 from tests.gpu.test_ipc_allreduce import _scenario_graph
 
@@ -68,8 +69,10 @@ def _build_broken(flag: str, out: str) -> str:
 @pytest.mark.parametrize("flag", FLAGS)
 def test_broken_protocol_is_caught(flag, monkeypatch):
     with tempfile.TemporaryDirectory() as scratch:
-        monkeypatch.setenv(LIBRARY_OVERRIDE_ENV, _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch))
-        monkeypatch.setenv("SGL_SM120_AR_TIMEOUT_S", "2")
+        library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
+        for name, value in {**spelled_out(LIBRARY_OVERRIDE_ENV, library),
+                            **spelled_out("SGL_SM120_AR_TIMEOUT_S", "2")}.items():
+            monkeypatch.setenv(name, value)
         with pytest.raises(AssertionError) as caught:
             run_ranks(2, _scenario_graph, 24, 100, "exit", timeout_s=300)
     report = str(caught.value)

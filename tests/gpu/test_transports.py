@@ -35,6 +35,7 @@ from sgl_kernel_sm120 import (
     reference_all_reduce_add_rmsnorm,
 )
 from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+from sgl_kernel_sm120.env import spelled_out
 from sgl_kernel_sm120.ipc_allreduce import close_local_group
 from tests.gpu.harness import need_ranks, run_ranks
 from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
@@ -404,7 +405,7 @@ def test_broken_transport_protocol_is_caught_with_the_ranks_running_concurrently
 
     with tempfile.TemporaryDirectory() as scratch:
         library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
-        env = dict(os.environ, **{LIBRARY_OVERRIDE_ENV: library, "PYTHONPATH": ROOT})
+        env = dict(os.environ, **spelled_out(LIBRARY_OVERRIDE_ENV, library), PYTHONPATH=ROOT)
         done = subprocess.run([sys.executable, "-c", CHILD, "4"], env=env, capture_output=True, text=True,
                               timeout=600, cwd=ROOT)
     report = done.stdout + done.stderr

@@ -182,12 +182,13 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
     which ranks time-slicing a GPU as processes produce (the negative control catches it there) and the lockstep
     ranks of one process did not: on 1x H200 (2026-12-03) its one-process tune rejected no candidate."""
     from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+    from sgl_kernel_sm120.env import spelled_out
     from sglang_sm120.routing.table import RoutingTable, route_id
     from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
 
     library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
     out = tmp_path / "broken.json"
-    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **{LIBRARY_OVERRIDE_ENV: library},
+    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **spelled_out(LIBRARY_OVERRIDE_ENV, library),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", "2",
                            "--quick", "--max-batch", "4", "--draft-tokens", "1", "--dtype", "bf16", "--one-process",

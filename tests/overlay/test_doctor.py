@@ -148,7 +148,10 @@ def test_doctor_reports_a_bad_hostmem_value_in_one_line(monkeypatch, capsys):
 def test_doctor_names_the_architectures_the_library_was_built_for(monkeypatch, tmp_path):
     """pip hides the build's output; setup.py leaves a record beside the library and the doctor reads it."""
     library = tmp_path / "_C_torch9_9_9_cuda13_0.cpython-311-x86_64-linux-gnu.so"
-    monkeypatch.setenv("SGL_SM120_EXT_LIBRARY", str(library))
+    from sgl_kernel_sm120.env import spelled_out
+
+    for name, value in spelled_out("SGL_SM120_EXT_LIBRARY", str(library)).items():
+        monkeypatch.setenv(name, value)
     assert "no record at" in doctor.build_record_line()
     record = {"archs": ["9.0a", "12.0a"], "nvcc_release": "13.0", "torch": "9.9.9+cu130"}
     (tmp_path / "_C_torch9_9_9_cuda13_0.build.json").write_text(__import__("json").dumps(record))

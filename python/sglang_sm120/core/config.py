@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The kernels' wait bound: read by sgl_kernel_sm120 itself when no value is passed.
+from sgl_kernel_sm120.env import setting
 from sgl_kernel_sm120.watchdog import TIMEOUT_ENV as KERNEL_TIMEOUT_ENV
 
 MODE_ENV = "SGLANG_SM120_ALLREDUCE"
@@ -189,7 +190,7 @@ def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | No
     package reads it); else SGLang's `--dist-timeout`, the time NCCL would wait for a late peer; else None,
     the kernel package's default (minutes)."""
     environ = os.environ if environ is None else environ
-    if environ.get(KERNEL_TIMEOUT_ENV, "").strip():
+    if setting(KERNEL_TIMEOUT_ENV, "", environ).strip():
         return None, KERNEL_TIMEOUT_ENV
     dist_timeout = getattr(server_args, "dist_timeout", None) if server_args is not None else None
     if isinstance(dist_timeout, int | float) and not isinstance(dist_timeout, bool) and dist_timeout > 0:

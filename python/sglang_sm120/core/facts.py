@@ -173,11 +173,15 @@ def launch_facts(workspace, environ=None) -> dict[str, Any]:
     another launch, so the table is not used."""
     try:
         from sgl_kernel_sm120.cluster_check import SWITCH_ENV
+        from sgl_kernel_sm120.env import setting
         from sgl_kernel_sm120.ipc_allreduce import PDL_ENV
 
         switches: tuple[str, ...] = (SWITCH_ENV, PDL_ENV)
     except ImportError:  # a stand-in kernel package (the CPU tests): the workspace's own facts only
         switches = ()
+
+        def setting(name, default, env):
+            return env.get(name, default)
     env = os.environ if environ is None else environ
     clusters = (getattr(workspace, "fused_clusters", None) or {}).get("clusters") or []
     pdl = getattr(workspace, "use_pdl", None)
@@ -185,7 +189,7 @@ def launch_facts(workspace, environ=None) -> dict[str, Any]:
         "clusters": sorted(int(c) for c in clusters),
         "sm_budget": int(getattr(workspace, "sm_budget", 0) or 0),
         "pdl": None if pdl is None else bool(pdl),
-        "switches": {name: env.get(name, "") for name in switches},
+        "switches": {name: setting(name, "", env) for name in switches},
     }
 
 
