@@ -46,16 +46,19 @@ def reduce(backend, x):
     return backend.all_reduce(x, route)
 
 
-def run_ranks(world, target):
+def run_ranks(world, target, named=False):
+    """target(rank) on one thread per rank; {rank: result}. Fails when a rank raised or did not finish, so a test
+    never judges from the ranks that happened to return. `named`: each thread is named after its rank (the
+    fakes that stand for a rank's own GPU read it; unnamed, every rank looks like rank 0 to fake_key_facts)."""
     results, errors = {}, {}
 
     def body(rank):
         try:
             results[rank] = target(rank)
-        except Exception as exc:  # surfaced by the assertion below
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
             errors[rank] = exc
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,), name=str(r) if named else None) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -125,9 +128,7 @@ def test_gate_enabled_with_full_facts(monkeypatch):
     def body(rank):
         results[rank] = make_backend(rank, 2, store, name="tp:full").resolve_gate()
 
-    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    run_ranks(2, body, named=True)
     assert results[0] == results[1] and results[0].enabled, results
 
 
@@ -230,7 +231,7 @@ def test_build_failure_on_one_rank_disables_every_rank(fake_kernel_module):
         backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
         results[rank] = backend
 
-    _threads(2, body)
+    run_ranks(2, body, named=True)
     assert sorted(results) == [0, 1]
     for backend in results.values():
         assert not backend.active
@@ -356,24 +357,6 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
 # --- the host-memory workspace (no CUDA P2P) ------------------------------------------------------------------
 
 
-def _threads(world, body):
-    """Runs body(rank) on one thread per rank; fails when a rank raised or did not finish, so a test never judges
-    from the ranks that happened to return."""
-    errors = {}
-
-    def run(rank):
-        try:
-            body(rank)
-        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), name=str(r)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
-    assert not [t.name for t in threads if t.is_alive()], "ranks still running after 30 s"
-    assert not errors, f"ranks raised: {errors!r}"
-
-
 @pytest.mark.parametrize("hostmem,enabled", [("auto", True), ("off", False)])
 def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostmem, enabled):
     store = dist.HashStore()
@@ -390,7 +373,7 @@ def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostme
                 "kernel_error": None}
 
     monkeypatch.setattr(comm_mod, "local_facts", local_facts)
-    _threads(2, body)
+    run_ranks(2, body, named=True)
     (d0, b0), (d1, _) = results[0], results[1]
     assert d0 == d1 and d0.enabled is enabled, d0
     assert "GeForce" in d0.reason and "0->1" in d0.reason, d0.reason
@@ -442,7 +425,7 @@ def _build_all(world, store, name, **kwargs):
         backend.build(7168, torch.bfloat16, ByteBound(1 << 16, "t"))
         results[rank] = backend
 
-    _threads(world, body)
+    run_ranks(world, body, named=True)
     assert sorted(results) == list(range(world)), sorted(results)
     return results
 
