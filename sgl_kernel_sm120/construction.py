@@ -10,6 +10,7 @@ for a peer that gave up. A step that fails frees what this rank built before it 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 
@@ -31,6 +32,8 @@ SHM_ADVICE = (
 # Tests only: skip the size check so that the allocation itself meets a full tmpfs (csrc/workspace.cu).
 SHM_NO_PRECHECK_ENV = "SGL_SM120_DEBUG_SHM_NO_PRECHECK"
 HOST_MEMORY_ERROR = "host memory:"  # how a failure of the host-memory workspace's size begins
+
+logger = logging.getLogger(__name__)
 
 
 def joint_check(group, local_error: str | None, step: str) -> None:
@@ -108,16 +111,20 @@ def destroy(ops, handle: int) -> None:
 
 
 def create_device(ops, group, config: Config) -> int:
-    """Collective: this rank's slab, then every peer's opened through its CUDA IPC handle. Returns the handle."""
-    handle, error = 0, None
+    """Collective: this rank's slab, then every peer's opened through its CUDA IPC handle. Returns the handle.
+
+    Every step that can fail on one rank ends in a joint_check that all ranks reach: a rank that left between two
+    collectives would leave its peers waiting in the next one for the group's own timeout (hours in SGLang)."""
+    handle, error, ipc_handle = 0, None, None
     try:
         handle = int(ops.ws_create(*config.create_args()))
+        ipc_handle = bytes(ops.ws_ipc_handle(handle).tolist())
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     try:
         joint_check(group, error, "workspace allocation")
         handles: list = [None] * config.world_size
-        dist.all_gather_object(handles, bytes(ops.ws_ipc_handle(handle).tolist()), group=group)
+        dist.all_gather_object(handles, ipc_handle, group=group)
         error = None
         if config.world_size > 1:
             try:
@@ -172,7 +179,14 @@ def create_host(ops, group, config: Config) -> int:
                     error = f"{type(exc).__name__}: {exc}"
             joint_check(group, error, f"pinning the host-memory workspace (rank {turn})")
         if config.rank == 0:
-            ops.ws_unlink_shared(handle)
+            # After the last joint step, on rank 0 only: a failure here must not end this rank's construction
+            # while its peers go on into the next collective. Every rank has the buffer pinned; only the name stays.
+            try:
+                ops.ws_unlink_shared(handle)
+            except Exception as exc:
+                logger.warning("sgl_kernel_sm120: removing the host-memory workspace's file %s/%s failed (%s: %s);"
+                               " the workspace works, remove the file by hand once the server stops",
+                               config.shm_dir, names[0], type(exc).__name__, exc)
     except Exception:
         destroy(ops, handle)
         raise

@@ -110,7 +110,8 @@ def resolve_routes(
                          library=library or library_identity, run_child=run_child or launch.run_rank_child,
                          graph_rows=graph_rows)
     except Exception as exc:  # noqa: BLE001 - NCCL is always a safe answer
-        logger.info("sglang_sm120 [rank %d]: resolving the routes failed: %s: %s", rank, type(exc).__name__, exc)
+        # WARNING on this rank: rank 0's line may only name this rank as missing, the reason is here
+        logger.warning("sglang_sm120 [rank %d]: resolving the routes failed: %s: %s", rank, type(exc).__name__, exc)
         found = _all_nccl(log, f"resolving the routes failed ({type(exc).__name__}: {exc})")
     try:
         views = agree("routes-final", {"source": found.source, "why": found.why,
@@ -214,8 +215,11 @@ def _resolve(*, agree, rank, world, device, shape, limits, islands, p2p, hidden,
                          islands_given=True, link=link, graph_rows=sorted({int(r) for r in graph_rows}),
                          exclude=[{**b, "reason": f"blamed before: {b['reason']}"} for b in blamed])
     start = time.monotonic()
-    outcome = run_child(rank, world, int(device.index), int(port), spec, timeout_s=tune_timeout_s,
-                        stall_s=min(STALL_S, tune_timeout_s))
+    try:
+        outcome = run_child(rank, world, int(device.index), int(port), spec, timeout_s=tune_timeout_s,
+                            stall_s=min(STALL_S, tune_timeout_s))
+    except Exception as exc:  # this rank's child never ran: its peers hear why at the next step, not by a timeout
+        outcome = launch.ChildOutcome(rank, error=f"could not start the tune child: {type(exc).__name__}: {exc}")
     outcomes = agree("routes-tuned", launch.outcome_payload(outcome), timeout_s=tune_timeout_s + AGREE_MARGIN_S)
     failed = [f"rank {r}: {o['why']}" for r, o in enumerate(outcomes) if not o["ok"]]
     problem, culprit, table = "", None, None
@@ -239,8 +243,8 @@ def _resolve(*, agree, rank, world, device, shape, limits, islands, p2p, hidden,
                 cache.record_failure(key, hidden, problem, when)
                 if culprit is not None:
                     cache.record_blames(key, [culprit], when)
-            except OSError as exc:
-                logger.warning("sglang_sm120: noting the failed quick tune: %s", exc)
+            except Exception as exc:  # rank 0 only: it must reach the next step with its peers
+                logger.warning("sglang_sm120: noting the failed quick tune: %s: %s", type(exc).__name__, exc)
         if culprit is not None:
             blamed = _union([blamed, [culprit]])
         if found:
@@ -254,7 +258,7 @@ def _resolve(*, agree, rank, world, device, shape, limits, islands, p2p, hidden,
     if rank == 0:
         try:
             saved["path"] = cache.save(table)
-        except OSError as exc:
+        except Exception as exc:  # rank 0 only: its peers hear it in the next step
             saved["error"] = f"{type(exc).__name__}: {exc}"
     saved = agree("routes-saved", saved)[0]
     if saved["error"]:

@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -211,6 +212,21 @@ def test_a_child_timed_out_or_stalled_means_nccl(killed, cause):
     books, logs = resolve_all("auto", Children(lambda rank, spec: launch.ChildOutcome(
         rank, returncode=-9, killed=killed)))
     all_nccl(books, logs, cause)
+
+
+def test_a_child_that_cannot_start_on_one_rank_is_a_failure_every_rank_hears_at_once():
+    # e.g. fork refused (ENOMEM) in a process holding a large CUDA context: no wait for an agreement timeout
+    def answer(rank, spec):
+        if rank == 1:
+            raise OSError(12, "Cannot allocate memory")
+        return good_child(rank, spec)
+
+    started = time.monotonic()
+    books, logs = resolve_all("auto", Children(answer))
+    all_nccl(books, logs, "rank 1: could not start the tune child: OSError: [Errno 12] Cannot allocate memory")
+    assert time.monotonic() - started < 5.0  # the agreements' bound in these tests: nobody waited it out
+    assert cache.blames(KEY) == []  # no candidate ran: none is blamed
+    assert cache.recorded_failure(KEY, HIDDEN) is not None  # noted, so `auto` does not retry it every start
 
 
 def test_a_child_out_of_memory_means_nccl():
