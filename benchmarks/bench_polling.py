@@ -73,7 +73,8 @@ def run(args) -> dict:
         sm_count = int(ops.ws_sm_count(ws))
         try:
             fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
-            fill_us[world] = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
+            fill_us[world] = statistics.median(timing.replay_times(fill_graph, args.iters, warmup=args.warmup,
+                                                                         sync_each=True)) / args.calls
             for rows in ROWS:
                 x = torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev)
                 t = {"x": x, "residual": torch.ones_like(x), "out": torch.empty_like(x), "norm": torch.empty_like(x),
@@ -82,7 +83,7 @@ def run(args) -> dict:
                     step = _refill_then_call(ops, ws, op, variant, cluster, sm_count, t)
                     graph, _ = timing.capture_graph(step, args.calls)
                     per_call = [v / args.calls - fill_us[world]
-                                for v in timing.replay_times(graph, args.iters, sync_each=True)]
+                                for v in timing.replay_times(graph, args.iters, warmup=args.warmup, sync_each=True)]
                     # every peer pack holds bf16 1.0 (the fill) and so does every input: the sum is `world`
                     expected = torch.full_like(x, world + (1 if op != "all_reduce" else 0))
                     correct = bool(torch.equal(t["out"], expected))
@@ -103,6 +104,7 @@ def run(args) -> dict:
             ops.ws_destroy(ws)
     return microbench.document(
         "bench_polling", __doc__, "loopback: rank 0 of W in one process", args, fill_us, records,
+        statistic=microbench.LOOPBACK_STATISTIC,
         comparisons=comparisons(records),
         note="loopback: rank 0 of W on one GPU, peer packs pre-filled as ready; pushes land in local memory",
     )

@@ -183,7 +183,8 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict, int]:
             limits[str(world)] = {"sm_budget": sm_budget, "cluster_capacity": dict(zip(("2", "4", "8"), capacity,
                                                                                       strict=True))}
             fill_graph, _ = timing.capture_graph(lambda k, ws=ws: ops.ws_loopback_refill(ws), args.calls)
-            fill = statistics.median(timing.replay_times(fill_graph, args.iters, sync_each=True)) / args.calls
+            fill = statistics.median(timing.replay_times(fill_graph, args.iters, warmup=args.warmup,
+                                                           sync_each=True)) / args.calls
             fill_us[f"{world}x{rows}"] = fill
             for launch in _loopback_configs(world, rows, sm_budget):
                 if launch.config == "sweep" and time.monotonic() > deadline:
@@ -192,7 +193,8 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict, int]:
                 call = LoopbackCall(ops, ws, world, rows, dev, launch.variant, launch.transport, launch.op,
                                     launch.blocks, launch.cluster, launch.threads or 256, launch.window)
                 graph, _ = timing.capture_graph(call, args.calls)
-                per_call = [v / args.calls - fill for v in timing.replay_times(graph, args.iters, sync_each=True)]
+                per_call = [v / args.calls - fill
+                            for v in timing.replay_times(graph, args.iters, warmup=args.warmup, sync_each=True)]
                 correct = call.one_shot_correct() if launch.variant == 0 else None  # two-shot: stand-in owners
                 cluster_used = None
                 if launch.op != "all_reduce" and launch.variant == 0:
@@ -244,7 +246,7 @@ def _concurrent(args, dev, stages: dict) -> list[dict]:
                                                                   transport=transport)[1]
 
                 graph = concurrent.capture_concurrent(streams, call, args.calls)
-                per_call = [v / args.calls for v in timing.replay_times(graph, args.iters, warmup=2)]
+                per_call = [v / args.calls for v in timing.replay_times(graph, args.iters, warmup=args.warmup)]
                 expected = torch.full_like(xs[0], world + (op != "all_reduce"))
                 correct = all(torch.equal(o, expected) for o in outs) and all(c.timeout_error() is None for c in comms)
                 rec = {"mode": "concurrent", "op": op, "world": world, "rows": rows, "hidden": HIDDEN,
@@ -356,6 +358,8 @@ def run(args) -> dict:
               f"{e['transport']}: {ratio} ({e['default_launch']} against {e['best_launch']})")
     return microbench.document(
         "bench_transports", __doc__, "loopback and one-process concurrent groups", args, fill_us, records,
+        statistic=("loopback: " + microbench.LOOPBACK_STATISTIC + "; concurrent: the median over the timed replays of "
+                   "(replay time / calls per replay), a replay ending when the slowest rank's branch has"),
         summary=summary(records), sweep=sweep, launch_limits=limits, stage_seconds=stages,
         sweep_launches_left_out=left_out,
         note="one GPU: no link is crossed; concurrent ranks each get a W-th of the SMs",

@@ -184,7 +184,7 @@ class Group:
             close_local_group(comms)
 
 
-def time_route(group: Group, route: Route, kind: str, rows: int, calls: int, iters: int) -> dict:
+def time_route(group: Group, route: Route, kind: str, rows: int, calls: int, iters: int, warmup: int) -> dict:
     """One launch timed as the group's W concurrent graph branches: {"us", "result_correct", "error"}."""
     import torch
 
@@ -205,7 +205,7 @@ def time_route(group: Group, route: Route, kind: str, rows: int, calls: int, ite
 
     try:
         graph = concurrent.capture_concurrent(group.streams, call, calls)
-        per_call = [v / calls for v in timing.replay_times(graph, iters, warmup=2)]
+        per_call = [v / calls for v in timing.replay_times(graph, iters, warmup=warmup)]
         del graph
         expected = torch.full_like(xs[0], group.world + (kind == "fused"))
         timeouts = [str(c.timeout_error()) for c in comms if c.timeout_error() is not None]
@@ -253,19 +253,19 @@ def _sweep_world(world: int, dev, args, deadline: float, log: Callable[[str], No
                     left_out += 1
                     continue
                 rec = {"world": world, "kind": kind, "rows": rows, "route": route.id,
-                       **time_route(group, route, kind, rows, args.calls, args.iters)}
+                       **time_route(group, route, kind, rows, args.calls, args.iters, args.warmup)}
                 timed.append(rec)
                 log(f"W={world} {kind:5s} [{rows:2d},{HIDDEN}] {route.id:40s} "
                     + (f"{rec['us']:7.2f} us" if rec["us"] is not None else "   -   ")
                     + ("" if rec["result_correct"] else f"  FAILED: {rec['error']}"))
             if pick is not None and pick_id not in {r["route"] for r in timed}:
                 timed.append({"world": world, "kind": kind, "rows": rows, "route": pick_id,
-                              **time_route(group, pick, kind, rows, args.calls, args.iters)})
+                              **time_route(group, pick, kind, rows, args.calls, args.iters, args.warmup)})
             confirmed: dict[str, list[float]] = {rid: [] for rid in confirmation_set(timed, pick_id)}
             routes = {rid: Route.parse(rid) for rid in confirmed if rid != "nccl"}
             for _ in range(CONFIRM_ROUNDS):
                 for rid, route in routes.items():
-                    again = time_route(group, route, kind, rows, args.calls, args.iters)
+                    again = time_route(group, route, kind, rows, args.calls, args.iters, args.warmup)
                     if again["result_correct"]:
                         confirmed[rid].append(again["us"])
             shape_key = launch_key(pick, kind, rows, shape, limits) if pick is not None else None
@@ -306,6 +306,9 @@ def run(args) -> dict:
           f"{time.monotonic() - began:.1f} s" + (f"; {left_out} sweep launches left out" if left_out else ""))
     return microbench.document(
         "bench_tuner_pick", __doc__, "one-process concurrent groups", args, {}, records, summary=verdicts,
+        statistic=("a launch's time: the median over the timed replays of (replay time / calls per replay), a "
+                   "replay ending when the slowest rank's branch has; a confirmed time (pick, best): the median "
+                   f"of {CONFIRM_ROUNDS} such medians, each round captured again"),
         tables=tables, sweep_launches_left_out=left_out, pick_target=PICK_TARGET,
         seconds=time.monotonic() - began,
         note="one GPU: no link is crossed; each rank gets a W-th of the SMs; NCCL's time injected (not run)",

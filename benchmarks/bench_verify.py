@@ -162,6 +162,26 @@ def reference_backends(backends: list[str], no_p2p: bool) -> tuple[str, str]:
     return ref, ours
 
 
+
+# What must be the same for two runs' rows to stand in one file (their ratios and the e2e estimate compare them).
+MERGE_HARDWARE_FIELDS = ("gpu", "capability", "driver", "cuda", "torch", "nccl", "world_size")
+
+
+def measured_on(hw: dict) -> dict:
+    return {name: hw.get(name) for name in MERGE_HARDWARE_FIELDS}
+
+
+def merge_refusal(old: dict, hw: dict, settings: dict) -> str | None:
+    """Why an existing result file's rows must not be kept beside this run's, or None: another GPU, driver or
+    software stack, or other timing settings."""
+    differing = [f"{name} {a!r} there, {b!r} here"
+                 for name, a, b in ((n, old.get("hardware", {}).get(n), hw.get(n)) for n in MERGE_HARDWARE_FIELDS)
+                 if a != b]
+    old_settings = old.get("settings", {})
+    differing += [f"{name} {old_settings.get(name)!r} there, {value!r} here" for name, value in settings.items()
+                  if old_settings.get(name) != value]
+    return "; ".join(differing) or None
+
 class Bench(run.Run):
     kind = "verify"
     validate = staticmethod(validate_verify_doc)
@@ -213,6 +233,9 @@ class Bench(run.Run):
             out.append(e)
         return out
 
+    def timing_settings(self) -> dict:
+        return {"iters": self.args.iters, "warmup_replays": self.args.warmup}
+
     def load_prior(self) -> dict | None:
         """An existing result file of the same config and world size (read once, before this run writes)."""
         if self.args.no_merge or not self.out_json.is_file():
@@ -228,12 +251,21 @@ class Bench(run.Run):
         if not same:
             self.notes["merge"] = "existing file is for another config/world size/pattern: overwritten"
             return None
+        refusal = merge_refusal(old, self.hw, self.timing_settings())
+        if refusal:
+            self.notes["merge"] = f"existing file was measured otherwise ({refusal}): overwritten"
+            return None
         return old
 
     def doc(self) -> dict:
         results, checks, skipped = list(self.results), list(self.checks), list(self.skipped)
-        runs = [self.run_info]
+        norm = self.norm.name if getattr(self, "norm", None) else None
+        runs = [{**self.run_info, "measured_on": measured_on(self.hw), **self.timing_settings(), "norm_kernel": norm}]
         old = self.prior
+        if old and old.get("norm_kernel") != norm:
+            self.notes["merge"] = (f"existing file's rows used the norm kernel {old.get('norm_kernel')!r}, this run "
+                                   f"{norm!r}: overwritten")
+            old = None
         if old:
             def key(r):
                 return r["backend"], r["compute"], r["tokens"]

@@ -9,9 +9,17 @@ from pathlib import Path
 
 from . import io
 
+# Untimed replays of every graph before its timed ones: the first launches of a graph pay for its upload.
+WARMUP_REPLAYS = 3
+# What a loopback record's time is (bench_polling, bench_transports' loopback mode).
+LOOPBACK_STATISTIC = ("the median over the timed replays of (replay time / calls per replay), minus the median of the "
+                      "fill-only graph's; one timing rank (loopback: rank 0 of W, stand-in peers)")
 
-def document(benchmark: str, doc: str, hardware: str, args, fill_us: dict, records: list[dict], **extra) -> dict:
-    """The result document: what ran where, the timing settings, the records, and the benchmark's own fields."""
+
+def document(benchmark: str, doc: str, hardware: str, args, fill_us: dict, records: list[dict], *, statistic: str,
+             **extra) -> dict:
+    """The result document: what ran where, the timing settings and the statistic the times are, the records, and
+    the benchmark's own fields."""
     import torch
 
     return {
@@ -22,6 +30,8 @@ def document(benchmark: str, doc: str, hardware: str, args, fill_us: dict, recor
         "torch": torch.__version__,
         "calls_per_graph": args.calls,
         "iters": args.iters,
+        "warmup_replays": args.warmup,
+        "statistic": statistic,
         "fill_us_per_call": fill_us,
         "timestamp": io.utc_now(),
         "records": records,
@@ -39,6 +49,7 @@ def main(run: Callable[[argparse.Namespace], dict], kind: str, doc: str, argv=No
     p.add_argument("--out", default=str(io.RESULTS_DIR))
     p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--calls", type=int, default=calls)
+    p.add_argument("--warmup", type=int, default=WARMUP_REPLAYS, help="untimed replays of each graph first")
     if options is not None:
         options(p)
     args = p.parse_args(argv)

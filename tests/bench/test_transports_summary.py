@@ -198,7 +198,8 @@ def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_r
         step(0)
         return types.SimpleNamespace(step=step), None
 
-    def replay_times(graph, iters, sync_each=True):
+    def replay_times(graph, iters, warmup=0, sync_each=True):
+        assert warmup == 4  # the run's --warmup: every timed graph is replayed untimed first
         c = graph.step
         if not isinstance(c, bt.LoopbackCall):
             return [20.0] * iters  # the fills alone: 1 us per call
@@ -211,7 +212,7 @@ def test_the_loopback_stage_records_every_launch_with_its_fields_and_the_sweep_r
     monkeypatch.setattr(bt.timing, "replay_times", replay_times)
     monkeypatch.setattr("sgl_kernel_sm120._ext.ops", lambda: ops)
     stages = {}
-    args = argparse.Namespace(calls=20, iters=3)
+    args = argparse.Namespace(calls=20, iters=3, warmup=4)
     records, fill_us, limits, left_out = bt._loopback(args, torch.device("cpu"), stages)
     assert left_out == 0 and fill_us == {"4x3": 1.0, "4x4": 1.0}
     assert limits == {"4": {"sm_budget": 132, "cluster_capacity": {"2": 66, "4": 62, "8": 15}}}

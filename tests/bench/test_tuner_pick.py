@@ -131,7 +131,8 @@ def test_a_world_end_to_end_with_stand_ins(monkeypatch):
                                  **({"threads": 64} if kind == "plain" else {"cluster": 1}))
              for kind, rows in itertools.product(tp.KINDS, tp.ROWS)}
 
-    def fake_time(group, route, kind, rows, calls, iters):
+    def fake_time(group, route, kind, rows, calls, iters, warmup):
+        assert (calls, iters, warmup) == (2, 3, 4)  # the run's settings reach every timing
         wrong = route.transport.value == "pull"  # every pull launch "wrong": never the best
         return {"us": 1.0 + abs(route.ctas - 16) / 16 + (0.5 if route.transport.value == "staged" else 0)
                 + (0 if route.threads in (None, 64) else 0.01) + (0 if route.cluster in (None, 1) else 0.01),
@@ -142,7 +143,7 @@ def test_a_world_end_to_end_with_stand_ins(monkeypatch):
     monkeypatch.setattr(tp, "tune_picks", lambda world, index: ({"entries": []}, picks, 1.5))
 
     class Args:
-        calls, iters = 2, 3
+        calls, iters, warmup = 2, 3, 4
 
     import types
 

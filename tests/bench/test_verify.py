@@ -158,3 +158,17 @@ def test_expert_cap_is_recorded(tiny):
     m.prepare_tokens(64)
     x = torch.randn(64, tiny.hidden_size).to(torch.bfloat16)
     assert m.mlp(x, moe=True).shape == x.shape
+
+
+def test_rows_of_another_machine_or_other_timing_settings_are_not_merged():
+    merge_refusal = bv.merge_refusal
+    hw = {"gpu": "NVIDIA H200", "capability": "9.0", "driver": "580.159.04", "cuda": "13.0", "torch": "2.11.0",
+          "nccl": "2.28.9", "world_size": 2, "memory_gib": 139.8}
+    settings = {"iters": 20, "warmup_replays": 3}
+    old = {"hardware": dict(hw, memory_gib=140.0), "settings": dict(settings, statistic="...")}
+    assert merge_refusal(old, hw, settings) is None  # fields that do not change the timings may differ
+    assert merge_refusal({**old, "hardware": dict(hw, driver="575.1")}, hw, settings) == \
+        "driver '575.1' there, '580.159.04' here"
+    assert merge_refusal({**old, "settings": {"iters": 50, "warmup_replays": 3}}, hw, settings) == \
+        "iters 50 there, 20 here"
+    assert "gpu" in merge_refusal({"settings": settings}, hw, settings)  # a file without hardware: not merged
