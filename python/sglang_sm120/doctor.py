@@ -207,7 +207,8 @@ def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, 
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         nbytes = tokens * hidden * element_size
-        backend = "sm120 / sm120 fused" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
+        # within the bound nothing is ours yet: the table picks per size, and without one NCCL serves everything
+        backend = "by the routing table (sm120 or NCCL)" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
         print(f"{tokens:>8} {nbytes:>10}  {backend}")
     print("within the bound, the routing table (below) decides each size: the sizes NCCL won stay on NCCL, and "
           "so does every size when no measured table can be used")

@@ -13,7 +13,8 @@ def test_doctor_without_gpus(monkeypatch, capsys):
     assert code != 0
     assert "no CUDA GPUs" in out
     assert "NCCL_P2P_LEVEL" in out
-    assert "dispatch by message size" in out and "sm120 / sm120 fused" in out
+    assert "dispatch by message size" in out and "by the routing table (sm120 or NCCL)" in out
+    assert "sm120 / sm120 fused" not in out  # no size is ours before a table says so
     assert "cannot run: no CUDA GPUs" in out
 
 
