@@ -162,7 +162,6 @@ def reference_backends(backends: list[str], no_p2p: bool) -> tuple[str, str]:
     return ref, ours
 
 
-
 # What must be the same for two runs' rows to stand in one file (their ratios and the e2e estimate compare them).
 MERGE_HARDWARE_FIELDS = ("gpu", "capability", "driver", "cuda", "torch", "nccl", "world_size")
 
@@ -181,6 +180,7 @@ def merge_refusal(old: dict, hw: dict, settings: dict) -> str | None:
     differing += [f"{name} {old_settings.get(name)!r} there, {value!r} here" for name, value in settings.items()
                   if old_settings.get(name) != value]
     return "; ".join(differing) or None
+
 
 class Bench(run.Run):
     kind = "verify"

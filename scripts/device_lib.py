@@ -149,8 +149,12 @@ def install(archs: str, root: Path = ROOT) -> int:
     placed = [root / PACKAGE / path.name for path in carry.iterdir() if path.name != RECORD]
     for path in placed:
         shutil.copy2(carry / path.name, path)
-    # the library override under both spellings (SGLang 0.5.23 copies SGL_* to SGLANG_*; sgl_kernel_sm120/env.py)
-    env = {k: v for k, v in os.environ.items() if k not in ("SGL_SM120_EXT_LIBRARY", "SGLANG_SM120_EXT_LIBRARY")}
+    sys.path.insert(0, str(root))  # the kernel package's pure parts (no torch, no library loaded)
+    from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
+    from sgl_kernel_sm120.env import spellings
+
+    # the library override under every spelling (SGLang 0.5.23 copies SGL_* to SGLANG_*)
+    env = {k: v for k, v in os.environ.items() if k not in spellings(LIBRARY_OVERRIDE_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     probe = (f"from {PACKAGE} import _ext, policy; policy.kernel_limits(); print(_ext.library_path())")
     loads = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=root)

@@ -10,7 +10,7 @@ from typing import Any
 def capture_concurrent(streams: Sequence[Any], call: Callable[[int], Any], calls: int) -> Any:
     """`calls` eager calls per rank, then one graph of `calls` calls per rank, rank r's `call(r)` on `streams[r]`.
 
-    The eager warm-up is issued call-major (every rank's call k before any rank's call k + 1): with CUDA's lazy
+    The eager warm-up launches call-major (every rank's call k before any rank's call k + 1): with CUDA's lazy
     module loading a rank-major order deadlocks until the kernels' timeout (IpcAllReduce.local_group). In the graph
     every branch waits for the capture stream first and the capture stream for every branch last, so a replay is
     one call of the whole group."""

@@ -23,8 +23,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# The kernels' wait bound: read by sgl_kernel_sm120 itself when no value is passed.
 from sgl_kernel_sm120.env import setting
+
+# The kernels' wait bound: read by sgl_kernel_sm120 itself when no value is passed.
 from sgl_kernel_sm120.watchdog import TIMEOUT_ENV as KERNEL_TIMEOUT_ENV
 
 MODE_ENV = "SGLANG_SM120_ALLREDUCE"

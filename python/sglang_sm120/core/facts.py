@@ -171,25 +171,22 @@ def launch_facts(workspace, environ=None) -> dict[str, Any]:
     cluster sizes its ranks agreed (the cluster check's verdict), the SM budget, whether it uses programmatic
     dependent launch, and the switches that change them. A route measured under other launch facts runs
     another launch, so the table is not used."""
+    env = os.environ if environ is None else environ
     try:
         from sgl_kernel_sm120.cluster_check import SWITCH_ENV
         from sgl_kernel_sm120.env import setting
         from sgl_kernel_sm120.ipc_allreduce import PDL_ENV
 
-        switches: tuple[str, ...] = (SWITCH_ENV, PDL_ENV)
+        switches = {name: setting(name, "", env) for name in (SWITCH_ENV, PDL_ENV)}
     except ImportError:  # a stand-in kernel package (the CPU tests): the workspace's own facts only
-        switches = ()
-
-        def setting(name, default, env):
-            return env.get(name, default)
-    env = os.environ if environ is None else environ
+        switches = {}
     clusters = (getattr(workspace, "fused_clusters", None) or {}).get("clusters") or []
     pdl = getattr(workspace, "use_pdl", None)
     return {
         "clusters": sorted(int(c) for c in clusters),
         "sm_budget": int(getattr(workspace, "sm_budget", 0) or 0),
         "pdl": None if pdl is None else bool(pdl),
-        "switches": {name: setting(name, "", env) for name in switches},
+        "switches": switches,
     }
 
 
