@@ -46,7 +46,7 @@ for _p in (_ROOT / "python", _ROOT):
 
 from benchmarks.harness import io, nccl_mode, norms, ranks, run, timing  # noqa: E402
 from benchmarks.harness.io import format_bytes, parse_int_list, parse_size  # noqa: E402
-from sglang_sm120.reporting.schema import (  # noqa: E402
+from benchmarks.harness.schema import (  # noqa: E402
     NO_P2P_TARGETS,
     crossover_bytes,
     evaluate_targets,

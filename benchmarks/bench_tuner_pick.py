@@ -5,7 +5,7 @@ setting the one-process tune measures in, so the tuner and the sweep see the sam
     python -m benchmarks.bench_tuner_pick [--out benchmarks/results] [--worlds 2 4 8] [--iters 30] [--calls 20]
 
 Per world W:
-1. the tune: the quick tune of a server's start, in one process (sglang_sm120.tuning.measure_local.run_one_process;
+1. the tune: the quick tune of a server's start, in one process (benchmarks.harness.local_tune.run_one_process;
    quick, hidden 7168, bf16, rows up to max(ROWS), ROWS among the measured rows). NCCL cannot run in one process; its
    time is set far above ours (debug_nccl_us), so every size routes to one of our launches, by the tuner's own rule
    (its hysteresis included): the pick under test. The table is kept in the JSON (`tables`);
@@ -223,7 +223,7 @@ def tune_picks(world: int, device_index: int) -> tuple[dict, dict[tuple[str, int
     """The quick tune in one process: (its table as a dict, the route it sends each (kind, rows) of ROWS to, its
     seconds)."""
     from sglang_sm120.routing.table import lookup
-    from sglang_sm120.tuning.measure_local import run_one_process
+    from benchmarks.harness.local_tune import run_one_process
     from sglang_sm120.tuning.tuner import TuneSpec
 
     spec = TuneSpec.make(HIDDEN, max(ROWS), quick=True, dtypes=[DTYPE], kinds=list(KINDS), graph_rows=list(ROWS),

@@ -63,7 +63,7 @@ from benchmarks.workloads.verify_model import (  # noqa: E402
     SglangComm,
     Sm120Comm,
 )
-from sglang_sm120.reporting.schema import e2e_estimate, validate_verify_doc  # noqa: E402
+from benchmarks.harness.schema import e2e_estimate, validate_verify_doc  # noqa: E402
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 

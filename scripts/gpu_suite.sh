@@ -114,7 +114,7 @@ fi
 # FlashInfer's PCIe IPC all-reduce for the bench peer flashinfer_pcie_ipc: a trimmed FlashInfer in .fi/site and the
 # wheels it needs in .fi/wheels, made by scripts/pack_flashinfer_pcie.sh (carry ".fi"). Only the bench stage sees it:
 # the other stages import SGLang broadly, which on a GPU machine expects the stand-ins for a missing FlashInfer
-# (python/sglang_sm120/testing/standins.py), and this copy holds the PCIe all-reduce only. Its tvm-ffi goes first
+# (benchmarks/harness/standins.py), and this copy holds the PCIe all-reduce only. Its tvm-ffi goes first
 # (FlashInfer 0.7.2 asks >= 0.1.11; .whl's SGLang 0.5.13.post1 pins 0.1.9).
 BASE_PYTHONPATH="$PWD:$PWD/python"  # what the sglang-shared stage puts after a release's own folder
 

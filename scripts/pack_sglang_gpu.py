@@ -19,7 +19,7 @@ distributed layer, the norms or the layer boundary import; the folders stay, emp
 and 2.8 MiB; with the wheels about 37 MiB in all.
 
 Deps: what SGLang's modules import on the paths the GPU tests take (traced with CUDA faked on a CPU, stand-ins
-for sgl_kernel/flashinfer, see python/sglang_sm120/testing/standins.py), minus what the GPU image already has
+for sgl_kernel/flashinfer, see benchmarks/harness/standins.py), minus what the GPU image already has
 in a version that works (KINDS.md's list). Version pins that matter:
 - 0.5.13.post1: transformers 5.8.1 (the image's 5.17 refuses SGLang's qwen3_asr config registration) with
   tokenizers 0.22.2 (5.8.1 wants <= 0.23.0), openai 2.6.1, apache-tvm-ffi 0.1.9, compressed-tensors 0.20.1;

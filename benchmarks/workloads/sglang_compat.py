@@ -63,7 +63,7 @@ def install_sglang_standins() -> str | None:
     Returns None if installed (or not needed), else why not (never raises)."""
     setup_import_paths()
     try:
-        from sglang_sm120.testing import standins  # type: ignore
+        from benchmarks.harness import standins
 
         standins.install()
         return None

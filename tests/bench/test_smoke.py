@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from benchmarks import cpu_smoke
-from sglang_sm120.reporting import schema  # noqa: E402
+from benchmarks.harness import schema  # noqa: E402
 
 
 def _run(which, argv, timeout_s=240):

@@ -4,7 +4,7 @@ Two parts. `startup()` runs at interpreter start in every process of the server 
 first on the server's PYTHONPATH, calls it), because SGLang's scheduler processes import FlashInfer when they
 unpickle their entry function, before any plugin runs:
 - FlashInfer is not installed here (too large to carry). SGLang imports some of its names at module import on
-  CUDA, so a stand-in answers those imports (python/sglang_sm120/testing/standins.py: every call raises), and
+  CUDA, so a stand-in answers those imports (benchmarks/harness/standins.py: every call raises), and
   `sglang.srt.utils.common.is_flashinfer_available` answers False, so every path SGLang gates on it behaves as
   on a machine without FlashInfer (the same as no FlashInfer at all, less the import errors).
   `flashinfer.norm` stays not found, so sglang-kernel's rmsnorm, which prefers FlashInfer's when it imports,
@@ -51,7 +51,7 @@ def startup() -> None:
     if os.environ.get(PATCH_ENV) != "1" or _started:
         return
     _started = True
-    from sglang_sm120.testing.standins import StandInFinder
+    from benchmarks.harness.standins import StandInFinder
 
     # flashinfer.norm is left not found: sglang-kernel's own rmsnorm tries to import it and, found, would hand
     # every norm to it; SGLang itself imports it nowhere. Everything else SGLang imports at module import.

@@ -3,7 +3,7 @@
 Each test runs its ranks as spawned processes through tests/gpu/harness.py (`run_ranks`: a gloo group among them,
 a bounded run, a verdict gathered from every rank). Inside a rank, `start()` does what a scheduler process does
 before loading a model: stand-ins for the GPU-only packages SGLang imports (sgl_kernel, flashinfer; see
-python/sglang_sm120/testing/standins.py), the overlay activated, the server arguments set (0.5.13.post1: the
+benchmarks/harness/standins.py), the overlay activated, the server arguments set (0.5.13.post1: the
 global record; 0.5.23: published in the runtime context, which sizes the groups), SGLang's own
 `init_distributed_environment` + `initialize_model_parallel`.
 
@@ -209,7 +209,7 @@ def patch_weak_ref_tensor(rank: int) -> list[str]:
     for path in (os.path.join(REPO, "python"), REPO):
         if path not in sys.path:
             sys.path.insert(0, path)
-    from sglang_sm120.testing import standins
+    from benchmarks.harness import standins
 
     standins.install()
     if "sgl_kernel" not in standins.installed_roots():
@@ -263,7 +263,7 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     for path in (os.path.join(REPO, "python"), REPO):
         if path not in sys.path:
             sys.path.insert(0, path)
-    from sglang_sm120.testing import standins
+    from benchmarks.harness import standins
 
     covered = standins.install()  # only for whichever of sgl_kernel / flashinfer is missing
     import torch

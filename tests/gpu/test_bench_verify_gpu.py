@@ -69,7 +69,7 @@ def test_verify_tiny_config_two_gpus(tmp_path):
     doc = json.loads(files[0].read_text())
 
     from benchmarks import bench_verify
-    from sglang_sm120.reporting import schema
+    from benchmarks.harness import schema
 
     schema.validate_verify_doc(doc)
     assert doc["complete"] is True, doc.get("notes")
@@ -115,7 +115,7 @@ def test_verify_via_sglang_shared_gpu_is_exactly_ours(tmp_path):
     assert len(files) == 1, log
     doc = json.loads(files[0].read_text())
 
-    from sglang_sm120.reporting import schema
+    from benchmarks.harness import schema
 
     schema.validate_verify_doc(doc)
     assert doc["complete"] is True, doc.get("notes")

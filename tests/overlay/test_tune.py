@@ -152,7 +152,7 @@ def test_a_one_process_tune_writes_its_out_file_only_never_the_cache(monkeypatch
 
 
 def test_the_one_process_measurer_refuses_without_an_injected_nccl_time():
-    from sglang_sm120.tuning.measure_local import LocalGroupMeasurer
+    from benchmarks.harness.local_tune import LocalGroupMeasurer
     from sglang_sm120.tuning.tuner import TuneSpec
 
     with pytest.raises(ValueError, match="debug_nccl_us"):

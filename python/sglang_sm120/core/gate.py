@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sgl_kernel_sm120.policy import WORLD_SIZES
+
 from .config import HOSTMEM_CHOICES, HOSTMEM_ENV
 
 SM120 = (12, 0)  # RTX PRO 6000 Blackwell / RTX 50xx. Not 12.1 (GB10 / DGX Spark: unified memory, no PCIe P2P)
-SUPPORTED_WORLD_SIZES = (2, 4, 8)
-MEMORIES = ("device", "host")  # the `memory` argument of sgl_kernel_sm120.IpcAllReduce
+SUPPORTED_WORLD_SIZES = tuple(w for w in WORLD_SIZES if w > 1)  # 1 is the kernels' no-op
 
 Capability = tuple[int, int] | None  # None: the rank has no CUDA device
 

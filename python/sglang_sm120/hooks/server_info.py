@@ -1,32 +1,28 @@
-"""Replacement for the scheduler's internal-state report, so the backend's state and call counters can be read
-from outside the server: `GET /get_server_info` (and `/server_info` in 0.5.23) returns each scheduler's internal
-state under "internal_states"; ours is the entry "sm120_allreduce" there.
+"""The backend's state and call counters in SGLang's server info: `GET /get_server_info` (0.5.23 also
+`/server_info`) holds each scheduler's internal state under "internal_states"; ours is its "sm120_allreduce".
 
-The counters that matter are the device-side ones (`device_calls`): decode and verify run as CUDA-graph replays,
-which run no Python, so the Python-side `stats` see each captured call once. The device counter is read without
-synchronizing the GPU (sgl_kernel_sm120.IpcAllReduce.calls_completed), so a request for the server info never
-waits for a forward.
+Decode and verify run as CUDA-graph replays, which run no Python, so the counter that matters is `device_calls`,
+counted on the GPU and read without synchronizing it (a server-info request never waits for a forward).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
 
-from .distributed import tp_communicator
+from .distributed import tp_backend
 
 logger = logging.getLogger("sglang_sm120")
 
 STATE_KEY = "sm120_allreduce"
 
 
-def sm120_state() -> dict[str, Any]:
-    comm = tp_communicator()
-    if comm is None:
+def sm120_state() -> dict:
+    backend = tp_backend()
+    if backend is None:
         return {"enabled": False, "active": False,
                 "reason": "no sm120 backend on this process's TP group (mode off, TP size 1, or not a CUDA group)"}
-    return comm.describe()
+    return backend.describe()
 
 
 def wrap_get_internal_state(original):
@@ -37,7 +33,7 @@ def wrap_get_internal_state(original):
         if isinstance(state, dict):
             try:
                 state[STATE_KEY] = sm120_state()
-            except Exception as exc:  # a monitoring read must never break the server-info request
+            except Exception as exc:  # a monitoring read must never break the request
                 logger.warning("sglang_sm120: reporting the backend state failed: %s", exc)
                 state[STATE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
         return result

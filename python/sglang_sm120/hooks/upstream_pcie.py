@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from ..runtime.registry import group_communicator
+from ..runtime.registry import group_backend
 from .installed import find_module_spec
 
 logger = logging.getLogger("sglang_sm120")
@@ -64,7 +64,7 @@ def activation_note(enabled: bool) -> str:
 def set_aside_upstream(group) -> bool:
     """After our gate resolved on `group`: take SGLang's PCIe-IPC communicator off it if ours is enabled.
     Returns True if it did. Every rank reaches the same answer (the gate is agreed)."""
-    comm = group_communicator(group)
+    comm = group_backend(group)
     upstream = getattr(group, "pcie_ipc_comm", None)
     if comm is None or not comm.gate_enabled or upstream is None:
         return False
@@ -84,7 +84,7 @@ def restore_upstream_if_ours_failed(group, failed: bool = False) -> bool:
     the group back to SGLang's PCIe-IPC communicator, before SGLang's own pre-capture step, which then builds
     it. Returns True if it did."""
     upstream = getattr(group, SET_ASIDE_ATTR, None)
-    comm = group_communicator(group)
+    comm = group_backend(group)
     if upstream is None or comm is None or comm.active or not (comm.build_attempted or failed):
         return False
     group.pcie_ipc_comm = upstream

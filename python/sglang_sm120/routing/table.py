@@ -1,28 +1,18 @@
 """The routing table: for each message size (bytes, dtype, plain or fused) the route that serves it, with the
-measured time of every candidate, keyed by the box it was measured on.
+measured time of every candidate and of NCCL, keyed by the box and the software it was measured with.
 
-A route is one launch of our kernels (`sgl_kernel_sm120.policy.Route`: variant x transport x workspace memory,
-plus the launch shape that was measured, its CTA cap and, for the fused one-shot, the CTAs a row is spread over),
-or NCCL (for a fused call: NCCL followed by SGLang's own add + RMSNorm). The file writes a route as its id,
-'sm120/ONESHOT/push/device/b188/c4' or 'nccl'; this module holds NCCL as None, as every caller of `lookup` reads
-None: the size goes to NCCL.
+A route is one launch of our kernels (`sgl_kernel_sm120.policy.Route`), written 'sm120/ONESHOT/push/device/b188/c4',
+or NCCL (for a fused call: NCCL, then SGLang's own add + RMSNorm), written 'nccl' and held as None here.
 
-The rule that turns measurements into routes (`choose`), incumbent NCCL:
-- a candidate is only eligible at a size where it beat NCCL there by at least MIN_GAIN (2%), and only inside a
-  run of at least SUSTAIN (2) consecutive measured sizes where it did; so our kernels never serve a measured size
-  where NCCL was as fast or faster: no regression by construction;
-- one of our candidates displaces another of ours only with the same sustained gain over it (>= 2% at this size
-  and the next); a smaller gain, a tie, or a gain at one size only keeps the incumbent;
-- a failed candidate (verification, timeout, crash) has no time and is never routed to.
-Sizes between two measured sizes (eager calls the tune did not measure) go to one of ours only where both
-measured neighbours chose that same route; anything else between two points is NCCL. Sizes below the smallest
-measured one (a tune starts at one row) take its route. Sizes above the largest measured one are not covered
-(`lookup` returns None: the caller's NCCL).
+The rule (`choose`), NCCL the incumbent: a candidate of ours is eligible at a size only where it beat NCCL there by
+at least MIN_GAIN (2%), inside a run of at least SUSTAIN (2) consecutive measured sizes where it did, so no
+measured size goes to our kernels where NCCL was as fast; one of ours displaces another of ours only with the same
+sustained gain over it; a failed candidate has no time and is never routed to. A size between two measured ones
+goes to ours only where both neighbours chose that same route; below the smallest measured size, its route; above
+the largest, NCCL (`lookup` returns None). A table read back is chosen again from its measurements
+(`RoutingTable.rederived`), so a hand-edited route is not served as stored.
 
-A table read back is re-derived from the measurements it holds (`RoutingTable.rederived`), so a hand-edited
-route, or one chosen by an older rule, is not served as stored.
-
-Everything here is pure: no torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
+Pure: no torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from sgl_kernel_sm120.policy import DTYPES, Memory, Route
 # The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
 # measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
 FORMAT_VERSION = 1
-TUNE_VERSION = 3  # 3: staged push timed in windows of its passes
+TUNE_VERSION = 4  # 4: keyed on NCCL's settings
 
 KINDS = ("plain", "fused")
 NCCL = "nccl"
@@ -48,11 +38,11 @@ OURS = "sm120"
 MIN_GAIN = 0.02
 SUSTAIN = 2
 
-# Key fields. A difference in a version field makes a table "stale: other versions", one in a box field
-# "another key"; either way it is not used.
-VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "sglang_sm120", "kernels")
-# "launch": how the workspace launches (its agreed cluster sizes and SM budget, the cluster and PDL switches;
-# core/facts.launch_facts): the same route runs another kernel launch when any of them changes.
+# Key fields. A difference in a software field makes a table "other versions", one in a box field "another key";
+# either way it is not used. NCCL's settings (every NCCL_* variable) are software: a NCCL configured otherwise is
+# another incumbent, and routes measured against the old one could be slower than the new one.
+VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "nccl_settings", "sglang_sm120", "kernels")
+# "launch": how the workspace launches (core/facts.launch_facts): the same route runs another launch otherwise.
 BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
 LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
 
@@ -226,10 +216,9 @@ def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[i
     for field in VERSION_FIELDS:
         values = []
         for f in local:
-            value = f.get(field)
-            if value not in values:
-                values.append(value)
-        key[field] = values[0] if len(values) == 1 else " | ".join(str(v) for v in values)
+            if f.get(field) not in values:
+                values.append(f.get(field))
+        key[field] = values[0] if len(values) == 1 else " | ".join(_canonical(v) for v in values)
     return key
 
 
@@ -399,17 +388,22 @@ class RoutingTable:
             tune_version=int(doc.get("tune_version", TUNE_VERSION)),
         )
 
-    def coverage_gap(self, dtype: str, hidden: int, max_bytes: int, kinds: Iterable[str] = KINDS) -> str | None:
-        """Why this table cannot route a server with this dtype, hidden size and byte bound; None when it can."""
+    def coverage_gap(self, dtype: str, hidden: int, kinds: Iterable[str] = KINDS) -> str | None:
+        """Why this table cannot route a server of this dtype and hidden size; None when it can (sizes past its
+        largest measured one go to NCCL)."""
         if int(self.workload.get("hidden") or 0) != int(hidden):
             return f"measured at hidden {self.workload.get('hidden')}, this server has hidden {hidden}"
-        for kind in kinds:
-            largest = self.largest(dtype, kind)
-            if largest == 0:
-                return f"no {dtype} {kind} routes"
-            if largest < max_bytes:
-                return f"{dtype} {kind} routes go up to {largest} B, this server reduces up to {max_bytes} B"
-        return None
+        missing = [kind for kind in kinds if self.largest(dtype, kind) == 0]
+        return f"no {dtype} {', '.join(missing)} routes" if missing else None
+
+    def versus_nccl(self, dtype: str, kind: str, rows: int) -> tuple[Route | None, float | None, float | None]:
+        """At the measured size of `rows` rows: (the route chosen there, its time, NCCL's time) in us; Nones
+        where nothing was measured."""
+        point = next((p for p in self.measurements.get((dtype, kind), []) if p.rows == rows), None)
+        if point is None:
+            return None, None, None
+        route = lookup(self, point.nbytes, dtype, kind == "fused")
+        return route, point.times.get(route_id(route)) if route else None, point.times.get(NCCL)
 
 
 def _list(value: Any, name: str) -> list:

@@ -17,6 +17,7 @@ from ..hooks import distributed as dist_hooks
 from ..hooks import fusion as fusion_hooks
 from ..hooks import server_args as args_hooks
 from ..hooks import server_info as info_hooks
+from ..hooks import startup
 from .base import Seam
 
 SGLANG_VERSION = "0.5.13.post1"
@@ -25,17 +26,22 @@ SEAMS = [
     Seam(
         "sglang.srt.server_args:ServerArgs.add_cli_args",
         args_hooks.wrap_add_cli_args,
-        "adds --sm120-allreduce and --sm120-allreduce-max-bytes to SGLang's parser",
+        "adds the --sm120-allreduce* flags to SGLang's parser",
     ),
     Seam(
         "sglang.srt.server_args:ServerArgs.from_cli_args",
         args_hooks.wrap_from_cli_args,
-        "stores the parsed flags on the (pickled) ServerArgs and in the environment",
+        "stores the parsed flags on the ServerArgs record, which SGLang pickles to every scheduler",
     ),
     Seam(
         "sglang.srt.server_args:ServerArgs.__post_init__",
         args_hooks.wrap_post_init,
         "Engine API: settings from the environment; FlashInfer fusion stays off on SM12x",
+    ),
+    Seam(
+        "sglang.srt.entrypoints.engine:_set_envs_and_config",
+        startup.wrap_set_envs_and_config,
+        "in the launcher, before any rank starts: the tune when no routing table of this box exists (or forced)",
     ),
     Seam(
         "sglang.srt.distributed.parallel_state:GroupCoordinator.__init__",

@@ -22,6 +22,7 @@ from ..hooks import distributed as dist_hooks
 from ..hooks import fusion as fusion_hooks
 from ..hooks import server_args as args_hooks
 from ..hooks import server_info as info_hooks
+from ..hooks import startup
 from .base import Seam
 
 SGLANG_VERSION = "0.5.23"
@@ -32,12 +33,12 @@ SEAMS = [
     Seam(
         "sglang.srt.server_args:ServerArgs.add_cli_args",
         args_hooks.wrap_add_cli_args,
-        "adds --sm120-allreduce and --sm120-allreduce-max-bytes to SGLang's parser",
+        "adds the --sm120-allreduce* flags to SGLang's parser",
     ),
     Seam(
         "sglang.srt.server_args:ServerArgs.from_cli_args",
         args_hooks.wrap_from_cli_args,
-        "stores the parsed flags on the (pickled) ServerArgs, before the record is sealed, and in the environment",
+        "stores the parsed flags on the ServerArgs record (pickled to every scheduler) before it is sealed",
     ),
     Seam(
         "sglang.srt.server_args:ServerArgs.resolve_once",
@@ -48,6 +49,11 @@ SEAMS = [
         "sglang.srt.arg_groups.model_hook:handle_model_specific_adjustments",
         args_hooks.wrap_handle_model_specific_adjustments,
         "declares FlashInfer all-reduce fusion off on SM12x, after SGLang's own auto-enable/enforce-disable",
+    ),
+    Seam(
+        "sglang.srt.entrypoints.engine:_set_envs_and_config",
+        startup.wrap_set_envs_and_config,
+        "in the launcher, before any rank starts: the tune when no routing table of this box exists (or forced)",
     ),
     Seam(
         "sglang.srt.distributed.parallel_state:GroupCoordinator.__init__",

@@ -1,15 +1,13 @@
 """One rank of a tune, as its own process: `python -m sglang_sm120.tuning.child --rank R --world W --device D
---port P --spec FILE`, started by tuning/launch.py (one per rank, from `python -m sglang_sm120.tune` or from each
-rank of a starting server), so that a candidate that kills its CUDA context kills this process only.
+--port P --spec FILE`, started by tuning/processes.py (one per rank), so that a candidate that kills its CUDA
+context kills this process only.
 
-Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py.
-
-It joins the other ranks' children over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every
-agreement), computes the table key as the server does (core/facts.key_facts, the P2P matrix, the islands, the
-workspace memory, the launch facts of its workspace), excludes the candidates blamed under that key before
-(routing/cache.py), runs the Tuner with the CUDA measurer, and reports on stdout, one JSON object per line after
-the marker `@@sm120-tune `: {"event": "setup", "key": ..., ...} once, {"event": "begin", ...} before every
-candidate, then {"event": "done", "table": ..., "digest": ..., "child_s": ...} or {"event": "error", "error": ...}.
+It joins the other ranks over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every agreement),
+computes the table key as a server's ranks do (core/facts.key_facts, the P2P matrix, the islands, the workspace
+memory and its launch facts), and with `if_missing` stops when every rank finds a table of that key. Otherwise it
+excludes the candidates blamed under the key, runs the Tuner with the CUDA measurer, and reports on stdout, one
+JSON object per line after the marker `@@sm120-tune `: "setup" once, "begin" before every candidate, then "done"
+(the table), "found" (the table that exists) or "error".
 """
 
 from __future__ import annotations
@@ -112,8 +110,14 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
                                 islands=islands, link=link, memory=memory)
         # The launch facts of the workspace the candidates run on are part of the key, as in the server.
         key = {**key, "launch": launch_facts(measurer._workspace())}
-        _exclude_blamed(spec, gather(cache.blames(key)))
         emit({"event": "setup", "memory": memory, "islands": islands, "link": link, "key": key})
+        if spec.if_missing:
+            loaded = [cache.load(key, hidden=spec.hidden, dtype=dtype, kinds=spec.kinds) for dtype in spec.dtypes]
+            views = gather([found.table.digest() if found.ok else found.describe() for found in loaded])
+            if all(found.ok for found in loaded) and all(view == views[0] for view in views):
+                emit({"event": "found", "path": loaded[0].path})
+                return 0
+        _exclude_blamed(spec, gather(cache.blames(key)))
         table = Tuner(measurer, spec, rank=rank, world=world, gather=gather, key=key, progress=emit).run()
         emit({"event": "done", "table": table.to_dict(), "digest": table.digest(),
               "child_s": round(time.monotonic() - started, 3)})

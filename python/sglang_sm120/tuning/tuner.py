@@ -103,6 +103,7 @@ class TuneSpec:
     link: str | None = None
     # The row counts the server runs in CUDA graphs (tuner.graph_rows), each measured; () when not known.
     graph_rows: list[int] = dataclasses.field(default_factory=list)
+    if_missing: bool = False  # stop when every rank finds a table of its key (the launcher's auto)
     # Debug, for a plumbing run where NCCL cannot start (ranks sharing one GPU): the incumbent's time is this
     # value instead of a measurement, and the table says so. Never set by the product.
     debug_nccl_us: float | None = None

@@ -19,7 +19,7 @@ from sglang_sm120.core.facts import group_facts
 from sglang_sm120.core.gate import GateDecision
 from sglang_sm120.runtime import communicator as comm_mod
 from sglang_sm120.runtime import route_resolution
-from sglang_sm120.testing.fakes import FakeIpcAllReduce
+from tests.support.fakes import FakeIpcAllReduce
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch
 
 from sglang_sm120.routing import table as tbl
 from sglang_sm120.tuning import calls, verify
-from sglang_sm120.tuning.measure_local import LocalGroupMeasurer
+from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.tuning.tuner import Tuner, TuneSpec
 
 from .fake_group import FakeBackend, FakeGroup

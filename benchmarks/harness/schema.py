@@ -1,6 +1,5 @@
 """The result documents of the benchmarks (benchmarks/results/*.json): validators, and the builders they share
-(crossover, targets and their verdicts, the end-to-end estimate). Here, not in benchmarks/, because the report
-(`python -m sglang_sm120.report`) reads these documents too and the benchmarks sit above the package. No torch."""
+(crossover, targets and their verdicts, the end-to-end estimate). No torch."""
 
 from __future__ import annotations
 
@@ -236,8 +235,3 @@ def e2e_estimate(
 
 def find(results: Iterable[Mapping], **match: Any) -> list[Mapping]:
     return [r for r in results if all(r.get(k) == v for k, v in match.items())]
-
-
-def pick_median(results: Sequence[Mapping], **match: Any) -> float | None:
-    rs = [r for r in find(results, **match) if r.get("median_us") is not None]
-    return rs[0]["median_us"] if rs else None

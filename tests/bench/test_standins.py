@@ -24,7 +24,7 @@ def test_standin_behaviour():
     done = run_python(
         """
         import importlib.util, inspect
-        from sglang_sm120.testing import standins
+        from benchmarks.harness import standins
         real = {r for r in standins.STANDIN_ROOTS if importlib.util.find_spec(r) is not None}
         roots = standins.install()
         assert set(roots) == set(standins.STANDIN_ROOTS) - real, roots
@@ -77,7 +77,7 @@ def test_sglang_layers_import_with_standins():
     pytest.importorskip("sglang")
     done = run_python(
         """
-        from sglang_sm120.testing import standins
+        from benchmarks.harness import standins
         standins.install()
         import importlib
         import sglang_sm120

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from sglang_sm120.reporting import render
+from sglang_sm120.routing import render
 
 from ..routing.test_table import _table
 

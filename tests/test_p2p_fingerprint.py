@@ -1,16 +1,20 @@
-"""The P2P fingerprints' judgements, with injected numbers; and the probe's copy kernel, run on CPU through
-Triton's interpreter."""
+"""scripts/p2p_fingerprint.py: its judgements with injected numbers, and its copy kernel on CPU through Triton's
+interpreter."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-from sglang_sm120.tuning import fabric
-from sglang_sm120.tuning.fabric import Fingerprint
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "p2p_fingerprint.py")
+spec = importlib.util.spec_from_file_location("p2p_fingerprint", SCRIPT)
+fabric = sys.modules["p2p_fingerprint"] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+spec.loader.exec_module(fabric)
+Fingerprint = fabric.Fingerprint
 
 KB = 1024
 
@@ -82,7 +86,8 @@ def test_the_probes_copy_kernel_copies_on_cpu_under_tritons_interpreter():
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from sglang_sm120.tuning import fabric_probe as p\n"
+        f"import sys; sys.path.insert(0, {os.path.dirname(SCRIPT)!r})\n"
+        "import p2p_fingerprint as p\n"
         "copy, _ = p._kernels()\n"
         "n = 3 * p.BLOCK + 17\n"
         "src, dst = torch.arange(n, dtype=torch.float32), torch.zeros(n)\n"
@@ -90,8 +95,6 @@ def test_the_probes_copy_kernel_copies_on_cpu_under_tritons_interpreter():
         "assert torch.equal(src, dst), 'copy differs'\n"
         "print('ok')\n"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "python")]))
+    env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

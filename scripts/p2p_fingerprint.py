@@ -1,30 +1,137 @@
-"""Measuring the P2P fingerprints (tuning/fabric.py says what they mean), in one process over all visible GPUs:
+"""The P2P fingerprints of a PCIe box, measured and judged (a developer's diagnostic, not run by the product):
 
-    python -m sglang_sm120.tuning.fabric_probe [--gpus 0,1,...] [--mib 64]     # prints one JSON object
+    python scripts/p2p_fingerprint.py [--gpus 0,1,...] [--mib 64] [--json]
 
-NOT YET RUN ON A GPU. The doctor runs it as a child process with a time bound (a fault here, on a fabric
-nobody measured, must not take the doctor down), and prints "not measured" with the reason if it fails.
-
-What it measures, with torch and Triton only (no kernel of this project's library, which the lead is changing):
-- SM store bandwidth src -> dst: a Triton copy kernel on the src GPU reading its own memory and writing the dst
-  GPU's (through CUDA peer access, which a torch copy between the two enables); SM load bandwidth: the same
-  kernel on the src GPU reading the dst GPU's memory into its own. Per ordered pair, then every GPU to/from all
-  its peers at once (one stream per peer, all launched before any is waited for);
-- one-way flag latency per pair: two Triton kernels, one per GPU, each storing a counter into the other's flag
-  and spinning (volatile loads, bounded) on its own; the round trips are timed with %globaltimer and halved;
-- copy time against size per pair (CUDA events around torch copies between the GPUs: the copy engine), whose
-  growth tells driver-staged P2P.
-A Triton version without `inline_asm_elementwise` or `volatile` loads skips the latency (reported as an error).
+What it measures, with torch and Triton only (none of the project's kernels):
+- SM store bandwidth src -> dst (a Triton copy kernel on src writing dst's memory through peer access) and SM
+  load bandwidth (the same kernel reading dst's memory), per ordered pair and every GPU to all peers at once;
+  a store/load ratio far below 1 is posted-write collapse (push transports suffer, pull ones do not);
+- one-way flag latency per pair (a store to the peer's flag, the peer spinning on its own memory, halved);
+- copy time against size per pair (the copy engine), whose growth at host-staging speed is driver-staged P2P.
+A Triton without `inline_asm_elementwise` or volatile loads skips the latency (reported as an error).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+COLLAPSE_RATIO = 0.25  # SM store / SM load bandwidth below this: posted-write collapse
+STORES_WIN_RATIO = 1.25  # above this: stores beat loads
+STAGED_MAX_GBPS = 2.0  # a copy whose marginal cost is slower than this...
+STAGED_GROWTH = 3.0  # ...and whose time at the largest size is this many times the smallest: driver-staged
+
+
+def ratio_verdict(store_gbps: float | None, load_gbps: float | None) -> tuple[float | None, str]:
+    """(store/load ratio, 'posted-write collapse' | 'stores beat loads' | 'balanced' | 'unknown')."""
+    if not store_gbps or not load_gbps or store_gbps <= 0 or load_gbps <= 0:
+        return None, "unknown"
+    ratio = store_gbps / load_gbps
+    if ratio < COLLAPSE_RATIO:
+        return ratio, "posted-write collapse"
+    if ratio > STORES_WIN_RATIO:
+        return ratio, "stores beat loads"
+    return ratio, "balanced"
+
+
+def growth(sizes: Sequence[int], times_us: Sequence[float]) -> dict[str, Any]:
+    """Least-squares line through (bytes, us): intercept (us), marginal bandwidth (GB/s, from the slope), and
+    whether that looks driver-staged (slow marginal bandwidth and a time that grows several-fold)."""
+    if len(sizes) != len(times_us) or len(sizes) < 2:
+        raise ValueError("need at least two (size, time) points")
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(times_us) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    if sxx == 0:
+        raise ValueError("sizes must differ")
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times_us, strict=True)) / sxx  # us per byte
+    gbps = (1e-3 / slope) if slope > 0 else float("inf")  # bytes/us = MB/s; /1e3 = GB/s
+    order = sorted(range(n), key=lambda i: sizes[i])
+    grows = times_us[order[-1]] >= STAGED_GROWTH * times_us[order[0]]
+    return {"intercept_us": my - slope * mx, "marginal_gbps": gbps, "staged": bool(gbps < STAGED_MAX_GBPS and grows)}
+
+
+@dataclasses.dataclass
+class Fingerprint:
+    """What fabric_probe measured: per ordered pair (src writes to / reads from dst) and with all peers at once."""
+
+    gpus: list[int]
+    pairs: list[dict[str, Any]]  # src, dst, store_gbps, load_gbps, latency_us, copy_us {bytes: us}
+    all_peers: dict[str, Any]  # store_gbps, load_gbps: per GPU, every GPU to every peer at once
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Fingerprint:
+        return cls(list(raw.get("gpus") or []), list(raw.get("pairs") or []), dict(raw.get("all_peers") or {}),
+                   list(raw.get("errors") or []))
+
+
+def statements(fp: Fingerprint) -> list[str]:
+    """Plain sentences about the fabric, the decisive ones first."""
+    out: list[str] = []
+    staged = []
+    for pair in fp.pairs:
+        copy = {int(k): float(v) for k, v in (pair.get("copy_us") or {}).items()}
+        if len(copy) >= 2:
+            g = growth(sorted(copy), [copy[k] for k in sorted(copy)])
+            if g["staged"]:
+                staged.append((pair, copy, g))
+    for pair, copy, g in staged:
+        small, large = min(copy), max(copy)
+        out.append(f"P2P from cuda:{pair['src']} to cuda:{pair['dst']} is driver-staged: a copy takes "
+                   f"{copy[small]:.1f} us at {small} B and {copy[large]:.1f} us at {large} B (about "
+                   f"{g['marginal_gbps']:.2f} GB/s per extra byte): the driver moves it through host memory. Our "
+                   "device-memory workspace will be slow on this pair; check IOMMU (iommu=pt) and ACS settings, and "
+                   "the driver's P2P support for this board")
+    ratio, verdict = ratio_verdict(fp.all_peers.get("store_gbps"), fp.all_peers.get("load_gbps"))
+    if verdict == "posted-write collapse":
+        out.append(f"posted-write collapse: with every GPU writing to all its peers at once, SM stores reach "
+                   f"{fp.all_peers['store_gbps']:.1f} GB/s per GPU against {fp.all_peers['load_gbps']:.1f} GB/s for SM "
+                   f"loads (ratio {ratio:.2f}): push transports will be slow on this box, pull ones are not affected")
+    elif verdict == "stores beat loads":
+        out.append(f"with all peers at once SM stores ({fp.all_peers['store_gbps']:.1f} GB/s per GPU) beat SM loads "
+                   f"({fp.all_peers['load_gbps']:.1f} GB/s): push transports are favoured here")
+    collapsed = [p for p in fp.pairs if ratio_verdict(p.get("store_gbps"), p.get("load_gbps"))[1] ==
+                 "posted-write collapse"]
+    if collapsed:
+        shown = ", ".join(f"{p['src']}->{p['dst']}" for p in collapsed[:12])
+        out.append(f"posted-write collapse between single pairs too ({len(collapsed)} of {len(fp.pairs)}: {shown})")
+    if not out and fp.pairs:
+        out.append("no posted-write collapse and no driver-staged P2P seen")
+    return out
+
+
+def report_lines(fp: Fingerprint) -> list[str]:
+    """The doctor's section: one line per pair, the all-peers line, then the statements."""
+    lines = []
+    for p in fp.pairs:
+        ratio, verdict = ratio_verdict(p.get("store_gbps"), p.get("load_gbps"))
+        copy = p.get("copy_us") or {}
+        copies = ", ".join(f"{int(k)} B {float(v):.1f} us" for k, v in sorted(copy.items(), key=lambda kv: int(kv[0])))
+        lines.append(
+            f"cuda:{p['src']} -> cuda:{p['dst']}: SM store {_num(p.get('store_gbps'))} GB/s, SM load "
+            f"{_num(p.get('load_gbps'))} GB/s (ratio {_num(ratio, 2)}, {verdict}); one-way flag latency "
+            f"{_num(p.get('latency_us'), 2)} us; copy {copies or '-'}")
+    if fp.all_peers:
+        ratio, verdict = ratio_verdict(fp.all_peers.get("store_gbps"), fp.all_peers.get("load_gbps"))
+        lines.append(f"all peers at once, per GPU: SM store {_num(fp.all_peers.get('store_gbps'))} GB/s, SM load "
+                     f"{_num(fp.all_peers.get('load_gbps'))} GB/s (ratio {_num(ratio, 2)}, {verdict})")
+    lines += [f"error: {e}" for e in fp.errors]
+    lines += [f"=> {s}" for s in statements(fp)]
+    return lines
+
+
+def _num(value, digits: int = 1) -> str:
+    return "?" if value is None else f"{float(value):.{digits}f}"
+
+
+
 
 COPY_SIZES = (4096, 16384, 65536, 262144)
 PINGPONG_ITERS = 200
@@ -200,9 +307,10 @@ def measure(devices: list[int], mib: int = 64) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_sm120.tuning.fabric_probe")
+    parser = argparse.ArgumentParser(prog="python scripts/p2p_fingerprint.py")
     parser.add_argument("--gpus", default=None, help="comma list of CUDA device indices (default: all)")
     parser.add_argument("--mib", type=int, default=64, help="MiB per bandwidth copy")
+    parser.add_argument("--json", action="store_true", help="print the measurements as one JSON object")
     args = parser.parse_args(argv)
     import torch
 
@@ -210,7 +318,11 @@ def main(argv=None) -> int:
     if len(devices) < 2:
         print(json.dumps({"gpus": devices, "pairs": [], "all_peers": {}, "errors": ["fewer than 2 GPUs"]}))
         return 0
-    print(json.dumps(measure(devices, args.mib)), flush=True)
+    found = measure(devices, args.mib)
+    if args.json:
+        print(json.dumps(found), flush=True)
+    else:
+        print("\n".join(report_lines(Fingerprint.from_dict(found))))
     return 0
 
 

@@ -1,19 +1,14 @@
-"""The parent side of a tune: start the rank processes (tuning/child.py), follow them, and make one outcome of
-what they reported.
+"""The parent side of a tune (`python -m sglang_sm120.tune`): start one process per rank (tuning/child.py), follow
+them, and make one outcome of what they reported.
 
-A candidate can hang or fault on a fabric nobody has measured before, and a fault (or our kernels' trap) ends
-the CUDA context of the process that ran it. So candidates run in child processes, and the parent watches:
+A candidate can hang or fault on a fabric nobody measured before, and a fault (or our kernels' trap) ends the CUDA
+context of the process that ran it, so candidates run in these child processes while the parent watches:
 - every child reports `begin` before each candidate; a child that dies, or a group that makes no progress for
   `stall_s`, is attributed to the candidate its last `begin` named (`culprit`);
-- `tune_with_retries` (used by `python -m sglang_sm120.tune`) then excludes that candidate, from that size up,
-  with the reason, and starts the group again; the table records it as failed;
-- a starting server runs one child per rank (`run_rank_child`) once, without retries: any failure there means
-  NCCL (runtime/route_resolution.py), and the candidate a crashed or hung child was running is blamed (`culprit_of`);
-- the blamed candidates are kept in the cache (routing/cache.py) and excluded by every later tune of the key.
-A child's own Python error (an `error` event) is not retried: it is not a candidate's fault.
-
-Ran on 1x H200 (2 ranks sharing it, NCCL's time injected), 2026-12-02: tests/gpu/test_tune_gpu.py. (The process
-handling is also exercised on CPU by the tests with stand-in children.)
+- `tune_with_retries` then excludes that candidate from its size up, with the reason, and starts the group
+  again; the table records it as failed and the cache keeps the blame (routing/cache.py);
+- a child's own Python error is not retried: it is not a candidate's fault.
+Servers never run this: the launcher runs the tool before the ranks exist (hooks/startup.py).
 """
 
 from __future__ import annotations
@@ -74,10 +69,11 @@ class ChildOutcome:
     killed: str = ""  # why the parent killed it ("" when it ended by itself)
     tail: list[str] = dataclasses.field(default_factory=list)  # its last lines of output
     key: dict | None = None  # the table key the child measures under (its setup event)
+    found: str | None = None  # --if-missing: the table of this key that exists already
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and self.table is not None and not self.killed
+        return self.returncode == 0 and (self.table is not None or self.found is not None) and not self.killed
 
 
 @dataclasses.dataclass
@@ -87,11 +83,14 @@ class Attempt:
     error: str | None
     culprit: dict | None  # {dtype, kind, candidate, from_bytes, reason} when a candidate is to blame
     outcomes: list[ChildOutcome]
+    found: str | None = None  # --if-missing: every rank found this table of its key
 
 
 def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
     """One outcome of a group's children (pure)."""
     if outcomes and all(o.ok for o in outcomes):
+        if all(o.found for o in outcomes):
+            return Attempt(None, None, None, None, list(outcomes), found=outcomes[0].found)
         digests = {o.digest for o in outcomes}
         if len(digests) == 1:
             first = outcomes[0]
@@ -157,6 +156,8 @@ class _Child:
             elif kind == "begin":
                 self.outcome.begins += 1
                 self.outcome.last_begin = {**event, "seq": self.outcome.begins}
+            elif kind == "found":
+                self.outcome.found = str(event.get("path"))
             elif kind == "done":
                 self.outcome.table, self.outcome.digest = event.get("table"), event.get("digest")
                 self.outcome.child_s = event.get("child_s")
@@ -236,7 +237,7 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
         outcomes = run_children(list(zip(range(world), devices, strict=True)), world, spec, timeout_s=timeout_s,
                                 stall_s=stall_s, on_event=on_event, command=command, env=env)
         attempt = summarize(outcomes)
-        if attempt.table is not None or attempt.culprit is None:
+        if attempt.table is not None or attempt.found is not None or attempt.culprit is None:
             return attempt
         if any(dict(rule, reason=None) == dict(attempt.culprit, reason=None) for rule in spec.exclude):
             attempt.error = f"{attempt.error} (again, though excluded: giving up)"
@@ -249,13 +250,6 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
     return attempt
 
 
-def run_rank_child(rank: int, world: int, device: int, port: int, spec: TuneSpec, *, timeout_s: float,
-                   stall_s: float, command=None, env=None) -> ChildOutcome:
-    """This rank's child of a group tune (a starting server: every rank calls this with the same port)."""
-    return run_children([(rank, device)], world, spec, timeout_s=timeout_s, stall_s=stall_s, port=port,
-                        command=command, env=env)[0]
-
-
 def describe_failure(outcome: ChildOutcome) -> str:
     """One line about a child that did not deliver a table."""
     if outcome.error:
@@ -265,25 +259,3 @@ def describe_failure(outcome: ChildOutcome) -> str:
         return f"{outcome.killed}{where}"
     tail = " | ".join(line for line in outcome.tail[-3:] if line.strip())
     return f"exit code {outcome.returncode}" + (f": {tail[-300:]}" if tail else "")
-
-
-def outcome_payload(outcome: ChildOutcome) -> dict[str, Any]:
-    """What a server rank tells its peers about its child (JSON): ok, digest, why not, and what `culprit_of`
-    needs (its last `begin`, whether it reported an error of its own, whether only the deadline killed it)."""
-    return {"ok": outcome.ok, "digest": outcome.digest, "why": None if outcome.ok else describe_failure(outcome),
-            "begin": outcome.last_begin, "own_error": bool(outcome.error),
-            "deadline": bool(outcome.killed) and outcome.killed.startswith(DEADLINE)}
-
-
-def culprit_of(payloads: Sequence[dict[str, Any]]) -> dict | None:
-    """The candidate a server's failed quick tune blames (the payloads of every rank, agreed), or None: none when
-    every child delivered, when a child failed by its own error (not a candidate's fault), when only the whole
-    tune's deadline stopped them (slow, not hung), or when the one running was NCCL (the incumbent)."""
-    bad = [p for p in payloads if not p["ok"]]
-    if not bad or any(p.get("own_error") for p in payloads) or all(p.get("deadline") for p in bad):
-        return None
-    first = next((p for p in bad if not p.get("deadline")), bad[0])
-    culprit = _culprit([p.get("begin") for p in payloads], str(first.get("why")))
-    if culprit is None or culprit["candidate"] == NCCL_ID:
-        return None
-    return culprit

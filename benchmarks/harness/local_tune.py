@@ -1,4 +1,5 @@
-"""The Measurer for a whole group in ONE process on one GPU (`python -m sglang_sm120.tune --one-process --tp W`):
+"""The tune of a whole group in ONE process on one GPU (`python -m benchmarks.harness.local_tune --tp W
+--debug-nccl-us US --out FILE`; tests/gpu/test_tune_gpu.py and bench_tuner_pick use it):
 the W ranks are IpcAllReduce.local_group workspaces (its concurrent mode), each rank's calls on a stream
 of its own, timed as W parallel branches of one CUDA graph, so the ranks' kernels run at once and really wait
 for one another, as on W GPUs, where ranks sharing a GPU as processes only time-slice.
@@ -7,12 +8,10 @@ A plumbing check for a one-GPU machine, like --share-gpu, and no more: a W-th of
 inside its memory is not a rank of a PCIe box, and NCCL cannot run a group inside one process, so the incumbent's
 time must be injected (--debug-nccl-us) and the table says so. The Tuner runs once, as rank 0 of a world of one
 (this process decides for the whole group); `verify` checks every rank's outputs exact and bit-identical across
-the ranks itself. Nothing here is used by a server. The check and the timing of a candidate are those of
+the ranks itself. A server never uses it. The check and the timing of a candidate are those of
 tuning/burst.py, with every rank a lane: eager calls call-major (every rank's call k before any rank's call
 k + 1: with CUDA's lazy module loading a rank-major order deadlocks until the kernels' timeout,
 IpcAllReduce.local_group), graph replays with one branch per rank.
-
-Ran on no GPU yet (written 2026-12-02, after the session's device time ran out).
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ from collections.abc import Callable
 
 from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
 
-from ..routing.table import route_id
-from .burst import CandidateRun, CudaBackend
-from .calls import CallBank
-from .measure import checked_calls
+from sglang_sm120.routing.table import route_id
+from sglang_sm120.tuning.burst import CandidateRun, CudaBackend
+from sglang_sm120.tuning.calls import CallBank
+from sglang_sm120.tuning.measure import checked_calls
 
 
 def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
@@ -143,9 +142,9 @@ def run_one_process(world: int, device_index: int, spec, *, islands=None, link: 
     such a table in the cache (a server's group never has this key's meaning)."""
     import torch
 
-    from ..core.facts import key_facts
-    from ..routing.table import make_key
-    from .tuner import Tuner
+    from sglang_sm120.core.facts import key_facts
+    from sglang_sm120.routing.table import make_key
+    from sglang_sm120.tuning.tuner import Tuner
 
     torch.cuda.set_device(device_index)
     device = torch.device("cuda", device_index)
@@ -161,3 +160,35 @@ def run_one_process(world: int, device_index: int, spec, *, islands=None, link: 
                        "(IpcAllReduce.local_group), each on a W-th of its SMs; a plumbing check, not this box's "
                        "routes")
     return table, key
+
+
+def main(argv=None) -> int:
+    import argparse
+    import time
+
+    from sglang_sm120.routing import cache, render
+    from sglang_sm120.tuning.tuner import TuneSpec
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.harness.local_tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, required=True, help="ranks, all on one GPU (2, 4 or 8)")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
+    parser.add_argument("--max-rows", type=int, default=4, help="rows to measure up to")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16")
+    parser.add_argument("--device", type=int, default=0, help="the GPU")
+    parser.add_argument("--debug-nccl-us", type=float, required=True,
+                        help="NCCL's time, injected: NCCL cannot run a group inside one process")
+    parser.add_argument("--out", required=True, help="the table's file (never the cache)")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    spec = TuneSpec.make(args.hidden, args.max_rows, quick=True, dtypes=[args.dtype], kernel_timeout_s=5.0,
+                         debug_nccl_us=args.debug_nccl_us)
+    table, _ = run_one_process(args.tp, args.device, spec)
+    table.durations["total"] = round(time.monotonic() - start, 3)
+    cache.save(table, path=args.out)
+    print(render.table_markdown(table, path=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""The launcher's tune: before SGLang starts its ranks, `python -m sglang_sm120.tune` for this server's TP size,
+GPUs, hidden size, dtype and captured sizes, so that the ranks find a table measured on this box.
+
+Under --sm120-allreduce-tune auto the tool measures only when no table of this box's key exists (its rank
+processes compute the key exactly as the server's ranks will, and stop at once when one exists); under force it
+measures every time; under off it does not run. It runs in its own processes, one per GPU, before SGLang has
+allocated anything, bounded by SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S, its progress printed here. Whatever happens,
+the launch goes on: a rank that finds no table sends every size to NCCL and says why (runtime/routes.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+import sys
+import time
+
+from ..core import config
+from ..core.gate import SM120, SUPPORTED_WORLD_SIZES
+
+logger = logging.getLogger("sglang_sm120")
+
+
+def _first(server_args, *names):
+    return next((getattr(server_args, n) for n in names if getattr(server_args, n, None)), None)
+
+
+def _capabilities(gpus: list[int]) -> list[tuple[int, int]] | None:
+    """The GPUs' compute capabilities from NVML (no CUDA context in the launcher), by CUDA's order."""
+    try:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            out = []
+            for gpu in gpus:
+                which = visible[gpu].strip() if visible else str(gpu)
+                handle = (pynvml.nvmlDeviceGetHandleByUUID(which) if which.startswith(("GPU-", "MIG-"))
+                          else pynvml.nvmlDeviceGetHandleByIndex(int(which)))
+                out.append(tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)))
+            return out
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | None:
+    """The tool's command line for this server, or None when no tune is due (with the reason logged at INFO)."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if settings.mode == "off" or settings.tune == "off" or tp not in SUPPORTED_WORLD_SIZES:
+        return None
+    if int(getattr(server_args, "nnodes", 1) or 1) != 1:
+        return None
+    step = int(getattr(server_args, "gpu_id_step", 1) or 1)
+    gpus = [int(getattr(server_args, "base_gpu_id", 0) or 0) + r * step for r in range(tp)]
+    if settings.mode == "auto":
+        capabilities = _capabilities(gpus)
+        if capabilities is None or any(c != SM120 for c in capabilities):
+            logger.info("sglang_sm120: no tune at launch: mode auto and the GPUs are not all capability 12.0 "
+                        "(%s)", capabilities or "unknown")
+            return None
+    from ..tune import hidden_from_model
+
+    hidden = hidden_from_model(server_args.model_path)
+    draft = int(server_args.speculative_num_draft_tokens or 1) if getattr(server_args, "speculative_algorithm",
+                                                                          None) else 1
+    batches = _first(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []
+    max_batch = int(_first(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode") or max(batches, default=32))
+    bound = config.derive_max_bytes(hidden_size=hidden, element_size=2, cuda_graph_max_bs=max_batch,
+                                    cuda_graph_bs=list(batches), speculative_num_draft_tokens=draft,
+                                    speculative_algorithm="on" if draft > 1 else None)
+    max_bytes = settings.max_bytes or bound.max_bytes
+    dtype = "fp16" if str(getattr(server_args, "dtype", "auto")) in ("float16", "half") else "bf16"
+    command = [sys.executable, "-m", "sglang_sm120.tune", "--tp", str(tp), "--gpus", ",".join(map(str, gpus)),
+               "--hidden", str(hidden), "--dtype", dtype, "--max-rows", str(max(1, max_bytes // (hidden * 2))),
+               "--max-batch", str(max_batch), "--draft-tokens", str(draft), "--quick",
+               "--timeout", str(settings.tune_timeout_s)]
+    if batches:
+        command += ["--cuda-graph-bs", ",".join(map(str, batches))]
+    return command + ([] if settings.tune == "force" else ["--if-missing"])
+
+
+def tune_before_ranks(server_args) -> int | None:
+    """Run the tool for this server (when due); its exit code, None when it did not run."""
+    settings = config.settings_of(server_args)
+    command = tune_command(server_args, settings)
+    if command is None:
+        return None
+    print(f"sglang_sm120: routing table for this box (--sm120-allreduce-tune {settings.tune}): "
+          f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, timeout=settings.tune_timeout_s + 60)
+        code = done.returncode
+    except subprocess.TimeoutExpired:
+        code = -1
+    if code != 0:
+        logger.warning("sglang_sm120: the tune at launch failed (exit code %s after %.0f s, output above); the "
+                       "ranks will find no table of this box and send every size to NCCL", code,
+                       time.monotonic() - start)
+    return code
+
+
+def wrap_set_envs_and_config(original):
+    """engine._set_envs_and_config: in the launcher, after the server arguments are final and SGLang's own
+    NCCL variables are set (the table's key holds them), before any rank starts."""
+
+    @functools.wraps(original)
+    def _set_envs_and_config(server_args, *args, **kwargs):
+        result = original(server_args, *args, **kwargs)
+        try:
+            tune_before_ranks(server_args)
+        except Exception:
+            logger.exception("sglang_sm120: the tune at launch could not run; the ranks route by a table if one "
+                             "exists, else every size goes to NCCL")
+        return result
+
+    return _set_envs_and_config

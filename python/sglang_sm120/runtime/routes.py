@@ -1,0 +1,103 @@
+"""Which routing table a TP group routes by, decided once its workspace is built, in one agreement round.
+
+Ranks only read tables; `python -m sglang_sm120.tune` writes them (the launcher runs it under
+--sm120-allreduce-tune auto when no table of this box exists, and force, before SGLang starts its ranks).
+Every rank computes the key from every rank's key facts (sent in the gate round), the islands, the P2P matrix,
+the workspace's memory and launch facts, reads the cache, and sends what it found with the candidates blamed
+under the key; every rank then takes the same decision from the same list:
+- every rank read the same usable table: route by it, re-derived without the blamed candidates;
+- otherwise NCCL for every size, with one WARNING naming the cause and the command that measures this box; or,
+  with --sm120-allreduce-tune off, the unmeasured seeds.
+The ranks must run one kernel library and launch alike (ranks running different kernels would wait on each other
+until the kernel timeout): a difference sends every size to NCCL whatever the setting.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sgl_kernel_sm120.policy import KernelLimits, WorkspaceShape
+
+from ..routing import cache
+from ..routing.book import TUNE_COMMAND, RouteBook
+from ..routing.table import KINDS, RoutingTable, make_key, route_differences
+
+logger = logging.getLogger("sglang_sm120")
+
+
+def tune_command(world: int, hidden: int) -> str:
+    return f"{TUNE_COMMAND} --tp {world} --hidden {hidden}"
+
+
+def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[str, Any] | None],
+                   islands, p2p, shape: WorkspaceShape, limits: KernelLimits, hidden: int, dtype: str,
+                   max_bytes: int, tune: str, launch: Mapping[str, Any], log: Callable[[int, str], None]) -> RouteBook:
+    """The group's routes (module docstring). Never raises; `log` writes rank 0's lines."""
+    loaded = None
+    try:
+        if any(k is None for k in keys):
+            raise RuntimeError(f"ranks {[r for r, k in enumerate(keys) if k is None]} sent no key facts")
+        key = make_key(list(keys), islands=islands, p2p=p2p, memory=shape.memory.value, launch=launch)
+        loaded = cache.load(key, hidden=hidden, dtype=dtype)
+        local = {"launch": dict(launch), "kernels": sorted({k["kernels"] for k in keys}), "status": loaded.status,
+                 "why": loaded.describe(), "digest": loaded.table.digest() if loaded.ok else None,
+                 "blamed": cache.blames(key)}
+    except Exception as exc:  # this rank's reason, named in the decision on every rank
+        logger.warning("sglang_sm120: computing the routing-table key failed: %s: %s", type(exc).__name__, exc)
+        local = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        views = agree("routes", local)
+    except Exception as exc:
+        return all_nccl(log, f"the ranks could not agree on their routes ({exc})", len(keys), hidden)
+    return decide(views, loaded, shape=shape, limits=limits, hidden=hidden, dtype=dtype, max_bytes=max_bytes,
+                  tune=tune, log=log)
+
+
+def all_nccl(log, why: str, world: int, hidden: int) -> RouteBook:
+    log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
+                         f"{tune_command(world, hidden)})")
+    return RouteBook.all_nccl(why)
+
+
+def decide(views: Sequence[Mapping[str, Any]], loaded: cache.Loaded | None, *, shape, limits, hidden, dtype,
+           max_bytes, tune, log) -> RouteBook:
+    """The same RouteBook on every rank from the agreed views (pure but for `loaded`, this rank's copy of the
+    table all ranks agreed on)."""
+    world = len(views)
+    errors = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v.get("error")]
+    if errors:
+        why = f"the routing-table key could not be computed ({'; '.join(errors)})"
+        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(log, why, world, hidden)
+    libraries = sorted({lib for v in views for lib in v["kernels"]})
+    if len(libraries) > 1:
+        return all_nccl(log, f"the ranks do not run the same kernel library ({', '.join(libraries)})", world, hidden)
+    if any(v["launch"] != views[0]["launch"] for v in views):
+        shown = "; ".join(f"rank {r} {v['launch']}" for r, v in enumerate(views))
+        return all_nccl(log, f"the ranks' workspaces launch differently ({shown})", world, hidden)
+    if all(v["status"] == cache.OK for v in views) and len({v["digest"] for v in views}) == 1:
+        blamed = [dict(b) for b in {repr(sorted(b.items())): b for v in views for b in v["blamed"]}.values()]
+        return _book(loaded.table, loaded.path, blamed, shape, limits, dtype, max_bytes, log)
+    why = next(v["why"] for v in views if v["status"] != cache.OK) if len({v["status"] for v in views}) == 1 else \
+        f"the ranks read different routing tables ({sorted({v['status'] for v in views})})"
+    if tune == "off":
+        log(logging.INFO if views[0]["status"] == cache.MISSING else logging.WARNING,
+            f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")
+        return RouteBook.seeds(shape, limits, why)
+    return all_nccl(log, f"{why} (the launcher's tune gives one: see its lines in the launch log)", world, hidden)
+
+
+def _book(table: RoutingTable, path: str, blamed, shape, limits, dtype, max_bytes, log) -> RouteBook:
+    derived = table.rederived(blamed)
+    differences = route_differences(table, derived)
+    if differences:
+        log(logging.WARNING, f"sglang_sm120: routing table {path}: its routes are not what its measurements give"
+                             f"{' without the blamed candidates' if blamed else ''} ({differences}); routing by "
+                             "the re-derived ones")
+    short = [kind for kind in KINDS if derived.largest(dtype, kind) < max_bytes]
+    if short:
+        log(logging.WARNING, f"sglang_sm120: routing table {path} measured {dtype} {', '.join(short)} calls up to "
+                             f"{min(derived.largest(dtype, k) for k in short)} B, this server's bound is {max_bytes} "
+                             "B: larger calls go to NCCL (tune with this server's batch sizes to cover them)")
+    return RouteBook("table", table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
