@@ -9,7 +9,7 @@ import pytest
 
 from sglang_sm120 import tune
 from sglang_sm120.routing import cache
-from sglang_sm120.tuning import launch
+from sglang_sm120.tuning import processes as launch
 
 from .routing.test_table import _table
 
@@ -35,7 +35,7 @@ def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
     (["--hidden", "7168", "--max-batch", "0"], "--max-batch must be >= 1"),
     (["--tp", "2"], "one of the arguments --model-path --hidden is required"),
     (["--hidden", "7168", "--model-path", "x"], "not allowed with argument"),
-    (["--hidden", "7168", "--one-process"], "--one-process needs --debug-nccl-us"),
+    (["--hidden", "7168", "--gpus", "0,x"], "--gpus / --cuda-graph-bs"),
     (["--hidden", "7168", "--cuda-graph-bs", "1,0"], "batch sizes and draft tokens must be >= 1"),
 ])
 def test_bad_arguments_end_in_one_line(argv, message, capsys):
@@ -73,7 +73,7 @@ def test_too_few_gpus_are_named(tp, gpus, message):
 
 
 def _canned(monkeypatch, attempt):
-    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share: (2, [0, 1]))
+    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share, chosen: (2, [0, 1]))
     seen = {}
 
     def tune_with_retries(world, devices, spec, **kw):
@@ -85,7 +85,7 @@ def _canned(monkeypatch, attempt):
 
 
 def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _table([10, 10], [5, 5])
     seen = _canned(monkeypatch, launch.Attempt(table.to_dict(), table.digest(), None, None, []))
     out_file = tmp_path / "copy.json"
@@ -100,7 +100,7 @@ def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, 
 
 
 def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     outcome = launch.ChildOutcome(1, returncode=-9, tail=["CUDA error: an illegal memory access"])
     _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", None, [outcome]))
     assert tune.main(["--hidden", "7168"]) == 1
@@ -110,7 +110,7 @@ def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys
 
 
 def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_for_the_next_tunes(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _table([10, 10], [5, 5])
     culprit = {"dtype": "bfloat16", "kind": "fused", "candidate": "sm120/ONESHOT/pull/device", "from_bytes": 14336,
                "reason": "rank 1 died (exit code -9) while running it"}
@@ -130,25 +130,20 @@ def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_for_the_next_tune
         "sm120/ONESHOT/pull/device", "sm120/TWOSHOT/push/device"]
 
 
-def test_a_one_process_tune_writes_its_out_file_only_never_the_cache(monkeypatch, tmp_path, capsys):
-    from sglang_sm120.tuning import measure_local
+def test_the_chosen_gpus_are_the_ranks_devices():
+    assert tune.plan_ranks(None, 8, False, [4, 5, 6, 7]) == (4, [4, 5, 6, 7])
+    assert tune.plan_ranks(2, 1, True, [0, 0]) == (2, [0, 0])
+    with pytest.raises(SystemExit, match="--gpus"):
+        tune.plan_ranks(2, 2, False, [0, 2])
 
-    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share: (8, list(range(8))))
-    table = _table([10, 10], [5, 5])
-    seen = {}
 
-    def run_one_process(world, device, spec, **kw):
-        seen.update(world=world, device=device, spec=spec)
-        return table, table.key
-
-    monkeypatch.setattr(measure_local, "run_one_process", run_one_process)
-    out_file = tmp_path / "one.json"
-    assert tune.main(["--hidden", "7168", "--tp", "8", "--one-process", "--debug-nccl-us", "1000", "--quick",
-                      "--out", str(out_file)]) == 0
-    assert seen["world"] == 8 and seen["device"] == 0 and seen["spec"].debug_nccl_us == 1000
-    assert out_file.exists() and not (tmp_path / "cache").exists()
-    assert "not put in the cache" in capsys.readouterr().out
+def test_a_tune_that_finds_a_table_of_this_box_measures_nothing_and_says_where(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    seen = _canned(monkeypatch, launch.Attempt(None, None, None, None, [], found="/x/routes_tp2_h7168_ab.json"))
+    assert tune.main(["--hidden", "7168", "--if-missing", "--quick"]) == 0
+    assert seen["spec"].if_missing
+    assert "a routing table of this box exists: /x/routes_tp2_h7168_ab.json" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_one_process_measurer_refuses_without_an_injected_nccl_time():

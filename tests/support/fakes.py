@@ -29,6 +29,8 @@ class FakeIpcAllReduce:
     # What the real workspace reports about the fused one-shot's cluster launch (agreed over the group).
     fused_clusters = {"clusters": [8, 4, 2], "reason": "fake: clusters assumed to work"}
     sm_budget = 188
+    use_pdl = True
+    warn_after_s, timeout_s = 5.0, 300.0
 
     def __init__(self, group=None, device=None, max_numel=0, dtype=torch.bfloat16, *, islands=None, link="auto",
                  memory="device", timeout_s=None, warn_after_s=None, on_timeout="trap", world_size=2, fail=None):
@@ -81,6 +83,10 @@ class FakeIpcAllReduce:
             and 0 < inp.numel() <= self.max_numel
             and inp.numel() % 8 == 0
         )
+
+    def admits_fused(self, rows: int, hidden: int, dtype) -> bool:
+        return (not self.closed and dtype in (torch.bfloat16, torch.float16) and 0 < rows * hidden <= self.max_numel
+                and hidden % 8 == 0)
 
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual=None, weight=None) -> bool:
         if not (self.supports(inp) and inp.dim() == 2):

@@ -47,21 +47,22 @@ FALLBACK_MAX_TOKENS = 64  # when the server captures no CUDA graph
 __all__ = ["SettingError"]
 
 
-def _choice(choices, meaning=""):
+def _choice(choices, what, meaning=""):
     def parse(value: object, source: str) -> str:
         text = str(value).strip().lower()
         if text not in choices:
-            raise SettingError(f"{source}={value!r} is not valid; allowed: {', '.join(choices)}"
+            raise SettingError(f"{source}={value!r} is not a valid {what}; allowed: {', '.join(choices)}"
                                + (f" ({meaning})" if meaning else ""))
         return text
 
     return parse
 
 
-parse_mode = _choice(MODES)
-parse_tune = _choice(TUNE_MODES, "auto: tune at launch when no table of this box exists; off: the built-in seeds; "
-                                 "force: tune at every launch")
-parse_hostmem = _choice(HOSTMEM_CHOICES, "auto: pinned host memory where CUDA P2P is missing; off: NCCL there")
+parse_mode = _choice(MODES, "mode")
+parse_tune = _choice(TUNE_MODES, "tune setting", "auto: tune at launch when no table of this box exists; off: the "
+                                                 "built-in seeds; force: tune at every launch")
+parse_hostmem = _choice(HOSTMEM_CHOICES, "host-memory setting", "auto: use pinned host memory where CUDA P2P is "
+                                                                "missing; off: stay on NCCL there")
 
 
 def parse_max_bytes(value: object, source: str) -> int | None:
@@ -73,8 +74,10 @@ def parse_max_bytes(value: object, source: str) -> int | None:
     try:
         number = int(value.strip(), 0) if isinstance(value, str) else value
     except ValueError:
-        raise SettingError(f"{source}={value!r} is not an integer; {allowed}") from None
-    if isinstance(number, bool) or not isinstance(number, int) or not MIN_MAX_BYTES <= number <= MAX_EXPLICIT_BYTES:
+        number = None
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise SettingError(f"{source}={value!r} is not an integer; {allowed}")
+    if not MIN_MAX_BYTES <= number <= MAX_EXPLICIT_BYTES:
         raise SettingError(f"{source}={value!r} is out of range; {allowed}")
     return number
 

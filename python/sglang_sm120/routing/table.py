@@ -218,7 +218,8 @@ def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[i
         for f in local:
             if f.get(field) not in values:
                 values.append(f.get(field))
-        key[field] = values[0] if len(values) == 1 else " | ".join(_canonical(v) for v in values)
+        key[field] = values[0] if len(values) == 1 else " | ".join(
+            _canonical(v) if isinstance(v, dict) else str(v) for v in values)
     return key
 
 

@@ -38,6 +38,7 @@ logger = logging.getLogger("sglang_sm120")
 
 MEMORY_WORDS = {"device": "CUDA IPC (P2P)", "host": "pinned host memory (no P2P)"}
 ALL_NCCL_STATE = "ATTACHED, ALL SIZES ON NCCL"
+UPSTREAM_PATHS = "; SGLang's own all-reduce paths are used"
 DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}
 # At shutdown every rank destroys its groups at once; a rank that died must not hold the others for long.
 SHUTDOWN_CLOSE_BARRIER_S = 10.0
@@ -50,7 +51,7 @@ def activation_line(enabled: bool, group: str, world_size: int, mode: str, detai
     before SGLang's logging is set up). `note`: what the hooks add about SGLang's own PCIe-IPC all-reduce."""
     head = (f"sglang_sm120: sm120 IPC all-reduce {state or ('ENABLED' if enabled else 'DISABLED')} for TP group "
             f"{group} ({world_size} ranks, mode {mode})")
-    return f"{head}: {detail}{note or ('' if enabled else '; SGLang own all-reduce paths are used')}"
+    return f"{head}: {detail}{note or ('' if enabled else UPSTREAM_PATHS)}"
 
 
 class TPBackend:

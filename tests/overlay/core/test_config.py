@@ -229,11 +229,12 @@ def test_kernel_timeout_follows_dist_timeout_unless_the_kernel_variable_is_set()
     class Args:
         dist_timeout = 1800
 
-    assert config.kernel_timeout_s(Args(), {}) == (1800.0, "--dist-timeout")
-    assert config.kernel_timeout_s(Args(), {config.KERNEL_TIMEOUT_ENV: "30"}) == (None, config.KERNEL_TIMEOUT_ENV)
-    assert config.kernel_timeout_s(None, {}) == (None, "sgl_kernel_sm120 default")
+    assert config.kernel_timeout_s(Args(), {}) == 1800.0
+    for spelling in ("SGL_SM120_AR_TIMEOUT_S", "SGLANG_SM120_AR_TIMEOUT_S"):  # the kernel package reads it itself
+        assert config.kernel_timeout_s(Args(), {spelling: "30"}) is None
+    assert config.kernel_timeout_s(None, {}) is None
 
     class NoTimeout:
         dist_timeout = None
 
-    assert config.kernel_timeout_s(NoTimeout(), {})[0] is None
+    assert config.kernel_timeout_s(NoTimeout(), {}) is None

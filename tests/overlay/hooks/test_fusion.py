@@ -15,7 +15,7 @@ from sglang_sm120.core.gate import GateDecision  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
 from sglang_sm120.routing.book import RouteBook  # noqa: E402
-from sglang_sm120.runtime.communicator import Sm120Communicator  # noqa: E402
+from sglang_sm120.runtime.backend import TPBackend  # noqa: E402
 from tests.support.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
@@ -35,28 +35,31 @@ def overlay():
 
 def fake_backend(max_tokens=8, world=WORLD):
     group = FakeGroupCoordinator(world)
-    backend = Sm120Communicator(
-        name="tp:0", ranks=list(range(world)), rank_in_group=0, world_size=world, cpu_group=None,
-        device=torch.device("cpu"), settings=OverlaySettings(mode="on", agreement_timeout_s=1.0), deterministic=False,
-        group_coordinator=group,
-    )
+    backend = TPBackend(
+        name="tp:0", ranks=list(range(world)), rank_in_group=0, world_size=world, device=torch.device("cpu"),
+        settings=OverlaySettings(mode="on", agreement_timeout_s=1.0), deterministic=False, group=group)
     backend.decision = GateDecision(True, "test")
     backend.workspace = FakeIpcAllReduce(max_numel=max_tokens * HIDDEN, world_size=world)
-    backend.max_bytes = max_tokens * HIDDEN * 2
-    backend.max_fused_tokens = max_tokens
-    backend.hidden_size = HIDDEN
-    backend.fusion_groups_ok = True
+    backend.max_bytes, backend.max_fused_tokens, backend.hidden_size = max_tokens * HIDDEN * 2, max_tokens, HIDDEN
+    backend.dtype = torch.bfloat16
     # Built, and routed by the seeds (every size within the bound ours): until its routes are resolved a
     # backend sends every size to NCCL.
-    backend.routes = RouteBook.seeds(backend.workspace.shape, backend.workspace.limits)
+    set_routes(backend, RouteBook.seeds(backend.workspace.shape, backend.workspace.limits))
     backend._test_group = group  # keep the weakly referenced coordinator alive
     return backend
+
+
+def set_routes(backend, routes):
+    """What build() does once the routes are known: the fused token counts that are ours."""
+    backend.routes, backend._fused = routes, {}
+    backend.fused_tokens = frozenset(t for t in range(1, backend.max_fused_tokens + 1) if backend._fused_route(
+        t, HIDDEN, torch.bfloat16, backend.workspace.admits_fused(t, HIDDEN, torch.bfloat16)))
 
 
 @pytest.fixture
 def backend(monkeypatch):
     b = fake_backend()
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: b)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
     return b
 
 
@@ -86,7 +89,7 @@ def test_fusion_gate_yes_only_when_enabled_and_tokens_fit(overlay, backend, monk
     assert [communicator.apply_flashinfer_allreduce_fusion(t) for t in (0, 1, 8, 9, 2048)] == [
         False, True, True, False, False,
     ]
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: None)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
     assert not any(communicator.apply_flashinfer_allreduce_fusion(t) for t in (1, 8))
 
 
@@ -104,10 +107,9 @@ def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(b
               for r in range(1, 9)]
     table = RoutingTable.from_points(key={}, measured="now", workload={"hidden": HIDDEN},
                                      measurements={("bfloat16", "fused"): points})
-    backend.dtype = torch.bfloat16
-    backend.routes = RouteBook(TABLE, table=table, path="p", shape=backend.workspace.shape,
-                               limits=backend.workspace.limits)
-    assert [hooks_fusion.sm120_fusion_applies(t) for t in (1, 3, 4, 8, 9)] == [True, True, False, False, False]
+    set_routes(backend, RouteBook(TABLE, table=table, path="p", shape=backend.workspace.shape,
+                                  limits=backend.workspace.limits))
+    assert [hooks_fusion.fused_backend(t) is not None for t in (1, 3, 4, 8, 9)] == [True, True, False, False, False]
 
 
 def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_attached(monkeypatch):
@@ -118,7 +120,8 @@ def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_a
     seen = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: seen.append(
         (kw["tune"], bound.max_bytes)) or False)
-    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_backend=backend))
+    monkeypatch.setattr(hooks_distributed, "fusion_reduces_over", lambda group: True)
     monkeypatch.setenv(config.TUNE_ENV, "off")  # not read again: the settings were parsed once, at attach
     monkeypatch.setenv(config.MAX_BYTES_ENV, "8192")
     backend.settings = OverlaySettings(mode="on", max_bytes=4096, tune="force")
@@ -126,15 +129,16 @@ def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_a
     assert seen == [("force", 4096)]
 
 
-def test_real_backend_without_workspace_never_claims_fusion(overlay, monkeypatch):
+def test_a_closed_backend_or_one_without_fusion_never_claims_a_boundary(overlay, monkeypatch):
     b = fake_backend()
-    b.workspace = None
-    monkeypatch.setattr(hooks_fusion, "tp_communicator", lambda: b)
-    assert hooks_fusion.fusion_backend() is None
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
+    assert hooks_fusion.fused_backend(2) is b
+    b.close()  # a workspace gone: no token count is ours
+    assert hooks_fusion.fused_backend(2) is None
     b = fake_backend()
-    b.fusion_groups_ok = False
-    monkeypatch.setattr(hooks_fusion, "tp_communicator", lambda: b)
-    assert hooks_fusion.fusion_backend() is None
+    b.fused_tokens = frozenset()  # what build() leaves when fused calls would not reduce over this group
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
+    assert hooks_fusion.fused_backend(2) is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,7 +171,7 @@ def test_fused_call_folds_post_residual_addition(overlay, backend):
 
 def test_declining_kernel_still_reduces_never_returns_unreduced_norm(overlay, backend, monkeypatch):
     norm = rmsnorm()
-    monkeypatch.setattr(backend, "takes_fused", lambda *a: None)
+    monkeypatch.setattr(backend, "fused_route_for", lambda *a: None)
     x, residual = ints(3, HIDDEN, seed=4), ints(3, HIDDEN, seed=5)
     residual_before = residual.clone()
     out, res_out = norm.forward_with_allreduce_fusion(x, residual)
@@ -244,11 +248,13 @@ def test_capture_of_layer_zero_and_missing_layers_are_skipped():
 def test_should_fuse_is_false_for_marked_layers_only_with_backend(monkeypatch):
     should_fuse = hooks_fusion.wrap_should_fuse_mlp(lambda self, fb: True)
     plain, captured = SimpleNamespace(), SimpleNamespace(**{hooks_fusion.KEEP_MLP_ALLREDUCE: True})
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: object())
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: SimpleNamespace(fused_tokens=frozenset({1})))
     assert should_fuse(plain, None) is True
     assert should_fuse(captured, None) is False
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: None)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
     assert should_fuse(captured, None) is True  # backend off: upstream unchanged
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: SimpleNamespace(fused_tokens=frozenset()))
+    assert should_fuse(captured, None) is True  # built, but not fusing: upstream unchanged
     assert hooks_fusion.wrap_should_fuse_mlp(lambda self, fb: False)(plain, None) is False
 
 
@@ -264,11 +270,11 @@ def test_should_fuse_seam_is_installed(overlay):
 
 
 def test_dispatch_small_to_kernel_large_and_ineligible_to_original(monkeypatch):
-    monkeypatch.setattr(hooks_distributed, "_must_use_original", lambda inp: False)
+    monkeypatch.setattr(hooks_distributed, "must_use_original", lambda: False)
     original_calls = []
     all_reduce = hooks_distributed.wrap_group_all_reduce(lambda self, t: original_calls.append(t.shape) or "nccl")
     backend = fake_backend(max_tokens=8)
-    group = SimpleNamespace(sm120_comm=backend)
+    group = SimpleNamespace(sm120_backend=backend)
     small = ints(8, HIDDEN)
     assert torch.equal(all_reduce(group, small), (small.float() * WORLD).to(small.dtype))
     assert all_reduce(group, ints(9, HIDDEN)) == "nccl"  # over the byte bound
@@ -279,19 +285,19 @@ def test_dispatch_small_to_kernel_large_and_ineligible_to_original(monkeypatch):
 
 def test_dispatch_without_backend_is_upstream():
     all_reduce = hooks_distributed.wrap_group_all_reduce(lambda self, t: "nccl")
-    assert all_reduce(SimpleNamespace(sm120_comm=None), ints(1, HIDDEN)) == "nccl"
+    assert all_reduce(SimpleNamespace(sm120_backend=None), ints(1, HIDDEN)) == "nccl"
     assert all_reduce(SimpleNamespace(), ints(1, HIDDEN)) == "nccl"
     unbuilt = fake_backend()
     unbuilt.workspace = None
-    assert all_reduce(SimpleNamespace(sm120_comm=unbuilt), ints(1, HIDDEN)) == "nccl"
+    assert all_reduce(SimpleNamespace(sm120_backend=unbuilt), ints(1, HIDDEN)) == "nccl"
     assert unbuilt.stats["fallback"] == 0
 
 
 def test_compiling_or_piecewise_goes_to_original(monkeypatch):
     all_reduce = hooks_distributed.wrap_group_all_reduce(lambda self, t: "nccl")
     backend = fake_backend()
-    monkeypatch.setattr(hooks_distributed, "_must_use_original", lambda inp: True)
-    assert all_reduce(SimpleNamespace(sm120_comm=backend), ints(1, HIDDEN)) == "nccl"
+    monkeypatch.setattr(hooks_distributed, "must_use_original", lambda: True)
+    assert all_reduce(SimpleNamespace(sm120_backend=backend), ints(1, HIDDEN)) == "nccl"
 
 
 def test_destroy_releases_workspace():
@@ -299,9 +305,9 @@ def test_destroy_releases_workspace():
     destroy = hooks_distributed.wrap_group_destroy(lambda self: destroyed.append(True))
     backend = fake_backend()
     kernel = backend.workspace
-    group = SimpleNamespace(sm120_comm=backend)
+    group = SimpleNamespace(sm120_backend=backend)
     destroy(group)
-    assert kernel.closed and group.sm120_comm is None and destroyed == [True]
+    assert kernel.closed and group.sm120_backend is None and destroyed == [True]
 
 
 def test_group_init_attaches_only_to_tp_groups(monkeypatch):
@@ -314,12 +320,12 @@ def test_group_init_attaches_only_to_tp_groups(monkeypatch):
     init = hooks_distributed.wrap_group_init(original_init)
     group = SimpleNamespace()
     init(group, "tp:0")
-    assert group.sm120_comm == "backend"
+    assert group.sm120_backend == "backend"
     # attach() itself filters by name; a crash in it leaves the group on NCCL instead of failing init
     monkeypatch.setattr(hooks_distributed, "attach", lambda g: 1 / 0)
     other = SimpleNamespace()
     init(other, "tp:1")
-    assert other.sm120_comm is None
+    assert other.sm120_backend is None
 
 
 def test_attach_filters_groups_and_mode(monkeypatch):
@@ -364,7 +370,8 @@ def test_prepare_tp_backend_sizes_from_server_args(monkeypatch, explicit, expect
     monkeypatch.setattr(
         backend, "build", lambda hidden, dtype, bound, **kw: built.append((hidden, dtype, bound)) or False
     )
-    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_backend=backend))
+    monkeypatch.setattr(hooks_distributed, "fusion_reduces_over", lambda group: True)
     server_args = SimpleNamespace(
         cuda_graph_max_bs=8, cuda_graph_bs=[1, 2, 4, 8], speculative_algorithm="EAGLE3",
         speculative_num_draft_tokens=4,

@@ -17,8 +17,7 @@ from sglang_sm120.core import exchange
 from sglang_sm120.core.config import ByteBound, OverlaySettings
 from sglang_sm120.core.facts import group_facts
 from sglang_sm120.core.gate import GateDecision
-from sglang_sm120.runtime import communicator as comm_mod
-from sglang_sm120.runtime import route_resolution
+from sglang_sm120.runtime import backend as backend_mod
 from tests.support.fakes import FakeIpcAllReduce
 
 
@@ -32,18 +31,18 @@ _names = itertools.count()
 
 def make_backend(rank, world, store, mode="auto", timeout_s=0.5, name=None, hostmem="auto"):
     # Exchange keys are counted per (group name, rank): a fresh name per test keeps the ranks in step.
-    return comm_mod.Sm120Communicator(
+    return backend_mod.TPBackend(
         name=name or f"tp:{next(_names)}", ranks=list(range(world)), rank_in_group=rank, world_size=world,
-        cpu_group=None, device=torch.device("cpu"), deterministic=False, store=store,
+        device=torch.device("cpu"), deterministic=False, store=store,
         settings=OverlaySettings(mode=mode, hostmem=hostmem, agreement_timeout_s=timeout_s),
     )
 
 
 def reduce(backend, x):
-    """A plain call as the hook makes it: checked once (takes), then run."""
-    route = backend.takes(x)
+    """A plain call as the hook makes it: checked once (route_for), then run."""
+    route = backend.route_for(x)
     assert route is not None, "the backend does not take this call"
-    return backend.all_reduce(x, route)
+    return backend.run(x, route)
 
 
 def run_ranks(world, target, named=False):
@@ -108,7 +107,7 @@ def test_group_facts_p2p_matrix_by_uuid():
 
 def test_gate_resolves_identically_on_every_rank(monkeypatch):
     store = dist.HashStore()
-    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 1)))
+    monkeypatch.setattr(backend_mod, "local_facts", synthetic_facts((12, 1)))
     decisions = run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:same").resolve_gate())
     assert decisions[0] == decisions[1]
     assert not decisions[0].enabled and "12.1" in decisions[0].reason
@@ -122,7 +121,7 @@ def test_gate_enabled_with_full_facts(monkeypatch):
         return {"mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{rank}",
                 "p2p": {"GPU-0": True, "GPU-1": True}, "kernel_error": None}
 
-    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    monkeypatch.setattr(backend_mod, "local_facts", local_facts)
     results = {}
 
     def body(rank):
@@ -133,7 +132,7 @@ def test_gate_enabled_with_full_facts(monkeypatch):
 
 
 def test_gate_times_out_to_nccl_when_a_peer_is_unpatched(monkeypatch):
-    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    monkeypatch.setattr(backend_mod, "local_facts", synthetic_facts((12, 0)))
     backend = make_backend(0, 2, dist.HashStore(), timeout_s=0.2)
     decision = backend.resolve_gate()
     assert not decision.enabled
@@ -141,7 +140,7 @@ def test_gate_times_out_to_nccl_when_a_peer_is_unpatched(monkeypatch):
 
 
 def test_gate_without_store_falls_back(monkeypatch):
-    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((12, 0)))
+    monkeypatch.setattr(backend_mod, "local_facts", synthetic_facts((12, 0)))
     backend = make_backend(0, 2, None)
     assert not backend.resolve_gate().enabled
 
@@ -152,15 +151,14 @@ def fake_kernel_module(monkeypatch):
     FakeIpcAllReduce.instances.clear()
     module.IpcAllReduce = FakeIpcAllReduce
     monkeypatch.setitem(sys.modules, "sgl_kernel_sm120", module)
-    monkeypatch.setattr(comm_mod, "probe", lambda uuids: _FlatTopology())
-    monkeypatch.setattr(route_resolution, "key_facts", fake_key_facts)
+    monkeypatch.setattr(backend_mod, "probe", lambda uuids: _FlatTopology())
     return module
 
 
-def fake_key_facts(device):
-    rank = int(threading.current_thread().name) if threading.current_thread().name.isdigit() else 0
+def fake_key_facts_of(rank):
     return {"uuid": f"GPU-{rank}", "pci_bus_id": f"00000000:0{rank}:00.0", "name": "fake", "driver": "580.1",
-            "cuda": "13.0", "torch": "2.14.1", "nccl": "2.27.3", "sglang_sm120": "0.1.0", "kernels": "fake"}
+            "cuda": "13.0", "torch": "2.14.1", "nccl": "2.27.3", "nccl_settings": {}, "sglang_sm120": "0.1.0",
+            "kernels": "fake"}
 
 
 class _FlatTopology:
@@ -174,9 +172,12 @@ class _FlatTopology:
 
 
 def enabled_backend(rank, world, store, name, memory="device", hostmem="auto"):
+    """A backend whose gate round passed: every rank's facts as the gate gathered them."""
     backend = make_backend(rank, world, store, timeout_s=2.0, name=name, hostmem=hostmem)
     backend.decision = GateDecision(True, "test", memory=memory)
-    backend.uuids = [f"GPU-{i}" for i in range(world)]
+    backend.facts = group_facts([{"mode": "auto", "node": "n0", "capability": [12, 0], "uuid": f"GPU-{r}",
+                                  "p2p": {f"GPU-{i}": True for i in range(world)}, "key": fake_key_facts_of(r)}
+                                 for r in range(world)])
     return backend
 
 
@@ -198,14 +199,14 @@ def test_build_sizes_workspace_and_dispatch_bound(fake_kernel_module):
         small = torch.zeros(3, 7168, dtype=torch.bfloat16)
         edge = torch.zeros(32, 7168, dtype=torch.bfloat16)
         large = torch.zeros(33, 7168, dtype=torch.bfloat16)
-        assert backend.takes(small) and backend.takes(edge) and not backend.takes(large)
-        assert not backend.takes(torch.zeros(3, 7168, dtype=torch.float32))  # kernel declines fp32
-        assert not backend.takes(torch.zeros(7168, 3, dtype=torch.bfloat16).t())  # non-contiguous
+        assert backend.route_for(small) and backend.route_for(edge) and not backend.route_for(large)
+        assert not backend.route_for(torch.zeros(3, 7168, dtype=torch.float32))  # kernel declines fp32
+        assert not backend.route_for(torch.zeros(7168, 3, dtype=torch.bfloat16).t())  # non-contiguous
         weight = torch.ones(7168, dtype=torch.bfloat16)
-        assert backend.takes_fused(small, small.clone(), weight)
-        assert not backend.takes_fused(large, large.clone(), weight)
-        assert not backend.takes_fused(small, small.float(), weight)
-        assert not backend.takes_fused(small, small.clone(), weight.float())
+        assert backend.fused_route_for(small, small.clone(), weight)
+        assert not backend.fused_route_for(large, large.clone(), weight)
+        assert not backend.fused_route_for(small, small.float(), weight)
+        assert not backend.fused_route_for(small, small.clone(), weight.float())
         # built once: a second build (the draft runner's) keeps the first workspace
         first = backend.workspace
         assert backend.build(4096, torch.bfloat16, ByteBound(1 << 20, "again"))
@@ -280,7 +281,7 @@ def test_activation_is_one_warning_line_with_bound_schedule_and_islands(fake_ker
 def test_disabled_gate_is_one_warning_line_with_the_reason(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     store = dist.HashStore()
-    monkeypatch.setattr(comm_mod, "local_facts", synthetic_facts((9, 0)))
+    monkeypatch.setattr(backend_mod, "local_facts", synthetic_facts((9, 0)))
     run_ranks(2, lambda r: make_backend(r, 2, store, name="tp:off").resolve_gate())
     lines = _warnings(caplog)
     assert len(lines) == 1, lines
@@ -320,8 +321,8 @@ def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkey
     output = types.SimpleNamespace(internal_state={"last_gen_throughput": 1.0})
     report = hooks_server_info.wrap_get_internal_state(lambda self, req: output)
 
-    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backend)
-    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backend)
+    monkeypatch.setattr(hooks_distributed, "tp_backend", lambda: backend)
+    monkeypatch.setattr(hooks_server_info, "tp_backend", lambda: backend)
     state = report(object(), object()).internal_state
     assert state["last_gen_throughput"] == 1.0
     ours = state[hooks_server_info.STATE_KEY]
@@ -330,7 +331,7 @@ def test_server_info_reports_state_and_device_counter(fake_kernel_module, monkey
 
     json.dumps(state)  # the server sends it as JSON
 
-    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: None)
+    monkeypatch.setattr(hooks_server_info, "tp_backend", lambda: None)
     state = report(object(), object()).internal_state
     assert state[hooks_server_info.STATE_KEY]["active"] is False
 
@@ -347,10 +348,10 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
     line = _warnings(caplog)[-1]
     assert "ENABLED" in line and "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set too" in line, line
     assert "PCIe-IPC workspace is not built" in line, line
-    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+    assert backend_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set: SGLang's own PCIe-IPC all-reduce is used")
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
-    assert comm_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+    assert backend_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLang's own all-reduce paths are used")
 
 
@@ -372,7 +373,7 @@ def test_gate_without_p2p_selects_host_memory_unless_refused(monkeypatch, hostme
                 "name": "NVIDIA GeForce RTX 5090", "p2p": {f"GPU-{rank}": True, f"GPU-{1 - rank}": False},
                 "kernel_error": None}
 
-    monkeypatch.setattr(comm_mod, "local_facts", local_facts)
+    monkeypatch.setattr(backend_mod, "local_facts", local_facts)
     run_ranks(2, body, named=True)
     (d0, b0), (d1, _) = results[0], results[1]
     assert d0 == d1 and d0.enabled is enabled, d0
@@ -390,7 +391,7 @@ def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kerne
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     store = dist.HashStore()
     probed = []
-    monkeypatch.setattr(comm_mod, "probe", lambda uuids: probed.append(uuids) or _FlatTopology())
+    monkeypatch.setattr(backend_mod, "probe", lambda uuids: probed.append(uuids) or _FlatTopology())
     bound = ByteBound(4 * 7168 * 2, "t")
     backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
         enabled_backend(r, 2, store, "tp:host", memory="host")))
@@ -403,8 +404,8 @@ def test_host_memory_decision_builds_a_host_workspace_without_islands(fake_kerne
     assert len(lines) == 1 and "ENABLED" in lines[0], lines
     assert "transport: pinned host memory (no P2P)" in lines[0] and "link host" in lines[0], lines[0]
     assert "islands none (flat)" in lines[0], lines[0]
-    monkeypatch.setattr(hooks_server_info, "tp_communicator", lambda: backends[0])
-    monkeypatch.setattr(hooks_distributed, "tp_communicator", lambda: backends[0])
+    monkeypatch.setattr(hooks_server_info, "tp_backend", lambda: backends[0])
+    monkeypatch.setattr(hooks_distributed, "tp_backend", lambda: backends[0])
     assert hooks_server_info.sm120_state()["memory"] == "host"
 
 
@@ -535,25 +536,27 @@ def test_attach_reads_the_hostmem_setting(monkeypatch):
     monkeypatch.setenv(config.HOSTMEM_ENV, "off")
     monkeypatch.setattr(hooks_distributed, "runtime_server_args", lambda: None)
     monkeypatch.setattr(hooks_distributed, "default_store", lambda: None)
-    class Group:  # the communicator keeps a weak reference to its GroupCoordinator
-        unique_name, world_size, rank_in_group, ranks, cpu_group = "tp:0", 2, 1, [0, 1], None
+
+    class Group:  # the backend keeps a weak reference to its GroupCoordinator
+        unique_name, world_size, rank_in_group, ranks = "tp:0", 2, 1, [0, 1]
         device = torch.device("cuda", 0)
 
-    comm = hooks_distributed.attach(Group())
-    assert comm is not None and comm.hostmem == "off"
-    assert comm.upstream_note is upstream_pcie.activation_note
+    backend = hooks_distributed.attach(Group())
+    assert backend is not None and backend.settings.hostmem == "off"
+    assert backend.upstream_note is upstream_pcie.activation_note
 
 
 # ---------------------------------------------------------------------------------------------------------
 # routing by a table
 
 
-def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32):
+def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32, **key_changes):
     from sglang_sm120.core.facts import launch_facts
     from sglang_sm120.routing import cache
     from sglang_sm120.routing.table import NCCL, Point, RoutingTable, make_key
 
-    key = make_key([fake_key_facts(None)] * 2, islands=None, p2p=None, memory="device",
+    key = make_key([{**fake_key_facts_of(0), **key_changes}, {**fake_key_facts_of(1), **key_changes}],
+                   islands=None, p2p=[[True, True], [True, True]], memory="device",
                    launch=launch_facts(FakeIpcAllReduce))
 
     def points(ours_rows, cid):
@@ -567,86 +570,123 @@ def _table_for_the_fake_group(plain_ours_rows, fused_ours_rows, rows=32):
     return cache.save(table)
 
 
-def test_a_tuned_table_routes_each_size_and_the_line_names_it(fake_kernel_module, caplog):
+def _built(world, store, name, bound, **build):
+    return run_ranks(world, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound, **build), b)[1])(
+        enabled_backend(r, world, store, name)))
+
+
+def test_a_tuned_table_routes_each_size_and_the_line_names_it_with_nccl_at_the_verify_size(fake_kernel_module,
+                                                                                             caplog):
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     path = _table_for_the_fake_group(plain_ours_rows=4, fused_ours_rows=2)
-    store = dist.HashStore()
-    bound = ByteBound(32 * 7168 * 2, "32 rows")
-    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound, tune="auto"), b)[1])(
-        enabled_backend(r, 2, store, "tp:tabled")))
+    backends = _built(2, dist.HashStore(), "tp:tabled", ByteBound(32 * 7168 * 2, "32 rows"), tune="auto",
+                      verify_rows=2)
     line = _warnings(caplog)[-1]
     assert f"routes: tuned table {path}, measured 2026-12-03T10:00:00Z" in line, line
     assert "where the table routes them, plain: TWOSHOT/push/device up to 57344 B, NCCL up to 458752 B; fused: " \
            "ONESHOT/push/device/c4 up to 28672 B, NCCL up to 458752 B" in line, line
+    assert "at the verify size [2, 7168] bfloat16: fused: ours 10.0 us (ONESHOT/push/device/c4) against NCCL " \
+           "20.0 us, plain: ours 10.0 us (TWOSHOT/push/device) against NCCL 20.0 us" in line, line
     backend = backends[0]
     weight = torch.ones(7168, dtype=torch.bfloat16)
     four, five = torch.ones(4, 7168, dtype=torch.bfloat16), torch.ones(5, 7168, dtype=torch.bfloat16)
-    assert backend.takes(four) and not backend.takes(five)  # NCCL won from 5 rows on
+    assert backend.route_for(four) and not backend.route_for(five)  # NCCL won from 5 rows on
     two, three = four[:2].contiguous(), four[:3].contiguous()
-    assert backend.takes_fused(two, two.clone(), weight) and not backend.takes_fused(three, three.clone(), weight)
-    assert backend.fuses_rows(2) and not backend.fuses_rows(3) and not backend.fuses_rows(0)
+    assert backend.fused_route_for(two, two.clone(), weight) and not backend.fused_route_for(three, three.clone(),
+                                                                                            weight)
+    assert backend.fused_tokens == frozenset({1, 2})
     reduce(backend, four)
     residual = two.clone()
-    backend.all_reduce_add_rmsnorm(two, residual, weight, 1e-6, backend.takes_fused(two, residual, weight))
-    assert [r.id for r in backend.workspace.routes_run] == ["TWOSHOT/push/device", "ONESHOT/push/device/c4"]
+    backend.run_fused(two, residual, weight, 1e-6, backend.fused_route_for(two, residual, weight))
+    # the routes run resolved: every launch field the op needs is named
+    assert [r.id for r in backend.workspace.routes_run] == ["TWOSHOT/push/device/b188/t64", "ONESHOT/push/device/b188/c4"]
     assert backend.describe()["routes"]["source"] == "table"
     for b in backends.values():
         b.close()
 
 
-def test_without_a_table_the_line_says_seeds_and_every_size_within_the_bound_is_ours(fake_kernel_module, caplog):
+def test_a_table_measured_against_another_nccl_configuration_is_not_used(fake_kernel_module, caplog):
     caplog.set_level(logging.INFO, logger="sglang_sm120")
-    store = dist.HashStore()
-    bound = ByteBound(8 * 7168 * 2, "t")
-    backends = run_ranks(2, lambda r: (lambda b: (b.build(7168, torch.bfloat16, bound), b)[1])(
-        enabled_backend(r, 2, store, "tp:seeded")))
+    _table_for_the_fake_group(plain_ours_rows=4, fused_ours_rows=2, nccl_settings={"NCCL_P2P_LEVEL": "SYS"})
+    backends = _built(2, dist.HashStore(), "tp:other-nccl", ByteBound(8 * 7168 * 2, "t"), tune="auto")
+    line = _warnings(caplog)[-1]
+    assert "ALL SIZES ON NCCL" in line and "other versions (nccl_settings {'NCCL_P2P_LEVEL': 'SYS'} -> {}" in line, \
+        line
+    assert not backends[0].route_for(torch.ones(2, 7168, dtype=torch.bfloat16))
+
+
+def test_without_a_table_tune_off_routes_by_the_seeds_and_says_so(fake_kernel_module, caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backends = _built(2, dist.HashStore(), "tp:seeded", ByteBound(8 * 7168 * 2, "t"), tune="off")
     lines = _warnings(caplog)
     assert len(lines) == 1, lines
     assert lines[0].endswith("routes: seeds, UNMEASURED on this box: every size within the bound goes to the "
                              "sm120 kernels (--sm120-allreduce-tune off; python -m sglang_sm120.tune measures this "
                              "box)"), lines
     backend = backends[0]
-    assert backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16)) and backend.fuses_rows(8)
+    assert backend.route_for(torch.ones(8, 7168, dtype=torch.bfloat16)) and 8 in backend.fused_tokens
     reduce(backend, torch.ones(8, 7168, dtype=torch.bfloat16))
-    assert [r.id for r in backend.workspace.routes_run] == ["ONESHOT/push/device"]  # the seed route of the size
+    assert [r.id for r in backend.workspace.routes_run] == ["ONESHOT/push/device/b188/t128"]  # the seed, resolved
     routes = backend.describe()["routes"]
-    assert routes["source"] == "seeds" and routes["line"] == backend.routes.source_line()
-    assert routes["why"].startswith("no routing table of this box in ")
+    assert routes["source"] == "seeds" and routes["why"].startswith("no routing table of this box")
 
 
-def test_a_failed_quick_tune_leaves_the_backend_attached_with_every_size_on_nccl(fake_kernel_module, caplog,
-                                                                                 monkeypatch):
-    from sglang_sm120.tuning import launch
+def test_without_a_table_tune_auto_attaches_with_every_size_on_nccl_and_names_the_command(fake_kernel_module,
+                                                                                          caplog):
+    caplog.set_level(logging.INFO, logger="sglang_sm120")
+    backends = _built(2, dist.HashStore(), "tp:nccl", ByteBound(8 * 7168 * 2, "t"), tune="auto")
+    line = _warnings(caplog)[-1]
+    assert "sm120 IPC all-reduce ATTACHED, ALL SIZES ON NCCL for TP group tp:nccl" in line, line
+    assert "routes: all NCCL because no routing table of this box" in line, line
+    assert "the launcher's tune gives one" in line and "python -m sglang_sm120.tune" in line, line
+    backend = backends[0]
+    assert backend.active and not backend.route_for(torch.ones(8, 7168, dtype=torch.bfloat16))
+    assert not backend.fused_tokens
+    routes = backend.describe()["routes"]
+    assert routes["source"] == "nccl" and routes["routes"] == "all sizes: NCCL"
+    for b in backends.values():
+        b.close()
 
-    monkeypatch.setattr(launch, "run_rank_child", lambda rank, *a, **kw: launch.ChildOutcome(
-        rank, returncode=-9, tail=["Segmentation fault"]))
+
+def test_ranks_running_different_kernel_libraries_go_to_nccl_whatever_the_setting(fake_kernel_module, caplog):
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     store = dist.HashStore()
-    bound = ByteBound(8 * 7168 * 2, "t")
+
     def build(rank):
-        backend = enabled_backend(rank, 2, store, "tp:nccl")
-        backend.device = torch.device("cuda", rank)  # a tune child runs on the rank's GPU (here: a stand-in)
-        backend.build(7168, torch.bfloat16, bound, tune="auto")
+        backend = enabled_backend(rank, 2, store, "tp:libs")
+        backend.facts.keys[1] = {**backend.facts.keys[1], "kernels": "other.so:1:2"}
+        backend.build(7168, torch.bfloat16, ByteBound(8 * 7168 * 2, "t"), tune="off")
         return backend
 
     backends = run_ranks(2, build)
-    line = _warnings(caplog)[-1]
-    assert "sm120 IPC all-reduce ATTACHED, ALL SIZES ON NCCL for TP group tp:nccl" in line, line
-    assert "routes: all NCCL because the quick tune at start-up failed (rank 0: exit code -9: Segmentation fault" \
-           in line and "retry: --sm120-allreduce-tune force, or python -m sglang_sm120.tune" in line, line
-    backend = backends[0]
-    assert backend.active and not backend.takes(torch.ones(8, 7168, dtype=torch.bfloat16))
-    assert not backend.fuses_rows(1)
-    routes = backend.describe()["routes"]
-    assert routes["source"] == "nccl" and routes["routes"] == "all sizes: NCCL" and "exit code -9" in routes["why"]
-    for b in backends.values():
-        b.close()
+    assert all(b.routes.source == "nccl" for b in backends.values())
+    assert "the ranks do not run the same kernel library" in _warnings(caplog)[-1]
+
+
+def test_a_start_up_makes_at_most_four_agreement_rounds(fake_kernel_module, monkeypatch):
+    """Gate, workspace outcome, a host-memory retry's outcome, routes: counted with the real store exchange."""
+    store = dist.HashStore()
+    monkeypatch.setattr(backend_mod, "local_facts", lambda device, mode: {
+        "mode": mode, "node": "n0", "capability": [12, 0], "uuid": f"GPU-{threading.current_thread().name}",
+        "p2p": {"GPU-0": True, "GPU-1": True}, "kernel_error": None,
+        "key": fake_key_facts_of(int(threading.current_thread().name))})
+    fake_kernel_module.IpcAllReduce = FakeIpcAllReduce.failing(probe_pairs=[(1, 0, "dropped")])
+
+    def start(rank):
+        backend = make_backend(rank, 2, store, name="tp:rounds", timeout_s=2.0)
+        backend.resolve_gate()
+        backend.build(7168, torch.bfloat16, ByteBound(8 * 7168 * 2, "t"), tune="auto")
+        return backend
+
+    backends = run_ranks(2, start, named=True)
+    assert all(b.active and b.memory == "host" for b in backends.values())  # the retry took place
+    assert [b.rounds for b in backends.values()] == [4, 4]
 
 
 def test_a_backend_whose_routes_were_never_resolved_sends_every_size_to_nccl():
     backend = make_backend(0, 2, None, timeout_s=1.0, name="tp:unrouted")
     backend.decision = GateDecision(True, "test")
-    backend.workspace = FakeIpcAllReduce(max_numel=8 * 7168)
+    backend.workspace = FakeIpcAllReduce(max_numel=8 * 7168, device=torch.device("cpu"))
     backend.max_bytes, backend.max_fused_tokens, backend.hidden_size = 8 * 7168 * 2, 8, 7168
     x = torch.ones(2, 7168, dtype=torch.bfloat16)
-    assert backend.routes.source == "nccl" and not backend.takes(x) and not backend.fuses_rows(2)
+    assert backend.routes.source == "nccl" and not backend.route_for(x) and not backend.fused_tokens
