@@ -136,7 +136,10 @@ def parse_nccl_log(text: str) -> dict:
     """NCCL INFO log -> {"transports": {"SHM": n, "P2P": m, ...} (channel connections), "nccl_version"}, read with
     the overlay's parser of NCCL's lines (sglang_sm120/core/nccl.py)."""
     log = nccl_log.parse_log(text)
-    return {"transports": nccl_log.kinds(log["pairs"]), "nccl_version": log["nccl_version"]}
+    counts: dict[str, int] = {}
+    for name, n in ((name, n) for via in log["pairs"].values() for name, n in via.items()):
+        counts[nccl_log.kind(name)] = counts.get(nccl_log.kind(name), 0) + n
+    return {"transports": counts, "nccl_version": log["nccl_version"]}
 
 
 def read_nccl_log(debug_file: str | None) -> dict | None:

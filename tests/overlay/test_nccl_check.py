@@ -1,9 +1,11 @@
 """The NCCL check on CPU: the parser on NCCL's INFO lines of two releases (each line written from the format string
 in NCCL's source, cited next to it), the variant plan, the advice on stand-in timings, the slowest-rank median, the
-one-GPU message, and the spawn / collect / timeout path with stand-in rank processes (`--fake`)."""
+one-GPU message, and the spawn / collect / timeout path with stand-in rank processes (nccl_stand_in_rank.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +14,14 @@ import pytest
 
 from sglang_sm120 import nccl_check
 from sglang_sm120.core import nccl
+
+STAND_IN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_stand_in_rank.py")
+
+
+def _two_ranks(mode: str, environ: dict, timeout_s: float = 60) -> dict:
+    return nccl_check.run(world=2, devices=2, environ={**environ, "STAND_IN_MODE": mode},
+                          rank_command=[sys.executable, STAND_IN], timeout_s=timeout_s)
+
 
 # NCCL v2.18.5-1. Prefix "%s:%d:%d [%d] NCCL INFO " (hostname:pid:tid [cudaDev]): src/debug.cc, ncclDebugLog.
 LOG_2_18 = """\
@@ -59,7 +69,8 @@ def test_parse_2_18():
                             "1->2": {"SHM/direct/direct": 1, "SHM/CE/direct": 1},
                             "2->0": {"NET/Socket/0": 1, "NET/Socket/0/GDRDMA": 1},
                             "0->collnet": {"COLLNET/SHARP/0": 1}}
-    assert nccl.kinds(got["pairs"]) == {"P2P": 2, "SHM": 2, "NET": 2, "COLLNET": 1}
+    assert nccl.pairs_by_kind(got["pairs"]) == {"COLLNET": ["0->collnet"], "P2P": ["0->1"], "SHM": ["1->2"],
+                                                "NET": ["2->0"]}
 
 
 def test_parse_2_28_and_2_30():
@@ -69,16 +80,16 @@ def test_parse_2_28_and_2_30():
                             "1->0": {"P2P/MNNVL/CE": 1, "P2P/indirect/0[0]/read": 1, "SHM/direct/direct": 1,
                                      "NET/IB/0(0)/GDRDMA(PCI)/Shared": 1}}
     assert nccl.pairs_by_kind(got["pairs"]) == {"P2P": ["0->1", "1->0"], "NET": ["1->0"], "SHM": ["1->0"]}
+    assert [nccl.kind(v) for v in got["pairs"]["1->0"]] == ["P2P", "P2P", "SHM", "NET"]
     assert nccl.parse_log(SHM_2_30) == {"nccl_version": None, "pairs": {"3->2": {"SHM/direct": 1}}}
     assert nccl.parse_log("box:1:1 [0] NCCL INFO Channel 00/02 : 0 1\n")["pairs"] == {}
 
 
-def test_merge_logs():
-    a = nccl.parse_log(LOG_2_28)
-    m = nccl.merge_logs([a, a, None])
-    assert m["pairs"]["0->1"] == {"P2P/CUMEM/read": 2, "P2P/direct pointer/read": 2}
-    assert m["nccl_version"] == "2.28.9+cuda13.0"
-    assert nccl.merge_logs([a, nccl.parse_log(LOG_2_18)])["nccl_version"] == ["2.18.5+cuda12.2", "2.28.9+cuda13.0"]
+def test_several_ranks_logs_read_together():  # pairs in order of source rank
+    got = nccl.parse_log(LOG_2_28 + LOG_2_28.replace("box:2", "box:3"))
+    assert got["pairs"]["0->1"] == {"P2P/CUMEM/read": 2, "P2P/direct pointer/read": 2}
+    assert got["nccl_version"] == "2.28.9+cuda13.0"
+    assert list(nccl.parse_log(SHM_2_30 + LOG_2_18)["pairs"]) == ["0->collnet", "0->1", "1->2", "2->0", "3->2"]
 
 
 def test_settings_are_every_nccl_variable_sorted():
@@ -162,15 +173,23 @@ def test_slowest_rank_median():
 def test_one_gpu_says_so_and_starts_nothing(monkeypatch):
     monkeypatch.setattr(nccl_check, "_run_variant", lambda *a, **k: pytest.fail("rank processes were started"))
     for gpus in (0, 1):
-        result = nccl_check.run(devices=gpus, fake="ok")
+        result = nccl_check.run(devices=gpus)
         assert nccl_check.report_lines(result) == [f"NCCL check: needs two GPUs, this machine has {gpus} "
                                                    "(nothing was run)"]
-    assert nccl_check.run(world=4, devices=2)["skipped"].startswith("NCCL check: 4 ranks asked for, this machine has 2")
-    assert nccl_check.run()["skipped"].startswith("NCCL check: needs two GPUs")  # this machine: torch sees no GPU
+    assert nccl_check.run(world=4, devices=2)["skipped"] == "NCCL check: runs 2 to 2 ranks here (one per GPU), not 4 " \
+        "(nothing was run)"
+    assert "runs 2 to 8 ranks here" in nccl_check.run(world=1, devices=8)["skipped"]
+
+
+def test_the_command_with_no_gpu_visible():  # torch's own device count, on any machine
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    got = subprocess.run([sys.executable, "-m", "sglang_sm120.nccl_check"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert (got.returncode, got.stdout) == (0, "NCCL check: needs two GPUs, this machine has 0 (nothing was run)\n")
 
 
 def test_stand_in_ranks_end_to_end():
-    result = nccl_check.run(world=2, devices=2, environ={"NCCL_P2P_DISABLE": "1"}, fake="ok", timeout_s=120)
+    result = _two_ranks("ok", {"NCCL_P2P_DISABLE": "1"}, 120)
     assert [v["variant"] for v in result["variants"]] == [nccl.BASE, "unset NCCL_P2P_DISABLE",
                                                          "unset NCCL_P2P_DISABLE, NCCL_P2P_LEVEL=SYS"]
     base, unset, both = result["variants"]
@@ -184,20 +203,21 @@ def test_stand_in_ranks_end_to_end():
     assert base["times_us"]["1x7168"] == 202.0 and both["times_us"]["all-gather 4x81920"] == 22.0
     assert len(result["advice"]) == 1 and "SHM for 0->1 1->0" in result["advice"][0]
     assert "`unset NCCL_P2P_DISABLE; export NCCL_P2P_LEVEL=SYS`" in result["advice"][0]
+    assert json.loads(json.dumps(result)) == result
     lines = nccl_check.report_lines(result)
     assert "1x7168" in lines[1] and "all-gather 4x81920" in lines[1] and "202.0" in lines[2]
     assert any(line.startswith("  transports, as is: SHM 0->1 1->0") for line in lines)
 
 
 def test_no_advice_line_when_nccl_is_fine():
-    result = nccl_check.run(world=2, devices=2, environ={"NCCL_P2P_LEVEL": "SYS"}, fake="ok", timeout_s=60)
+    result = _two_ranks("ok", {"NCCL_P2P_LEVEL": "SYS"}, 60)
     assert len(result["variants"]) == 1 and result["advice"] == []
     assert nccl_check.report_lines(result)[-1].startswith("NCCL: no change advised")
 
 
 def test_a_hung_nccl_is_killed_and_said():
     t0 = time.monotonic()
-    result = nccl_check.run(world=2, devices=2, environ={}, fake="hang", timeout_s=2)
+    result = _two_ranks("hang", {}, 2)
     assert time.monotonic() - t0 < 10
     assert "did not finish within 1 s: its processes were killed" in result["variants"][0]["error"]
     later = result["variants"][1]["error"]  # given what was left of the 2 s: killed too, or not run
@@ -208,7 +228,7 @@ def test_a_hung_nccl_is_killed_and_said():
 
 def test_a_crashed_rank_ends_the_others(monkeypatch):
     monkeypatch.setattr(nccl_check, "GRACE_S", 0.5)
-    result = nccl_check.run(world=2, devices=2, environ={"NCCL_P2P_LEVEL": "SYS"}, fake="crash", timeout_s=60)
+    result = _two_ranks("crash", {"NCCL_P2P_LEVEL": "SYS"}, 60)
     err = result["variants"][0]["error"]
     assert "a rank failed" in err and "rank 1 exited with code 3 (stand-in rank failing)" in err
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 BASE = "as is"  # the variant that runs the environment unchanged
 SPEEDUP = 1.5  # a change is advised when NCCL is at least this much faster at every verify size
@@ -27,44 +27,20 @@ def settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def parse_log(text: str) -> dict:
-    """One rank's NCCL INFO log -> {"nccl_version", "pairs": {"SRC->DST": {"P2P/CUMEM/read": lines, ...}}}.
-    A CollNet line names no peer: its pair is "SRC->collnet"."""
-    pairs: dict[str, dict[str, int]] = {}
-    for line in text.splitlines():
-        m = _LINK.search(line)
-        if m:
-            via = pairs.setdefault(f"{m.group(2)}->{m.group(3) or 'collnet'}", {})
-            via[m.group(4)] = via.get(m.group(4), 0) + 1
+    """NCCL INFO log(s) of one or more ranks -> {"nccl_version", "pairs": {"SRC->DST": {"P2P/CUMEM/read": lines}}}
+    (a CollNet line names no peer: "SRC->collnet"). One version: NCCL refuses ranks of different versions."""
+    pairs: dict[tuple[int, int], dict[str, int]] = {}
+    for m in filter(None, map(_LINK.search, text.splitlines())):
+        via = pairs.setdefault((int(m.group(2)), int(m.group(3) or -1)), {})
+        via[m.group(4)] = via.get(m.group(4), 0) + 1
     v = _VERSION.search(text)
-    return {"nccl_version": v.group(1) if v else None, "pairs": pairs}
-
-
-def merge_logs(logs: Iterable[dict | None]) -> dict:
-    """Every rank's parse_log -> one: lines summed per pair and transport; the version(s) logged."""
-    pairs: dict[str, dict[str, int]] = {}
-    versions = set()
-    for log in filter(None, logs):
-        versions.update([log["nccl_version"]] if log.get("nccl_version") else [])
-        for pair, via in log.get("pairs", {}).items():
-            into = pairs.setdefault(pair, {})
-            for name, n in via.items():
-                into[name] = into.get(name, 0) + n
-    version = sorted(versions)[0] if len(versions) == 1 else (sorted(versions) or None)
-    return {"nccl_version": version, "pairs": {p: pairs[p] for p in sorted(pairs)}}
+    named = {f"{s}->{d if d >= 0 else 'collnet'}": pairs[s, d] for s, d in sorted(pairs)}
+    return {"nccl_version": v.group(1) if v else None, "pairs": named}
 
 
 def kind(via: str) -> str:
     """'P2P/CUMEM/read' -> 'P2P', 'SHM/direct/direct' -> 'SHM', 'NET/Socket/0' -> 'NET'."""
     return via.split("/", 1)[0]
-
-
-def kinds(pairs: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
-    """Lines per transport kind over all pairs."""
-    out: dict[str, int] = {}
-    for via in pairs.values():
-        for name, n in via.items():
-            out[kind(name)] = out.get(kind(name), 0) + n
-    return out
 
 
 def pairs_by_kind(pairs: Mapping[str, Mapping[str, int]]) -> dict[str, list[str]]:
@@ -77,28 +53,20 @@ def pairs_by_kind(pairs: Mapping[str, Mapping[str, int]]) -> dict[str, list[str]
 
 
 def _strtol(value: str) -> int | None:
-    """The number at the start of value as C's strtol(value, NULL, 0) reads it (NCCL's way); None if none."""
-    m = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", value)
-    if not m:
-        return None
-    body = m.group(2)
-    n = int(body, 16) if body[:2].lower() == "0x" else int(body, 8) if body.startswith("0") else int(body)
-    return -n if m.group(1) == "-" else n
+    """The leading integer, as C's strtol reads it for NCCL (hex and octal spellings aside); None if none."""
+    m = re.match(r"\s*([+-]?\d+)", value)
+    return int(m.group(1)) if m else None
 
 
 def p2p_disabled(environ: Mapping[str, str]) -> bool:
     """NCCL_P2P_DISABLE turns P2P off only when it reads as exactly 1 (src/graph/paths.cc, ncclGetLevel)."""
-    value = environ.get("NCCL_P2P_DISABLE")
-    return value is not None and _strtol(value) == 1
+    return _strtol(environ.get("NCCL_P2P_DISABLE", "")) == 1
 
 
 def p2p_level_is_sys(environ: Mapping[str, str]) -> bool:
     """NCCL_P2P_LEVEL lets P2P cross the CPU when it is 'SYS' (case-sensitive) or an old-style number >= 4."""
-    value = environ.get("NCCL_P2P_LEVEL")
-    if value is None:
-        return False
-    n = _strtol(value) if value[:1].isdigit() else None
-    return value == "SYS" or (n is not None and n >= 4)
+    value = environ.get("NCCL_P2P_LEVEL", "")
+    return value == "SYS" or (value[:1].isdigit() and (_strtol(value) or 0) >= 4)
 
 
 def variant_plan(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -115,24 +83,15 @@ def variant_plan(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def changes(variant: str) -> dict[str, str | None]:
     """'unset NCCL_P2P_DISABLE, NCCL_P2P_LEVEL=SYS' -> {'NCCL_P2P_DISABLE': None, 'NCCL_P2P_LEVEL': 'SYS'}."""
-    if variant == BASE:
-        return {}
-    out: dict[str, str | None] = {}
-    for token in variant.split(", "):
-        name, _, value = token.removeprefix("unset ").partition("=")
-        out[name] = None if token.startswith("unset ") else value
-    return out
+    tokens = [] if variant == BASE else variant.split(", ")
+    return {t.removeprefix("unset ").partition("=")[0]: None if t.startswith("unset ") else t.partition("=")[2]
+            for t in tokens}
 
 
 def apply(variant: str, environ: Mapping[str, str]) -> dict[str, str]:
     """A copy of environ with the variant's changes made."""
-    env = dict(environ)
-    for name, value in changes(variant).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    return env
+    todo = changes(variant)
+    return {**{k: v for k, v in environ.items() if k not in todo}, **{k: v for k, v in todo.items() if v is not None}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +122,7 @@ def advice(measurements: Mapping[str, Mapping[str, float]], transports: Mapping[
     """What to set, from NCCL's times (variant -> verify size -> us, BASE included), the transports it logged
     (variant -> pair -> transport -> lines) and whether CUDA P2P works between every pair (None: unknown)."""
     base = measurements.get(BASE)
-    speed = {v: _speedup(base, t) for v, t in measurements.items() if v != BASE and base} if base else {}
+    speed = {v: _speedup(base, t) for v, t in measurements.items() if v != BASE} if base else {}
     fast = {v: s for v, s in speed.items() if s is not None and s >= SPEEDUP}
     indirect = {k: p for k, p in pairs_by_kind(transports.get(BASE, {})).items() if k in INDIRECT}
     detour = None
