@@ -42,12 +42,16 @@ def run(world: int | None = None, hidden: int = 7168, vocab: int = 163840, timeo
     """The check's result (JSON-able); on fewer than two GPUs only 'skipped', and no process is started.
     devices, rank_command: stand-ins for the tests (a GPU count; the command line of a rank before its options)."""
     env = dict(os.environ if environ is None else environ)
-    n = _gpu_count() if devices is None else devices
+    if devices is None:
+        import torch
+
+        devices = torch.cuda.device_count()
+    n = devices
     world = n if world is None else world
     out = {"world": world, "hidden": hidden, "vocab": vocab, "gpus": n, "settings": core.settings(env),
            "replays": REPLAYS, "variants": [], "skipped": None}
     if not 2 <= world <= n:
-        why = f"needs two GPUs, this machine has {n}" if n < 2 else f"runs 2 to {n} ranks here (one per GPU), not {world}"
+        why = f"needs two GPUs, this machine has {n}" if n < 2 else f"runs 2 to {n} ranks (one per GPU), not {world}"
         return {**out, "skipped": f"NCCL check: {why} (nothing was run)"}
     plan = [core.BASE, *core.variant_plan(env)]
     deadline = time.monotonic() + timeout_s
@@ -87,18 +91,6 @@ def report_lines(result: dict) -> list[str]:
                                              "verify size, and no pair goes through host memory while P2P works)"])
 
 
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) -> dict:
     rec = {"variant": variant, "changes": core.changes(variant), "times_us": {}, "transports": {},
            "nccl_version": None, "p2p_works": None, "error": None}
@@ -107,8 +99,11 @@ def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) ->
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding sglang_sm120
     env = {**core.apply(variant, env), "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": SUBSYS,
            "PYTHONPATH": os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])}
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [*(rank_command or [sys.executable, "-m", "sglang_sm120.nccl_check"]), "--world", str(world),
-           "--port", str(_free_port()), "--hidden", str(hidden), "--vocab", str(vocab)]
+           "--port", str(port), "--hidden", str(hidden), "--vocab", str(vocab)]
     with tempfile.TemporaryDirectory(prefix="sm120-nccl-") as tmp:
         procs = []
         for r in range(world):
@@ -122,6 +117,9 @@ def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) ->
         ranks = [_read(os.path.join(tmp, f"rank{r}.json")) for r in range(world)]
         if all(ranks):  # every rank wrote its times before NCCL's teardown: one that hung or failed loses none
             ranks = [json.loads(x) for x in ranks]
+            wrong = [s for s in ranks[0]["times"] if any(s in x["wrong"] for x in ranks)]
+            if wrong:
+                return {**rec, "error": f"NCCL's results were wrong ({', '.join(wrong)}): not a setting to use"}
             rec["times_us"] = {s: slowest_rank_median([x["times"][s] for x in ranks]) for s in ranks[0]["times"]}
             return {**rec, "p2p_works": ranks[0]["p2p_works"]}
         own = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (0, -signal.SIGKILL if why else 0)]
@@ -144,7 +142,6 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):  # it may have ended since
                     os.killpg(p.pid, signal.SIGKILL)
-            for p in procs:
                 p.wait()
             return (f"NCCL did not finish within {timeout_s:.0f} s" if late else
                     f"a rank failed and the others had not ended {GRACE_S:g} s later") + ": its processes were killed"
@@ -174,24 +171,29 @@ def _rank_main(a) -> int:
         return [t / calls for t in timing.replay_times(graph, REPLAYS, warmup=WARMUP)]
 
     ar, ag = labels(a.hidden, a.vocab, a.world)
-    times = {}
+    times, wrong = {}, []  # each size checked once after timing: a faster setting that sums wrong is no fix
     for rows, label in zip(ROWS, ar, strict=True):
         x = torch.zeros(rows, a.hidden, dtype=torch.bfloat16, device="cuda")  # zeros: the sum stays finite
         times[label] = timed(lambda k, x=x: dist.all_reduce(x), x.nbytes)
+        dist.all_reduce(x.fill_(a.rank + 1))
+        wrong += [] if bool((x == a.world * (a.world + 1) // 2).all()) else [label]  # small integers: exact in bf16
     shard = torch.zeros(LOGIT_ROWS, a.vocab // a.world, dtype=torch.bfloat16, device="cuda")
     full = torch.empty(LOGIT_ROWS * a.world, a.vocab // a.world, dtype=torch.bfloat16, device="cuda")
     times[ag] = timed(lambda k: dist.all_gather_into_tensor(full, shard), full.nbytes)
+    dist.all_gather_into_tensor(full, shard.fill_(a.rank))
+    want = torch.arange(a.world, device="cuda").repeat_interleave(LOGIT_ROWS)[:, None]  # rank r's rows hold r
+    wrong += [] if bool((full == want).all()) else [ag]
     peers = [(i, j) for i in range(a.world) for j in range(a.world) if i != j]
     p2p = all(torch.cuda.can_device_access_peer(i, j) for i, j in peers) if a.rank == 0 else None
-    write_times(a, times, p2p)
+    write_times(a, times, p2p, wrong)
     dist.destroy_process_group()
     return 0
 
 
-def write_times(a, times: dict, p2p_works: bool | None) -> None:
-    """A rank's result file (rank<r>.json in --out) for the parent."""
+def write_times(a, times: dict, p2p_works: bool | None, wrong: list[str]) -> None:
+    """A rank's result file (rank<r>.json in --out) for the parent; wrong: the sizes where NCCL's result was."""
     with open(os.path.join(a.out, f"rank{a.rank}.tmp"), "w") as f:
-        json.dump({"times": times, "p2p_works": p2p_works}, f)
+        json.dump({"times": times, "p2p_works": p2p_works, "wrong": wrong}, f)
     os.replace(f.name, os.path.join(a.out, f"rank{a.rank}.json"))  # whole or absent, even if killed meanwhile
 
 

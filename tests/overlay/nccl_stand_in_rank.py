@@ -2,7 +2,8 @@
 command line run() gives a rank with nccl_check's own parser, and does what STAND_IN_MODE (environment) says.
 ok: writes NCCL 2.28.9's lines into NCCL_DEBUG_FILE (init.cc:608; transport/p2p.cc:393 when its environment lets
 P2P cross the CPU, else transport/shm.cc:128) and stand-in times (base + rank + replay % 3 us, base 20 with P2P,
-200 without); hang: sleeps; crash: rank 1 fails at once while the others hang, as NCCL's would."""
+200 without); wrong: as ok, but rank 1 finds NCCL's results wrong through P2P; hang: sleeps; crash: rank 1 fails
+at once while the others hang, as NCCL's would."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def main() -> int:
     ar, ag = nccl_check.labels(a.hidden, a.vocab, a.world)
     base = 20.0 if p2p else 200.0
     times = {s: [base + a.rank + i % 3 for i in range(nccl_check.REPLAYS)] for s in [*ar, ag]}
-    nccl_check.write_times(a, times, True if a.rank == 0 else None)
+    wrong = [*ar, ag] if mode == "wrong" and p2p and a.rank == 1 else []
+    nccl_check.write_times(a, times, True if a.rank == 0 else None, wrong)
     return 0
 
 

@@ -144,6 +144,7 @@ def test_no_advice_when_the_change_does_not_pay():
     assert nccl.advice(mixed, {}, True) == []
     # host memory is NCCL's only way when CUDA P2P does not work between the GPUs: nothing to advise
     assert nccl.advice(same, {nccl.BASE: SHM, SYS: SHM}, False) == []
+    assert nccl.advice({SYS: _times(1, 1, 1, 1)}, {}, True) == []  # nothing measured as is: nothing to compare
 
 
 def test_advice_when_nccl_takes_host_memory_while_p2p_works():
@@ -176,9 +177,9 @@ def test_one_gpu_says_so_and_starts_nothing(monkeypatch):
         result = nccl_check.run(devices=gpus)
         assert nccl_check.report_lines(result) == [f"NCCL check: needs two GPUs, this machine has {gpus} "
                                                    "(nothing was run)"]
-    assert nccl_check.run(world=4, devices=2)["skipped"] == "NCCL check: runs 2 to 2 ranks here (one per GPU), not 4 " \
+    assert nccl_check.run(world=4, devices=2)["skipped"] == "NCCL check: runs 2 to 2 ranks (one per GPU), not 4 " \
         "(nothing was run)"
-    assert "runs 2 to 8 ranks here" in nccl_check.run(world=1, devices=8)["skipped"]
+    assert "runs 2 to 8 ranks (one per GPU), not 1" in nccl_check.run(world=1, devices=8)["skipped"]
 
 
 def test_the_command_with_no_gpu_visible():  # torch's own device count, on any machine
@@ -213,6 +214,16 @@ def test_no_advice_line_when_nccl_is_fine():
     result = _two_ranks("ok", {"NCCL_P2P_LEVEL": "SYS"}, 60)
     assert len(result["variants"]) == 1 and result["advice"] == []
     assert nccl_check.report_lines(result)[-1].startswith("NCCL: no change advised")
+
+
+def test_a_variant_with_wrong_results_is_not_advised():
+    result = _two_ranks("wrong", {}, 60)
+    base, sys_level = result["variants"]
+    assert base["error"] is None and sys_level["error"] == (
+        "NCCL's results were wrong (1x7168, 4x7168, 16x7168, 64x7168, all-gather 4x81920): not a setting to use")
+    # the detour through SHM is still named, with nothing to set: the causes to look into
+    assert len(result["advice"]) == 1 and "SHM for 0->1 1->0" in result["advice"][0]
+    assert "IOMMU" in result["advice"][0] and "export" not in result["advice"][0]
 
 
 def test_a_hung_nccl_is_killed_and_said():

@@ -2,7 +2,8 @@
 
 The log formats are NCCL's own (src/transport/{p2p,shm,net,coll_net}.cc, src/init.cc): one line per channel
 connection, "Channel CC[/I] : SRC[dev] -> DST[dev] [send|receive] via KIND/...", logged by the rank that set it
-up; NCCL >= 2.23 no longer lets P2P cross a CPU host bridge by default (src/graph/paths.cc: PXB, SYS before)."""
+up. Why P2P may be refused: NCCL's default P2P level is PXB (no P2P through a CPU host bridge) on Intel and ARM
+CPUs, and since 2.23 on AMD too with more than two GPUs (src/graph/paths.cc, ncclTopoCheckP2p)."""
 
 from __future__ import annotations
 
@@ -107,28 +108,23 @@ class Advice:
     def line(self) -> str:
         if not self.commands:
             return self.why
-        return (f"{self.why}. Fix: `{'; '.join(self.commands)}` in the shell that starts `sglang serve`, so the "
-                "launcher and every scheduler process it spawns inherit it (NCCL reads it once, at start)")
-
-
-def _speedup(base: Mapping[str, float], other: Mapping[str, float]) -> float | None:
-    """The smallest base/other ratio over the sizes both measured (None when they share none)."""
-    ratios = [base[s] / other[s] for s in base if s in other and other[s] > 0]
-    return min(ratios) if ratios else None
+        return (f"{self.why}. Fix: `{'; '.join(self.commands)}` where `sglang serve` starts (its shell, container or "
+                "service), so the launcher and every scheduler process inherit it (NCCL reads it once, at start)")
 
 
 def advice(measurements: Mapping[str, Mapping[str, float]], transports: Mapping[str, Mapping[str, Mapping[str, int]]],
            p2p_works: bool | None) -> list[Advice]:
     """What to set, from NCCL's times (variant -> verify size -> us, BASE included), the transports it logged
     (variant -> pair -> transport -> lines) and whether CUDA P2P works between every pair (None: unknown)."""
-    base = measurements.get(BASE)
-    speed = {v: _speedup(base, t) for v, t in measurements.items() if v != BASE} if base else {}
-    fast = {v: s for v, s in speed.items() if s is not None and s >= SPEEDUP}
+    base = measurements.get(BASE) or {}
+    ratios = {v: [base[s] / t[s] for s in base if t.get(s)] for v, t in measurements.items() if v != BASE}
+    speed = {v: min(r) for v, r in ratios.items() if r}  # the smallest gain over the sizes both measured
+    fast = {v: s for v, s in speed.items() if s >= SPEEDUP}
     indirect = {k: p for k, p in pairs_by_kind(transports.get(BASE, {})).items() if k in INDIRECT}
     detour = None
     if indirect and p2p_works:
         shown = "; ".join(f"{k} for {' '.join(p[:8])}{' ...' if len(p) > 8 else ''}" for k, p in indirect.items())
-        detour = f"NCCL goes through {shown} although CUDA P2P works between every pair of GPUs"
+        detour = f"NCCL goes through {shown} although CUDA P2P is available between every pair of GPUs"
     if fast:
         best = max(fast, key=fast.get)
         why = f"NCCL is at least {fast[best]:.1f}x faster at every verify size with {best}"
@@ -139,5 +135,5 @@ def advice(measurements: Mapping[str, Mapping[str, float]], transports: Mapping[
     if direct:
         ratio = f" (measured {speed[direct[0]]:.1f}x here)" if speed.get(direct[0]) else ""
         return [Advice(direct[0], f"{detour}; with {direct[0]} every pair goes through P2P{ratio}")]
-    return [Advice(None, f"{detour}, and no NCCL_P2P_* change moved it to P2P: check the doctor's IOMMU and ACS "
+    return [Advice(None, f"{detour}, and no NCCL_P2P_* change gave a working P2P: check the doctor's IOMMU and ACS "
                          "lines, and NCCL_* lines in NCCL's nccl.conf files (the environment overrides them)")]
