@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from sglang_sm120.core import nccl as nccl_log
 
 from .hardware import recordable
 
 NO_P2P_TAG = "nop2p"
 NCCL_PLAIN = "nccl"
 NCCL_NO_P2P = "nccl_no_p2p"
-
-_VIA_RE = re.compile(r"\bvia ([A-Za-z][A-Za-z0-9]*)/")
-_NCCL_VERSION_RE = re.compile(r"\bNCCL version (\S+)")
 
 
 def nccl_label_error(names: Iterable[str], no_p2p: bool) -> str | None:
@@ -135,12 +133,13 @@ def enter_nccl_mode(script: str, no_p2p: bool, uses_nccl_label: bool) -> dict:
 
 
 def parse_nccl_log(text: str) -> dict:
-    """NCCL INFO log -> {"transports": {"SHM": n, "P2P": m, ...} (channel connections), "nccl_version"}."""
+    """NCCL INFO log -> {"transports": {"SHM": n, "P2P": m, ...} (channel connections), "nccl_version"}, read with
+    the overlay's parser of NCCL's lines (sglang_sm120/core/nccl.py)."""
+    log = nccl_log.parse_log(text)
     counts: dict[str, int] = {}
-    for m in _VIA_RE.finditer(text):
-        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    v = _NCCL_VERSION_RE.search(text)
-    return {"transports": counts, "nccl_version": v.group(1) if v else None}
+    for name, n in ((name, n) for via in log["pairs"].values() for name, n in via.items()):
+        counts[nccl_log.kind(name)] = counts.get(nccl_log.kind(name), 0) + n
+    return {"transports": counts, "nccl_version": log["nccl_version"]}
 
 
 def read_nccl_log(debug_file: str | None) -> dict | None:
