@@ -19,10 +19,12 @@
 #   machine by scripts/device_lib.py build) when it matches these sources, Python, torch and archs and loads;
 #   build also starts the negative-control builds in the background (tests/gpu/test_negative_controls.py), which
 #   the negative stage then uses (NEGATIVE_BUILDS=0: not started)
-#   sglang-server: a real `sglang.launch_server` (SGLang 0.5.13.post1, TP=2 on one GPU, EAGLE-3, on against off;
-#   tests/gpu/test_sglang_server.py) from the .sgls carry of scripts/pack_sglang_server.py (carry ".sgls");
-#   junit gpu_tests_<gpu>_server_shared.xml, verdicts and numbers server_test_<gpu>_shared.json, server logs in
-#   the tarball (logs/server/); about 330 s on 1x H200 without the negative builds beside it
+#   sglang-server: a real `sglang.launch_server` per release in SGL_RELEASES (default "0.5.23 0.5.13.post1"; TP=2
+#   on one GPU, a random Kimi-K2.5 with EAGLE-3, on against off; tests/gpu/test_sglang_server.py) from the
+#   .sgls/<release> carry of scripts/pack_sglang_server.py (one release a device call: carry ".sgls/<release>" and
+#   set SGL_RELEASES to it); per release junit gpu_tests_<gpu>_server_shared_<release>.xml, verdicts and numbers
+#   server_test_<gpu>_shared_<release>.json, server logs in the tarball (logs/server/<release>/); run it without
+#   the negative builds beside it (NEGATIVE_BUILDS=0): they compete for the CPUs with the servers' compiles
 #   hostmem: the kernel tests with the workspace in host memory (tests/gpu/test_hostmem_allreduce.py)
 #   polling: the one-GPU 8-rank polling microbenchmark (benchmarks/bench_polling.py)
 #   sglang-shared: the SGLang-level GPU tests on each SGLang release in turn (SGL_RELEASES, default
@@ -233,31 +235,34 @@ print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
       cp "$WORK/results/gpu_tests_${gpu}_sglang_shared.xml" "$OUT/" 2>/dev/null
       publish ;;
     sglang-server)
-      # A real `sglang.launch_server` (SGLang 0.5.13.post1, TP=2 on one GPU, EAGLE-3, on/off): the .sgls carry
-      # of scripts/pack_sglang_server.py (SGLang with its JIT sources, sglang-kernel 0.4.3 trimmed to sm90, the
-      # server's wheels), installed into $WORK/sgls-site
+      # A real `sglang.launch_server` per release in SGL_RELEASES (TP=2 on one GPU, EAGLE-3, on/off): the
+      # .sgls/<release> carry of scripts/pack_sglang_server.py (SGLang with its JIT sources, sglang-kernel 0.4.3
+      # trimmed to sm90, the server's wheels), installed into $WORK/sgls-<release>
       gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
 print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
-      site=$WORK/sgls-site rel=0.5.13.post1
-      if [ ! -f ".sgls/$rel/sglang.tar.xz" ]; then
-        echo ">>> no .sgls/$rel: run python3 scripts/pack_sglang_server.py on the dev machine and carry .sgls" \
-          | tee -a "$OUT/summary.log"; status=1; continue
-      fi
-      rm -rf "$site" && mkdir -p "$site"
-      if ! { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
-               ".sgls/$rel"/wheels/*.whl &&
-             for a in sglang sgl_kernel; do
-               $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
-                 ".sgls/$rel/$a.tar.xz" "$site" || exit 1
-             done; } > "$WORK/logs/sgls-install.log" 2>&1; then
-        echo ">>> sglang-server: install failed (logs/sgls-install.log)" | tee -a "$OUT/summary.log"; status=1; continue
-      fi
-      mkdir -p "$WORK/logs/server"
-      PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_SERVER_TEST_OUT="$WORK/logs/server" step sglang-server \
-        $PY -m pytest -m gpu -v -rs -p no:cacheprovider -k "$(kexpr)" tests/gpu/test_sglang_server.py \
-        --junitxml="$WORK/results/gpu_tests_${gpu}_server_shared.xml"
-      cp "$WORK/logs/server/server_test.json" "$WORK/results/server_test_${gpu}_shared.json" 2>/dev/null
-      cp "$WORK/results/gpu_tests_${gpu}_server_shared.xml" "$OUT/" 2>/dev/null
+      for rel in ${SGL_RELEASES:-0.5.23 0.5.13.post1}; do
+        site=$WORK/sgls-$rel
+        if [ ! -f ".sgls/$rel/sglang.tar.xz" ]; then
+          echo ">>> no .sgls/$rel: run python3 scripts/pack_sglang_server.py --release $rel on the dev machine and" \
+               "carry .sgls/$rel" | tee -a "$OUT/summary.log"; status=1; continue
+        fi
+        rm -rf "$site" && mkdir -p "$site"
+        if ! { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+                 ".sgls/$rel"/wheels/*.whl &&
+               for a in sglang sgl_kernel; do
+                 $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+                   ".sgls/$rel/$a.tar.xz" "$site" || exit 1
+               done; } > "$WORK/logs/sgls-$rel-install.log" 2>&1; then
+          echo ">>> sglang-server $rel: install failed (logs/sgls-$rel-install.log)" | tee -a "$OUT/summary.log"
+          status=1; continue
+        fi
+        mkdir -p "$WORK/logs/server/$rel"
+        PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_SERVER_TEST_OUT="$WORK/logs/server/$rel" step "sglang-server-$rel" \
+          $PY -m pytest -m gpu -v -rs -p no:cacheprovider -k "$(kexpr)" tests/gpu/test_sglang_server.py \
+          --junitxml="$WORK/results/gpu_tests_${gpu}_server_shared_$rel.xml"
+        cp "$WORK/logs/server/$rel/server_test.json" "$WORK/results/server_test_${gpu}_shared_$rel.json" 2>/dev/null
+        cp "$WORK/results/gpu_tests_${gpu}_server_shared_$rel.xml" "$OUT/" 2>/dev/null
+      done
       publish ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

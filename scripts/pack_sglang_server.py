@@ -1,23 +1,25 @@
 #!/usr/bin/env python3
 """Pack what a real `sglang.launch_server` needs on the GPU machine, within the device tool's carry.
 
-    python3 scripts/pack_sglang_server.py [--out .sgls] [--python-version 3.12]
+    python3 scripts/pack_sglang_server.py [--release 0.5.13.post1|0.5.23|both] [--out .sgls] [--python-version 3.12]
 
-Only SGLang 0.5.13.post1: it pins torch 2.11.0 and sglang-kernel 0.4.3 (built for it), the GPU machine's torch.
-0.5.23's sglang-kernel 0.4.10 needs symbols torch 2.11 lacks, and its torch 2.14.1 is far over the carry.
-What this writes (gitignored; carry it as ".sgls"):
+Either release runs on the GPU machine's torch 2.11 with sglang-kernel 0.4.3 (built for torch 2.11): 0.5.13.post1
+pins both; 0.5.23 pins sglang-kernel 0.4.10, whose library needs symbols torch 2.11 lacks, while every
+sgl_kernel op its server path calls is in 0.4.3 with the same schema (the server test sets
+SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1). What this writes per release (gitignored; carry ".sgls/<release>", one
+release a device call: the two together pass the carry limit with the working tree):
 
-    .sgls/0.5.13.post1/sglang.tar.xz      every file of the sglang package but its one compiled extension
+    .sgls/<release>/sglang.tar.xz         every file of the sglang package but its one compiled extension
                                           (grpc `_core.so`, never imported on this path) and the multimodal-generation
                                           subtree; unlike the distributed-layer pack, the JIT kernels' CUDA
                                           sources, the Triton MoE configs, and `sglang/test` + `sglang/benchmark`
                                           (bench_one_batch_server lives there) stay
-    .sgls/0.5.13.post1/sgl_kernel.tar.xz  sglang-kernel 0.4.3's `sgl_kernel/` without the FA3 library
+    .sgls/<release>/sgl_kernel.tar.xz     sglang-kernel 0.4.3's `sgl_kernel/` without the FA3 library
                                           (`flash_ops`, 1.07 GB: `--attention-backend triton` does not load it),
                                           `flashmla_ops` and `sm100/` (an H200 loads `sm90/common_ops`), and its
                                           dist-info
-    .sgls/0.5.13.post1/wheels/*.whl       what the server's import closure needs that the GPU image lacks
-    .sgls/MANIFEST.json                   what is where, sizes, and what was left out
+    .sgls/<release>/wheels/*.whl          what the server's import closure needs that the GPU image lacks
+    .sgls/<release>/MANIFEST.json         what is where, sizes, and what was left out
 
 The wheel list is the import closure of the launcher, HTTP server, tokenizer/detokenizer managers, scheduler,
 model runner, DeepSeek-V3 and EAGLE-3 models, EAGLE worker, Triton attention backend, CUDA-graph runners,
@@ -42,16 +44,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pack_sglang_gpu as base  # noqa: E402
 
 ROOT = base.ROOT
-RELEASE = "0.5.13.post1"
+RELEASES = tuple(base.RELEASES)
 KERNEL = "sglang-kernel==0.4.3"
 
-SERVER_WHEELS = sorted(set(base.COMMON + base.RELEASES[RELEASE] + [
+SERVER_EXTRAS = [
     # the HTTP server (request validation, forms) and what the audio/multimodal processors import at module level
     "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
     "python-multipart==0.0.34", "soundfile==0.13.1", "cffi==2.1.1", "pycparser==2.23",
     # bench_one_batch_server (its dataset helpers)
     "datasets==5.2.0", "multiprocess==0.70.19",
-]))
+]
+RELEASE_EXTRAS = {"0.5.13.post1": [], "0.5.23": ["xgrammar==0.2.7"]}
+
+
+def server_wheels(release: str) -> list[str]:
+    return sorted(set(base.COMMON + base.RELEASES[release] + SERVER_EXTRAS + RELEASE_EXTRAS[release]))
 
 # sgl_kernel/ members left out: with --attention-backend triton none of them is loaded on an H200
 KERNEL_DROPPED = ("sgl_kernel/flash_ops", "sgl_kernel/flashmla_ops", "sgl_kernel/sm100/")
@@ -100,48 +107,54 @@ def keep_kernel(name: str) -> bool:
     return name.startswith("sgl_kernel/") and not name.startswith(KERNEL_DROPPED)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(ROOT / ".sgls"))
-    p.add_argument("--python-version", default="3.12", help="CPython of the target machine (GPU machine: 3.12)")
-    p.add_argument("--cache", default=os.path.expanduser("~/.cache/sglang-sm120-pack"))
-    a = p.parse_args(argv)
-    out = Path(a.out)
-    cache = Path(a.cache) / f"py{a.python_version}"
-    rdir = out / RELEASE
+def pack(release: str, out: Path, cache: Path, python_version: str) -> dict:
+    rdir = out / release
     rdir.mkdir(parents=True, exist_ok=True)
-
-    base.download([f"sglang=={RELEASE}", KERNEL], cache, a.python_version)
-    sglang = pack_wheel_tree(base.wheel_for(f"sglang=={RELEASE}", cache), rdir / "sglang.tar.xz", keep_sglang)
+    base.download([f"sglang=={release}", KERNEL], cache, python_version)
+    sglang = pack_wheel_tree(base.wheel_for(f"sglang=={release}", cache), rdir / "sglang.tar.xz", keep_sglang)
     kernel = pack_wheel_tree(base.wheel_for(KERNEL, cache), rdir / "sgl_kernel.tar.xz", keep_kernel)
-
-    base.download(SERVER_WHEELS, cache, a.python_version)
+    reqs = server_wheels(release)
+    base.download(reqs, cache, python_version)
     wdir = rdir / "wheels"
     wdir.mkdir(exist_ok=True)
     for old in wdir.glob("*.whl"):
         old.unlink()
     wheels = []
-    for req in SERVER_WHEELS:
+    for req in reqs:
         src = base.wheel_for(req, cache)
         (wdir / src.name).write_bytes(src.read_bytes())
         wheels.append({"requirement": req, "wheel": src.name, "bytes": src.stat().st_size})
-
     manifest = {
-        "python_version": a.python_version, "release": RELEASE,
-        "sglang": {"archive": f"{RELEASE}/sglang.tar.xz", **sglang,
+        "python_version": python_version, "release": release,
+        "sglang": {"archive": "sglang.tar.xz", **sglang,
                    "dropped": list(SGLANG_DROPPED_DIRS) + ["compiled extensions (*.so)"]},
-        "sgl_kernel": {"requirement": KERNEL, "archive": f"{RELEASE}/sgl_kernel.tar.xz", **kernel,
+        "sgl_kernel": {"requirement": KERNEL, "archive": "sgl_kernel.tar.xz", **kernel,
                        "dropped": list(KERNEL_DROPPED)},
         "wheels": wheels,
         "not_carried": {"flashinfer": "stood in by the server test (tests/gpu/server_patches.py)"},
     }
-    manifest["total_bytes"] = base.du(out)
-    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (rdir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    manifest["total_bytes"] = base.du(rdir)
+    (rdir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--release", default="both", choices=[*RELEASES, "both"])
+    p.add_argument("--out", default=str(ROOT / ".sgls"))
+    p.add_argument("--python-version", default="3.12", help="CPython of the target machine (GPU machine: 3.12)")
+    p.add_argument("--cache", default=os.path.expanduser("~/.cache/sglang-sm120-pack"))
+    a = p.parse_args(argv)
     mib = 2 ** 20
-    print(f"sglang.tar.xz {sglang['bytes'] / mib:.1f} MiB, sgl_kernel.tar.xz {kernel['bytes'] / mib:.1f} MiB, "
-          f"wheels {base.du(wdir) / mib:.1f} MiB; total {out}: {manifest['total_bytes'] / mib:.1f} MiB")
-    if manifest["total_bytes"] > 55 * mib:
-        print("WARNING: over 55 MiB: the device tool carries 64 MiB with the working tree", file=sys.stderr)
+    for release in RELEASES if a.release == "both" else (a.release,):
+        m = pack(release, Path(a.out), Path(a.cache) / f"py{a.python_version}", a.python_version)
+        print(f"{release}: sglang.tar.xz {m['sglang']['bytes'] / mib:.1f} MiB, sgl_kernel.tar.xz "
+              f"{m['sgl_kernel']['bytes'] / mib:.1f} MiB, wheels {sum(w['bytes'] for w in m['wheels']) / mib:.1f} "
+              f"MiB; carry .sgls/{release}: {m['total_bytes'] / mib:.1f} MiB")
+        if m["total_bytes"] > 48 * mib:
+            print(f"WARNING: .sgls/{release} is over 48 MiB: the device tool carries 64 MiB with the working tree",
+                  file=sys.stderr)
     return 0
 
 

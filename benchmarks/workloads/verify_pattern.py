@@ -201,6 +201,44 @@ def summarize_pattern(ops: Iterable[Op]) -> dict:
     }
 
 
+RELEASES = ("0.5.13.post1", "0.5.23")
+
+
+def sglang_capture_layers(num_layers: int, eagle_layer_ids=None) -> tuple[int, ...]:
+    """The layers before which SGLang's DeepSeek-V2/V3 model captures EAGLE-3's aux hidden states, from the
+    draft's ``eagle_config.eagle_aux_hidden_state_layer_ids`` (None: the draft names none). As
+    ``DeepseekV2ForCausalLM.set_eagle3_layers_to_capture`` reads them in both releases: no ids give
+    ``[2, N//2, N-3]``; ids that start at 1 name the layer whose output is read and move up by one."""
+    if eagle_layer_ids is None:
+        return (2, num_layers // 2, num_layers - 3)
+    ids = [int(i) for i in eagle_layer_ids]
+    return tuple(i + 1 for i in ids) if ids and ids[0] == 1 else tuple(ids)
+
+
+def verify_counts(num_layers: int, first_k_dense: int, capture_layers, release: str, draft_layers: int = 1) -> dict:
+    """All-reduces of one EAGLE-3 target-verify forward at TP > 1 with the sm120 backend on, and the draft's.
+
+    The target (DeepSeek-V3 body): the embedding's plain all-reduce, then per layer the attention output fused
+    into ``post_attention_layernorm`` and the MLP/MoE output deferred into the next layer's ``input_layernorm``
+    (fused), except the last layer's, which feeds the final norm after a plain all-reduce. Where the releases
+    differ: on 0.5.13.post1 a layer whose output a capture reads keeps its MLP all-reduce plain (the overlay's
+    guard: the capture would read an unreduced partial); 0.5.23's DeepSeek captures ``capture_gathered``, the
+    residual after the fused kernel completed the owed sum, so those boundaries fuse too.
+    ``moe_deferred``: MoE sums completed inside the next layer's fused norm. ``draft_plain``: the Llama EAGLE-3
+    draft's all-reduces per draft forward (embedding, then each layer's attention and MLP; never fused: its
+    layers build no fusion boundary)."""
+    if release not in RELEASES:
+        raise ValueError(f"release {release!r}: the rule is known for {', '.join(RELEASES)}")
+    if not 0 <= first_k_dense <= num_layers or num_layers < 1:
+        raise ValueError("need 1 <= num_layers and 0 <= first_k_dense <= num_layers")
+    guarded = {int(c) - 1 for c in capture_layers} if release == "0.5.13.post1" else set()
+    deferred = [i for i in range(num_layers - 1) if i not in guarded]
+    fused = num_layers + len(deferred)
+    total = 1 + 2 * num_layers
+    return {"allreduce": total, "fused": fused, "plain": total - fused,
+            "moe_deferred": sum(i >= first_k_dense for i in deferred), "draft_plain": 1 + 2 * draft_layers}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Per-rank GEMM shapes for --compute gemm (pure arithmetic, so it is testable without a GPU)
 

@@ -175,3 +175,41 @@ def test_gemm_shapes_gqa():
     sh = vp.gemm_shapes(cfg, 2, 8)
     assert sh["attn"] == {"type": "gqa", "qkv": (2, 8192, (8 + 2) * 128), "o_proj": (2, 8 * 128, 8192)}
     assert "moe" not in sh
+
+
+def test_sglang_capture_layers_as_deepseek_sets_them():
+    assert vp.sglang_capture_layers(61) == (2, 30, 58)  # no ids in the draft's eagle_config
+    assert vp.sglang_capture_layers(61, [1, 29, 57]) == (2, 30, 58)  # ids of the layers whose output is read
+    assert vp.sglang_capture_layers(61, [2, 30, 58]) == (2, 30, 58)
+    assert vp.sglang_capture_layers(9, [0, 4, 6]) == (0, 4, 6)
+
+
+@pytest.mark.parametrize("release, fused, plain, deferred", [("0.5.13.post1", 118, 5, 56), ("0.5.23", 121, 2, 59)])
+def test_verify_counts_of_kimi_k25(kimi, release, fused, plain, deferred):
+    counts = vp.verify_counts(kimi.num_layers, kimi.first_k_dense, vp.sglang_capture_layers(kimi.num_layers), release)
+    assert counts == {"allreduce": 123, "fused": fused, "plain": plain, "moe_deferred": deferred, "draft_plain": 3}
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 4, 9, 61])
+@pytest.mark.parametrize("first_k_dense", [0, 1, 3])
+@pytest.mark.parametrize("capture", [(), (1,), (0, 2), (2, 4, 6)])
+def test_verify_counts_match_the_op_list(num_layers, first_k_dense, capture):
+    """0.5.13.post1 is the op list with the capture guard, 0.5.23 the op list without it; the deferred MoE sums
+    are the fused MLP boundaries of MoE layers."""
+    first_k_dense = min(first_k_dense, num_layers)
+    capture = tuple(c for c in capture if c < num_layers)
+    cfg = vp.ModelConfig(name="t", hidden_size=64, num_layers=num_layers, first_k_dense=first_k_dense,
+                         eagle3_capture_layers=capture, moe={"num_experts": 4, "top_k": 2, "intermediate_size": 8})
+    for release, guard in (("0.5.13.post1", True), ("0.5.23", False)):
+        ops = vp.build_verify_pattern(cfg, fuse=True, eagle3_capture=guard)
+        s = vp.summarize_pattern(ops)
+        moe_fused = sum(op.kind == vp.ALLREDUCE_ADD_RMSNORM and op.site == "mlp" and cfg.is_moe_layer(op.layer)
+                        for op in ops)
+        counts = vp.verify_counts(num_layers, first_k_dense, capture, release)
+        assert (counts["allreduce"], counts["fused"], counts["plain"], counts["moe_deferred"]) == \
+            (s["n_allreduce"], s["n_fused"], s["n_plain"], moe_fused)
+
+
+def test_verify_counts_refuses_an_unknown_release():
+    with pytest.raises(ValueError, match="0.5.13.post1"):
+        vp.verify_counts(9, 1, (2, 4, 6), "0.5.20")

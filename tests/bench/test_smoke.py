@@ -64,8 +64,7 @@ def test_allreduce_smoke(tmp_path):
 
 
 def test_verify_smoke_and_merge(tmp_path):
-    base = ["--out", str(tmp_path), "--config", "tiny_test", "--tokens", "1,3", "--iters", "2", "--warmup", "1",
-            "--e2e-tokens", "3"]
+    base = ["--out", str(tmp_path), "--config", "tiny_test", "--tokens", "1,4", "--iters", "2", "--warmup", "1"]
     logs = _run("verify", base + ["--compute", "none"])
     logs += _run("verify", base + ["--compute", "gemm", "--no-plot"])  # merges into the same file
     files = list(tmp_path.glob("verify_*_tp2.json"))
@@ -74,7 +73,7 @@ def test_verify_smoke_and_merge(tmp_path):
     schema.validate_verify_doc(doc)
     assert doc["pattern"]["n_allreduce"] == 9 and doc["pattern"]["n_fused"] == 6
     got = {(r["backend"], r["compute"], r["tokens"]) for r in doc["results"]}
-    for T in (1, 3):
+    for T in (1, 4):
         assert {("nccl", "none", T), ("sm120", "none", T), ("nccl", "gemm", T), ("sm120", "gemm", T),
                 ("none", "gemm", T)} <= got
     for r in doc["results"]:
@@ -87,8 +86,11 @@ def test_verify_smoke_and_merge(tmp_path):
     assert checks[("none", 1)]["rel_rms_diff"] == 0.0  # 2 ranks, comm only: bitwise equal (see test_verify.py)
     assert len(doc["runs"]) == 2
     est = doc["e2e_estimate"]
-    assert [e["compute_ms"] for e in est] == [5.0, 8.0] and all(e["tokens"] == 3 for e in est)
+    assert [e["compute_ms"] for e in est] == [5.0, 8.0] and all(e["tokens"] == 4 for e in est)  # README's launch
     assert all("ESTIMATE" in e["label"] for e in est)
+    # the accept length is the users' (60 tok/s at a 30 ms verify), not derived from the NCCL measured here
+    assert all(e["accept_len"] == 1.8 and "users' figures" in e["accept_len_source"] for e in est)
+    assert all(e["tok_s_nccl"] == pytest.approx(1.8 / e["step_ms_nccl"] * 1000) for e in est)
     assert_every_table_line_says_cpu_smoke(logs)
 
 
@@ -130,16 +132,16 @@ def test_no_p2p_refusals_before_any_number(tmp_path):
 
 
 def test_verify_no_p2p_smoke(tmp_path):
-    logs = _run("verify", ["--out", str(tmp_path), "--no-p2p", "--config", "tiny_test", "--tokens", "1,3",
-                           "--iters", "2", "--warmup", "1", "--e2e-tokens", "3"])
+    logs = _run("verify", ["--out", str(tmp_path), "--no-p2p", "--config", "tiny_test", "--tokens", "1,4",
+                           "--iters", "2", "--warmup", "1"])
     assert [f.name for f in tmp_path.glob("verify_*.json")] == ["verify_cpu-smoke-fake_tp2_nop2p.json"], logs
     doc = json.loads((tmp_path / "verify_cpu-smoke-fake_tp2_nop2p.json").read_text())
     schema.validate_verify_doc(doc)
     assert doc["complete"] is True and "schema_error" not in doc and doc["no_p2p"] is True
     assert (doc["reference_backend"], doc["ours_backend"]) == ("nccl_no_p2p", "sm120_hostmem")
     got = {(r["backend"], r["tokens"]): r for r in doc["results"]}
-    assert set(got) == {(b, T) for b in ("nccl_no_p2p", "sm120_hostmem") for T in (1, 3)}
-    assert got[("sm120_hostmem", 3)]["n_fused"] == 6 and got[("nccl_no_p2p", 3)]["n_fused"] == 0
+    assert set(got) == {(b, T) for b in ("nccl_no_p2p", "sm120_hostmem") for T in (1, 4)}
+    assert got[("sm120_hostmem", 4)]["n_fused"] == 6 and got[("nccl_no_p2p", 4)]["n_fused"] == 0
     assert all(c["reference"] == "nccl_no_p2p" and c["backend"] == "sm120_hostmem" and c["ok"] for c in doc["checks"])
     assert len(doc["checks"]) == 2 and doc["notes"]["sm120_hostmem"]["memory"] == "host"
     assert all(e["nccl_backend"] == "nccl_no_p2p" for e in doc["e2e_estimate"]) and doc["e2e_estimate"]
@@ -172,3 +174,11 @@ def test_verify_shared_gpu_refuses_what_needs_nccl(extra):
     with pytest.raises(SystemExit):
         bench_verify.parse_args(["--shared-gpu", *extra])
     assert bench_verify.parse_args(["--shared-gpu"]).backends == ["sm120"]
+
+
+def test_verify_accept_length_is_an_input():
+    from benchmarks import bench_verify
+
+    a = bench_verify.parse_args([])
+    assert (a.e2e_tokens, a.e2e_accept_len) == (4, 1.8)
+    assert bench_verify.parse_args(["--e2e-accept-len", "2.5"]).e2e_accept_len == 2.5

@@ -28,16 +28,26 @@ by every process that applies it, on stderr, as `[sm120 server-test patch] ...`:
   `all_reduce`, which the sm120 backend serves (x + 0 is exact, so the gathered bits are the slices' bits;
   a -0.0 becomes +0.0). Outside capture it is gloo's `all_gather` into the output's slices. With the backend
   off a captured gather cannot run, so the "off" server runs eagerly.
+
+One record, not a patch: every `ModelRunner.forward` (target and draft, both releases) logs one line
+`[sm120 server-test forward] {json}` on TP rank 0: draft or target, forward mode, tokens, whether a CUDA graph
+ran it, how the TP backend's Python counters moved across it (`backend_stats`), and for a target-verify forward
+a digest of the EAGLE-3 captures of its first row (`capture_digest`). At most FORWARD_LINES lines a process.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 
 # SGLang 0.5.13.post1 warns about every SGL_-prefixed variable as a deprecated spelling of SGLANG_...
 PATCH_ENV = "SGLANG_SM120_SERVER_TEST_PATCHES"
+FORWARD_TAG = "[sm120 server-test forward]"
+FORWARD_LINES = 5000
+# Fixed +-1 directions the capture digest projects on: the same on every server, so two runs' digests compare.
+DIGEST_PROJECTIONS = 4
 _applied = False
 _started = False
 
@@ -101,6 +111,7 @@ def activate() -> None:
     _every_scheduler_on_device_0()
     _groups_on_gloo()
     _captured_all_gather_as_all_reduce()
+    _record_forwards()
 
 
 def _every_scheduler_on_device_0() -> None:
@@ -172,3 +183,65 @@ def _captured_all_gather_as_all_reduce() -> None:
     _all_gather_into_tensor._sm120_server_test = True
     GroupCoordinator._all_gather_into_tensor = _all_gather_into_tensor
     say("GroupCoordinator._all_gather_into_tensor: captured -> zero-padded all_reduce; eager -> gloo all_gather")
+
+
+def backend_stats(group) -> dict | None:
+    """The TP backend's Python-side counters (plain / fused / fallback / fused_fallback calls), or None without
+    a backend: the one place that knows where the overlay keeps its backend on SGLang's group."""
+    comm = getattr(group, "sm120_comm", None)
+    return dict(comm.stats) if comm is not None else None
+
+
+def capture_digest(aux, hidden: int) -> list[list[float]] | None:
+    """Per EAGLE-3 capture, of the forward's first row (the last accepted token: its inputs are the same in two
+    runs as long as their outputs agree, whatever the draft proposed after it): the rms and DIGEST_PROJECTIONS
+    projections on fixed +-1 directions over sqrt(hidden). Two captures x and x + e give projections that differ
+    by about rms(e), so the digests compare the captures within a relative error, not bit for bit."""
+    import torch
+
+    if isinstance(aux, (list, tuple)):
+        aux = torch.cat(list(aux), dim=-1) if aux else None
+    if not isinstance(aux, torch.Tensor) or aux.ndim != 2 or aux.shape[0] == 0 or aux.shape[1] % hidden:
+        return None
+    rows = aux[0].float().view(-1, hidden)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    signs = (torch.randint(0, 2, (DIGEST_PROJECTIONS, hidden), generator=gen) * 2 - 1).float().to(rows.device)
+    proj = rows @ signs.T / hidden ** 0.5
+    rms = rows.pow(2).mean(dim=1).sqrt()
+    return torch.cat([rms[:, None], proj], dim=1).cpu().tolist()
+
+
+def _record_forwards() -> None:
+    import torch
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    original = ModelRunner.forward
+    if getattr(original, "_sm120_server_test", False):
+        return
+    lines = [0]
+
+    @functools.wraps(original)
+    def forward(self, forward_batch, *args, **kwargs):
+        group = parallel_state.get_tp_group()
+        if group.rank_in_group != 0 or lines[0] >= FORWARD_LINES or torch.cuda.is_current_stream_capturing():
+            return original(self, forward_batch, *args, **kwargs)
+        before = backend_stats(group)
+        out = original(self, forward_batch, *args, **kwargs)
+        after = backend_stats(group)
+        mode = forward_batch.forward_mode
+        record = {"draft": bool(self.is_draft_worker), "mode": getattr(mode, "name", str(mode)),
+                  "tokens": int(forward_batch.input_ids.shape[0]) if forward_batch.input_ids is not None else None,
+                  "graph": bool(getattr(out, "can_run_graph", False)),
+                  "delta": {k: after[k] - before.get(k, 0) for k in after} if after and before is not None else None}
+        if not self.is_draft_worker and mode.is_target_verify():
+            logits = getattr(out, "logits_output", None)
+            record["capture"] = capture_digest(getattr(logits, "hidden_states", None), self.model_config.hidden_size)
+        lines[0] += 1
+        print(f"{FORWARD_TAG} {json.dumps(record)}", file=sys.stderr, flush=True)
+        return out
+
+    forward._sm120_server_test = True
+    ModelRunner.forward = forward
+    say("model_runner.ModelRunner.forward: one line per forward on TP rank 0 (mode, tokens, backend counters, "
+        "capture digest)")

@@ -1,37 +1,42 @@
 """A real `python -m sglang.launch_server` with the backend on: TP=2, both ranks on one GPU, a seeded random
-Kimi-shaped DeepSeek-V3 model (tests/gpu/kimi_shaped_model.py) with an EAGLE-3 draft, on SGLang 0.5.13.post1.
+Kimi-K2.5 (`KimiK25ForConditionalGeneration`, tests/gpu/kimi_shaped_model.py) with an EAGLE-3 draft, on the
+installed SGLang release (0.5.13.post1 or 0.5.23; scripts/gpu_suite.sh runs each).
 
-Three servers, one after the other, the same settings but these:
+Three servers, the same settings but these:
 - "off, eager":   --sm120-allreduce off, --disable-cuda-graph (SGLang's own all-reduce; the reference)
 - "on, eager":    --sm120-allreduce on (an H200 is not capability 12.0), --disable-cuda-graph
 - "on, graphs":   --sm120-allreduce on, CUDA graphs (batch sizes 1, 2, 4) for the target and the draft
-each with EAGLE-3 (3 steps, top-k 1, 4 draft tokens) and `--sm120-allreduce-tune off` (the seeds: a start-up
-tune would measure ranks time-slicing one GPU against gloo, which means nothing).
+each with the launch README gives (EAGLE-3, 3 steps, top-k 1, 4 draft tokens, --trust-remote-code) and the tune
+setting of TUNE_ARGS. By default the three start at once (SERVERS_AT_ONCE, below); SGL_SM120_SERVER_SEQUENTIAL=1
+starts them one after the other.
 
 Test-side only, each logged by the process that applies it (nothing of it is in the overlay):
 tests/gpu/server_patches.py (every rank on GPU 0, SGLang's groups on gloo, the captured all-gather as a zero-padded
-all-reduce), a stand-in `flashinfer` package (SGLang imports it at module import; every call raises, and these
-settings keep SGLang off it: Triton attention, PyTorch sampling, FlashInfer's all-reduce fusion disabled),
-`--grammar-backend none` (xgrammar is not carried; no request here is constrained), and
-SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (two ranks on one GPU see each other's memory). Piecewise CUDA graphs
-are off: their compiled code calls the all-reduce through torch.compile, which the overlay stays out of.
+all-reduce, one line per model-runner forward), a stand-in `flashinfer` package (SGLang imports it at module
+import; every call raises, and these settings keep SGLang off it: Triton attention, PyTorch sampling, FlashInfer's
+all-reduce fusion disabled), `--grammar-backend none` (no request here is constrained), and
+SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (two ranks on one GPU see each other's memory). SGLang turns piecewise
+CUDA graphs off for a multimodal model itself, as for the users' Kimi-K2.5.
 
 What is checked (the verdicts and every number are also written to $SGL_SM120_SERVER_TEST_OUT/server_test.json):
 - on: rank 0's ENABLED line, `/get_server_info` reports the backend active; off: no ENABLED line, not active;
-- the fused all-reduce + residual + RMSNorm served the layer boundaries (Python counters, eager run) and the
-  GPU-side call counter grows across requests in the graph run (replays run no Python);
-- the graph run captured its graphs (SGLang's capture log line) and its captured logits all-gather went
-  through our kernel (no gloo call can be captured: a capture that reached gloo would have failed the start);
-- teacher-forced input logprobs of on against off (LOGPROB_MEDIAN_TOL, below); the first greedy tokens equal;
-  on, eager and on, graphs identical;
-- EAGLE-3 verified drafts on every run (`spec_verify_ct`); the overlay's guard named the layers feeding the
-  draft's captures (1, 2, 3: the draft reads the hidden states before layers 2-4) on both ranks, so their MLP
-  all-reduce is completed before a capture reads it. A random draft proposes nothing the random target accepts
-  (`spec_accepted_drafts` is recorded, and 0), so acceptance cannot show a wrong capture here;
+- per eager target-verify forward of "on, eager": the fused and plain calls equal
+  benchmarks/workloads/verify_pattern.verify_counts for this model and release, no call fell back (the fused count
+  holds only if the MoE sums deferred into the next layer's fused norm: nothing else makes fused calls); every
+  draft forward 3 plain calls;
+- the EAGLE-3 captures of "on, eager" against "off, eager" (a digest of each verify forward's first row,
+  server_patches.capture_digest) while the two runs' outputs agree (CAPTURE_*_TOL, below);
+- the GPU-side call counter grows across requests; the graph run captured its graphs and its captured logits
+  all-gather went through our kernel;
+- teacher-forced input logprobs of on against off (LOGPROB_*, below); the first greedy tokens equal; on, eager
+  and on, graphs identical;
+- EAGLE-3 verified drafts on every run (`spec_verify_ct`); on 0.5.13.post1 the overlay's guard named the layers
+  feeding the draft's captures on both ranks. A random draft proposes nothing the random target accepts
+  (`spec_accepted_drafts` is recorded), so acceptance cannot show a wrong capture here: the digests do;
 - `sglang.bench_one_batch_server` runs against the graph server (its times mean nothing on a shared GPU).
 
-Run on the GPU machine: `OUT=... bash scripts/gpu_suite.sh build sglang-server` (installs the .sgls carry of
-scripts/pack_sglang_server.py and points SGL_SM120_SERVER_SITE at it).
+Run on the GPU machine: `OUT=... SGL_RELEASES=0.5.23 bash scripts/gpu_suite.sh build sglang-server` (installs that
+release's .sgls carry of scripts/pack_sglang_server.py).
 """
 
 from __future__ import annotations
@@ -53,25 +58,45 @@ import urllib.request
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RELEASE = "0.5.13.post1"
-START_TIMEOUT_S = float(os.environ.get("SGL_SM120_SERVER_START_TIMEOUT_S", "420"))
-REQUEST_TIMEOUT_S = 120.0
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from benchmarks.workloads import verify_pattern as vp  # noqa: E402
+from tests.gpu.server_patches import FORWARD_TAG  # noqa: E402
+
+RELEASES = vp.RELEASES
+# The start-up tune measures ranks time-slicing one GPU against gloo, which means nothing here: the seeds.
+TUNE_ARGS = ["--sm120-allreduce-tune", "off"]
+# Three servers at once on the one GPU, safe because:
+# KV pools are capped by --max-total-tokens, so --mem-fraction-static only bounds what SGLang's start-up memory
+# check subtracts; JIT builds lock their cache folder; ports are each server's own.
+SERVERS_AT_ONCE = os.environ.get("SGL_SM120_SERVER_SEQUENTIAL") != "1"
+START_TIMEOUT_S = float(os.environ.get("SGL_SM120_SERVER_START_TIMEOUT_S", "480"))
+REQUEST_TIMEOUT_S = 180.0
 EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4"]
 GRAPH_BS = ["1", "2", "4"]
 NEW_TOKENS = 24
+RUNS = (("off, eager", "off", False), ("on, eager", "on", False), ("on, graphs", "on", True))
 # Teacher-forced logprobs, on against off. The backend's fused op rounds the residual once where SGLang's path
 # (all-reduce, then fused_add_rmsnorm) rounds the sum and then the residual: one bf16 rounding (2^-8 relative)
-# more or less per layer boundary, 9 boundaries deep. That moves a typical logprob by a few hundredths of a
-# nat; at the odd position where two experts' sigmoid scores nearly tie, the perturbation flips the top-2
-# choice and that position moves by up to a nat or two (first run, 1x H200, 2026-12-02: median 0.02-0.03, one
-# or two of 23-47 positions per prompt at 0.3-1.6). An all-reduce that dropped a rank's shard or counted one
-# twice changes every position's hidden state by half or more (the shards differ: the checkpoint is random,
-# not dummy), so the median moves by whole nats. Hence: median <= LOGPROB_MEDIAN_TOL, and at most
-# LOGPROB_OUTLIER_SHARE of the positions beyond LOGPROB_OUTLIER_NATS.
+# more or less per layer boundary, 19 boundaries deep here (9 before). That moves a typical logprob by a few
+# hundredths of a nat; where two experts' sigmoid scores nearly tie the perturbation flips one of the top-8 and
+# that position moves by up to a nat or two (the 5-layer top-2 model on 1x H200: median 0.02-0.03, 1-2 of
+# 23-47 positions at 0.3-1.6). Top-8 of 12 has more near ties than top-2 of 6 and twice the layers, so more
+# outliers, each no larger: the median stays at hundredths and the share allowed beyond LOGPROB_OUTLIER_NATS
+# doubles. An all-reduce that dropped a rank's shard or counted one twice changes every position's hidden state
+# by half or more (the shards differ: the checkpoint is random, not dummy), so the median moves by whole nats.
 LOGPROB_MEDIAN_TOL = 0.1
 LOGPROB_OUTLIER_NATS = 0.25
-LOGPROB_OUTLIER_SHARE = 0.1
+LOGPROB_OUTLIER_SHARE = 0.2
+# Captures, on against off, per verify forward while the outputs agree: the relative error of the first row,
+# estimated from the digests (rms of the projection differences over the rms of "off"). The residual stream at
+# a capture carries at most 2 x 6 boundaries' roundings (2^-8 relative each, partly cancelling): a few 1e-3; a
+# flipped expert moves one forward's capture by up to tens of percent. A capture that read a partial sum (one
+# rank's shard of the previous MoE output) or missed the owed sum is off by that output, every forward.
+CAPTURE_MEDIAN_TOL = 0.02
+CAPTURE_OUTLIER_REL = 0.1
+CAPTURE_OUTLIER_SHARE = 0.2
 # Prompts of 5 to 16 words: within the graph run's bound (4 requests x 4 draft tokens = 16 rows), so every
 # prefill, draft and verify all-reduce of both "on" runs goes to the same kernels, and eager against graphs
 # compares like with like (a longer prefill would go to SGLang's path in the graph run only).
@@ -79,12 +104,16 @@ PROMPT_WORDS = (5, 8, 12, 16)
 PROMPTS = [" ".join(f"w{(7 * i + 13 * j) % 1000}" for j in range(n)) for i, n in enumerate(PROMPT_WORDS)]
 
 
+def installed_release() -> str | None:
+    return importlib.metadata.version("sglang") if importlib.util.find_spec("sglang") else None
+
+
 def _why_not() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
+    release = installed_release()
+    if release is None:
         return "sglang is not installed (the .sgls carry: scripts/pack_sglang_server.py)"
-    version = importlib.metadata.version("sglang")
-    if version != RELEASE:
-        return f"the real-server test runs on SGLang {RELEASE} (its sglang-kernel fits torch 2.11); this is {version}"
+    if release not in RELEASES:
+        return f"the real-server test knows SGLang {', '.join(RELEASES)}; this is {release}"
     if importlib.util.find_spec("sgl_kernel") is None:
         return "needs the real sgl_kernel (sglang-kernel 0.4.3, the .sgls carry)"
     try:
@@ -97,6 +126,25 @@ def _why_not() -> str | None:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")]
+
+
+def launch_args(release: str, model: dict, *, port: int, nccl_port: int, mode: str, graphs: bool) -> list[str]:
+    """The server's command line on `release` (0.5.23 renamed the graph batch sizes)."""
+    args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model["target"], "--trust-remote-code",
+            "--tp-size", "2", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+            "--nccl-port", str(nccl_port), "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--enforce-disable-flashinfer-allreduce-fusion", "--disable-custom-all-reduce",
+            "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "4",
+            "--random-seed", "0", "--log-level", "info", "--grammar-backend", "none",
+            "--speculative-draft-model-path", model["draft"], *EAGLE, "--sm120-allreduce", mode, *TUNE_ARGS]
+    if not graphs:
+        return args + ["--disable-cuda-graph"]
+    return args + ["--cuda-graph-bs" if release == "0.5.13.post1" else "--cuda-graph-bs-decode", *GRAPH_BS]
+
+
+def expected_counts(model: dict, release: str) -> dict:
+    captures = vp.sglang_capture_layers(model["layers"], model["eagle_layer_ids"])
+    return vp.verify_counts(model["layers"], model["first_k_dense"], captures, release)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -145,21 +193,30 @@ def server_env(site: str) -> dict:
     env.update({
         "SGLANG_SM120_SERVER_TEST_PATCHES": "1",
         "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+        # 0.5.23 asks sglang-kernel >= 0.4.9; the carried 0.4.3 has every op its path calls on torch 2.11
+        "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
         "PYTHONPATH": os.pathsep.join([site, REPO, os.path.join(REPO, "python"), env.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     })
     return env
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A free port below 55536: SGLang 0.5.13.post1 also opens the port + 10000 (its gRPC port) and refuses
-    to start when that passes 65535, which the kernel's ephemeral ports often do."""
+    """A free port below 55536 that this test has not handed out yet: SGLang 0.5.13.post1 also opens the port +
+    10000 (its gRPC port) and refuses to start when that passes 65535, which the kernel's ephemeral ports often
+    do; servers starting at once must not race for one port."""
     for port in range(31000 + os.getpid() % 1000 * 20, 55000, 7):
+        if port in _ports_given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _ports_given.add(port)
         return port
     raise RuntimeError("no free port below 55000")
 
@@ -173,24 +230,19 @@ class Server:
         self.name, self.mode, self.graphs = name, mode, graphs
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(logdir, f"server_{name.replace(', ', '_')}.log")
-        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model["target"],
-                "--tp", "2", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(self.port),
-                "--attention-backend", "triton", "--sampling-backend", "pytorch",
-                "--enforce-disable-flashinfer-allreduce-fusion", "--disable-custom-all-reduce",
-                "--disable-piecewise-cuda-graph", "--mem-fraction-static", "0.3", "--max-total-tokens", "8192",
-                "--max-running-requests", "4", "--random-seed", "0", "--log-level", "info",
-                "--grammar-backend", "none",
-                "--speculative-draft-model-path", model["draft"], *EAGLE,
-                "--sm120-allreduce", mode, "--sm120-allreduce-tune", "off"]
-        args += ["--cuda-graph-bs", *GRAPH_BS] if graphs else ["--disable-cuda-graph"]
+        tag = name.replace(", ", "_")
+        self.log_path = os.path.join(logdir, f"server_{tag}.log")
+        self.args = launch_args(installed_release(), model, port=self.port, nccl_port=free_port(), mode=mode,
+                                graphs=graphs)
         env = server_env(site)
-        env["SGLANG_SM120_CACHE"] = os.path.join(workdir, f"cache_{name.replace(', ', '_')}")
+        # Each server its own backend cache and copy of the checkpoint's remote-code processor module.
+        env["SGLANG_SM120_CACHE"] = os.path.join(workdir, f"cache_{tag}")
+        env["HF_MODULES_CACHE"] = os.path.join(workdir, f"hf_modules_{tag}")
         self.env = env
-        self.args = args
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=workdir,
+        self.proc = subprocess.Popen(self.args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=workdir,
                                      start_new_session=True)
+        self.t0 = time.time()
 
     def text(self) -> str:
         if not self.log.closed:
@@ -201,16 +253,18 @@ class Server:
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.text().splitlines()[-n:])
 
+    def forwards(self) -> list[dict]:
+        return [json.loads(ln.split(FORWARD_TAG, 1)[1]) for ln in self.text().splitlines() if FORWARD_TAG in ln]
+
     def wait_ready(self) -> float:
-        t0 = time.time()
-        while time.time() - t0 < START_TIMEOUT_S:
+        while time.time() - self.t0 < START_TIMEOUT_S:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server {self.name} exited with {self.proc.returncode} while starting:\n"
                                      f"{self.tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
-                        return time.time() - t0
+                        return time.time() - self.t0
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(2)
@@ -254,6 +308,7 @@ def device_calls(server: Server) -> int:
 
 
 def generate(server: Server, prompt: str) -> dict:
+    seen = len(server.forwards())
     out = server.post("/generate", {
         "text": prompt, "return_logprob": True, "logprob_start_len": 0,
         "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
@@ -263,12 +318,15 @@ def generate(server: Server, prompt: str) -> dict:
             "input_logprobs": [t[0] for t in meta["input_token_logprobs"]],
             "output_logprobs": [t[0] for t in meta["output_token_logprobs"]],
             "spec_verify_ct": meta.get("spec_verify_ct"), "spec_accepted_drafts": meta.get("spec_accepted_drafts"),
-            "completion_tokens": meta.get("completion_tokens")}
+            "completion_tokens": meta.get("completion_tokens"),
+            # the forwards it ran (requests go one at a time; the log has them before the answer is sent)
+            "forwards": server.forwards()[seen:]}
 
 
-def run_server(name: str, model: dict, site: str, workdir: str, *, mode: str, graphs: bool, logdir: str) -> dict:
-    server = Server(name, model, site, workdir, mode=mode, graphs=graphs, logdir=logdir)
-    record: dict = {"name": name, "mode": mode, "graphs": graphs, "log": server.log_path}
+def serve(server: Server, model: dict, workdir: str) -> dict:
+    """Wait for `server`, send the prompts, read what it recorded, stop it."""
+    record: dict = {"name": server.name, "mode": server.mode, "graphs": server.graphs, "log": server.log_path,
+                    "args": server.args[3:]}
     try:
         record["start_s"] = round(server.wait_ready(), 1)
         record["info_before"] = sm120_states(server.get("/get_server_info"))
@@ -279,7 +337,7 @@ def run_server(name: str, model: dict, site: str, workdir: str, *, mode: str, gr
             calls.append(device_calls(server))
         record["device_calls"] = calls
         record["info_after"] = sm120_states(server.get("/get_server_info"))
-        if graphs:
+        if server.graphs:
             record["bench_one_batch_server"] = bench_one_batch(server, model, workdir)
     finally:
         server.stop()
@@ -325,8 +383,10 @@ def test_real_server_tp2_eagle3_on_against_off(workdir):
                            "--device", "cuda"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert made.returncode == 0, made.stderr[-3000:]
     model = json.loads(made.stdout.strip().splitlines()[-1])
-    report: dict = {"sglang": importlib.metadata.version("sglang"), "model": model,
-                    "model_write_s": round(time.time() - t0, 1), "runs": {}, "checks": {}}
+    release = installed_release()
+    report: dict = {"sglang": release, "model": model, "model_write_s": round(time.time() - t0, 1),
+                    "expected_per_verify": expected_counts(model, release), "servers_at_once": SERVERS_AT_ONCE,
+                    "runs": {}, "checks": {}}
     runs = report["runs"]
 
     def save():
@@ -340,22 +400,30 @@ def test_real_server_tp2_eagle3_on_against_off(workdir):
         if not ok:
             failures.append(f"{name}: {detail}")
 
+    def start(name, mode, graphs):
+        return Server(name, model, site, workdir, mode=mode, graphs=graphs, logdir=out_dir)
+
+    servers = {name: start(name, mode, graphs) for name, mode, graphs in RUNS} if SERVERS_AT_ONCE else {}
+    t_servers = time.time()
     try:
-        for name, mode, graphs in (("off, eager", "off", False), ("on, eager", "on", False),
-                                   ("on, graphs", "on", True)):
+        for name, mode, graphs in RUNS:
             try:
-                runs[name] = run_server(name, model, site, workdir, mode=mode, graphs=graphs, logdir=out_dir)
+                runs[name] = serve(servers.get(name) or start(name, mode, graphs), model, workdir)
             except AssertionError as e:
                 runs[name] = {"error": str(e)[-6000:]}
                 check(f"{name}: started and answered", False, str(e)[-3000:])
             save()
-        _judge(runs, check)
+        report["servers_s"] = round(time.time() - t_servers, 1)
+        _judge(runs, check, report["expected_per_verify"], model, release)
     finally:
+        for server in servers.values():
+            if not server.log.closed:
+                server.stop()
         save()
     assert not failures, "\n".join(failures)
 
 
-def _judge(runs: dict, check) -> None:
+def _judge(runs: dict, check, expected: dict, model: dict, release: str) -> None:
     off, eager, graphs = runs.get("off, eager"), runs.get("on, eager"), runs.get("on, graphs")
     for name, run in runs.items():
         if "error" in run:
@@ -368,17 +436,17 @@ def _judge(runs: dict, check) -> None:
               bool(states) and all(bool(s.get("active")) == on for s in states), states)
         check(f"{name}: EAGLE-3 verified drafts", all((r["spec_verify_ct"] or 0) > 0 for r in run["requests"]),
               [r["spec_verify_ct"] for r in run["requests"]])
-        if on:
-            guard = [ln for ln in run["capture_guard_lines"] if "layers [1, 2, 3]" in ln]
-            check(f"{name}: the layers feeding EAGLE-3's captures (1, 2, 3) keep their MLP all-reduce, on both ranks",
+        if on and release == "0.5.13.post1":
+            feeding = sorted(c - 1 for c in vp.sglang_capture_layers(model["layers"], model["eagle_layer_ids"]))
+            guard = [ln for ln in run["capture_guard_lines"] if f"layers {feeding}" in ln]
+            check(f"{name}: the layers feeding EAGLE-3's captures {feeding} keep their MLP all-reduce, on both ranks",
                   {"TP0", "TP1"} <= {t for ln in guard for t in ("TP0", "TP1") if t in ln}, run["capture_guard_lines"])
-            stats = [s.get("stats") or {} for s in states]
-            if not run["graphs"]:
-                check(f"{name}: fused all-reduce + RMSNorm served the layer boundaries",
-                      all(s.get("sm120_fused", 0) > 0 and s.get("sm120", 0) > 0 for s in stats), stats)
+        if on:
             calls = run["device_calls"]
             check(f"{name}: the kernels' device call counter grows across requests",
                   all(b > a for a, b in zip(calls[:-1], calls[1:], strict=True)), calls)
+    if eager and "error" not in eager:
+        _judge_counts(eager, check, expected)
     if graphs and "error" not in graphs:
         check("on, graphs: CUDA graphs captured", bool(graphs["graph_capture_lines"]), graphs["graph_capture_lines"])
         check("on, graphs: the captured logits all-gather went through our kernel",
@@ -387,24 +455,77 @@ def _judge(runs: dict, check) -> None:
         check("on, graphs: sglang.bench_one_batch_server ran", bench.get("returncode") == 0,
               {k: bench.get(k) for k in ("returncode", "stderr_tail")})
     if off and eager and "error" not in off and "error" not in eager:
-        diffs = sorted(abs(a - b) for r_off, r_on in zip(off["requests"], eager["requests"], strict=True)
-                       for a, b in zip(r_off["input_logprobs"][1:], r_on["input_logprobs"][1:], strict=True))
-        median = diffs[len(diffs) // 2]
-        outliers = sum(d > LOGPROB_OUTLIER_NATS for d in diffs)
-        check(f"on against off: teacher-forced input logprobs, median |diff| <= {LOGPROB_MEDIAN_TOL} and at most "
-              f"{LOGPROB_OUTLIER_SHARE:.0%} of positions beyond {LOGPROB_OUTLIER_NATS} nats",
-              median <= LOGPROB_MEDIAN_TOL and outliers <= LOGPROB_OUTLIER_SHARE * len(diffs),
-              {"positions": len(diffs), "median": median, "max": diffs[-1], "beyond": outliers})
-        # Greedy decoding follows an argmax: past the first token a near tie may go either way on rounding and
-        # the texts part (README says so too); the first token of each prompt must agree, and how long each
-        # pair agrees is recorded.
-        pairs = list(zip(off["requests"], eager["requests"], strict=True))
-        agree = [next((i for i, (a, b) in enumerate(zip(r_off["output_ids"], r_on["output_ids"], strict=True))
-                       if a != b), len(r_off["output_ids"])) for r_off, r_on in pairs]
-        check("on against off: the first greedy token of every prompt equal", all(n >= 1 for n in agree),
-              {"tokens_agreeing_per_prompt": agree, "of": NEW_TOKENS})
+        _judge_on_against_off(off, eager, check)
     if eager and graphs and "error" not in eager and "error" not in graphs:
         pairs = list(zip(eager["requests"], graphs["requests"], strict=True))
         check("on, eager against on, graphs: identical greedy outputs",
               all(r_e["output_ids"] == r_g["output_ids"] for r_e, r_g in pairs),
               [(r_e["output_ids"], r_g["output_ids"]) for r_e, r_g in pairs])
+
+
+def _judge_counts(eager: dict, check, expected: dict) -> None:
+    """Every eager verify forward of the target: the rule's fused and plain calls, nothing fallen back; every
+    draft forward: its plain calls."""
+    forwards = [f for r in eager["requests"] for f in r["forwards"] if not f["graph"]]
+    verify = [f for f in forwards if not f["draft"] and f["mode"] == "TARGET_VERIFY"]
+    want = {"sm120": expected["plain"], "sm120_fused": expected["fused"], "fallback": 0, "fused_fallback": 0}
+    wrong = [f["delta"] for f in verify if f["delta"] != want]
+    check(f"on, eager: every target-verify forward made {expected['fused']} fused and {expected['plain']} plain "
+          f"calls ({expected['moe_deferred']} MoE sums deferred into the next layer's fused norm), none fell back",
+          bool(verify) and not wrong, {"verify_forwards": len(verify), "want": want, "wrong": wrong[:5]})
+    draft = [f for f in forwards if f["draft"] and f["tokens"]]
+    want = {"sm120": expected["draft_plain"], "sm120_fused": 0, "fallback": 0, "fused_fallback": 0}
+    wrong = [(f["mode"], f["tokens"], f["delta"]) for f in draft if f["delta"] != want]
+    check(f"on, eager: every draft forward made {expected['draft_plain']} plain calls",
+          bool(draft) and not wrong, {"draft_forwards": len(draft), "want": want, "wrong": wrong[:5]})
+
+
+def capture_error(on: list, off: list) -> float:
+    """The larger over the captures of the relative error of "on"'s first row against "off"'s, from two digests
+    (server_patches.capture_digest)."""
+    worst = 0.0
+    for (_, *proj_on), (rms_off, *proj_off) in zip(on, off, strict=True):
+        diff = (sum((a - b) ** 2 for a, b in zip(proj_on, proj_off, strict=True)) / len(proj_off)) ** 0.5
+        worst = max(worst, diff / rms_off if rms_off > 0 else float("inf"))
+    return worst
+
+
+def _judge_on_against_off(off: dict, eager: dict, check) -> None:
+    diffs = sorted(abs(a - b) for r_off, r_on in zip(off["requests"], eager["requests"], strict=True)
+                   for a, b in zip(r_off["input_logprobs"][1:], r_on["input_logprobs"][1:], strict=True))
+    median = diffs[len(diffs) // 2]
+    outliers = sum(d > LOGPROB_OUTLIER_NATS for d in diffs)
+    check(f"on against off: teacher-forced input logprobs, median |diff| <= {LOGPROB_MEDIAN_TOL} and at most "
+          f"{LOGPROB_OUTLIER_SHARE:.0%} of positions beyond {LOGPROB_OUTLIER_NATS} nats",
+          median <= LOGPROB_MEDIAN_TOL and outliers <= LOGPROB_OUTLIER_SHARE * len(diffs),
+          {"positions": len(diffs), "median": median, "max": diffs[-1], "beyond": outliers})
+    # Greedy decoding follows an argmax: past the first token a near tie may go either way on rounding and
+    # the texts part (README says so too); the first token of each prompt must agree, and how long each
+    # pair agrees is recorded.
+    pairs = list(zip(off["requests"], eager["requests"], strict=True))
+    agree = [next((i for i, (a, b) in enumerate(zip(r_off["output_ids"], r_on["output_ids"], strict=True))
+                   if a != b), len(r_off["output_ids"])) for r_off, r_on in pairs]
+    check("on against off: the first greedy token of every prompt equal", all(n >= 1 for n in agree),
+          {"tokens_agreeing_per_prompt": agree, "of": NEW_TOKENS})
+    # Verify forward k of a request takes output token k as its first row when no draft was accepted: its
+    # captures are comparable while tokens 0..k agree.
+    errors, missing = [], 0
+    for (r_off, r_on), n in zip(pairs, agree, strict=True):
+        if r_off["spec_accepted_drafts"] or r_on["spec_accepted_drafts"]:
+            continue
+        v_off, v_on = ([f for f in r["forwards"] if not f["draft"] and f["mode"] == "TARGET_VERIFY"]
+                       for r in (r_off, r_on))
+        for f_off, f_on in list(zip(v_off, v_on, strict=False))[:n]:
+            if f_off.get("capture") is None or f_on.get("capture") is None:
+                missing += 1
+            else:
+                errors.append(capture_error(f_on["capture"], f_off["capture"]))
+    errors.sort()
+    median = errors[len(errors) // 2] if errors else None
+    beyond = sum(e > CAPTURE_OUTLIER_REL for e in errors)
+    check(f"on against off: EAGLE-3 captures of the verify forwards, median relative error <= {CAPTURE_MEDIAN_TOL} "
+          f"and at most {CAPTURE_OUTLIER_SHARE:.0%} beyond {CAPTURE_OUTLIER_REL}",
+          bool(errors) and not missing and median <= CAPTURE_MEDIAN_TOL
+          and beyond <= CAPTURE_OUTLIER_SHARE * len(errors),
+          {"compared": len(errors), "missing": missing, "median": median, "max": errors[-1] if errors else None,
+           "beyond": beyond})
