@@ -222,8 +222,8 @@ def time_route(group: Group, route: Route, kind: str, rows: int, calls: int, ite
 def tune_picks(world: int, device_index: int) -> tuple[dict, dict[tuple[str, int], Route | None], float]:
     """The quick tune in one process: (its table as a dict, the route it sends each (kind, rows) of ROWS to, its
     seconds)."""
-    from sglang_sm120.routing.table import lookup
     from benchmarks.harness.local_tune import run_one_process
+    from sglang_sm120.routing.table import lookup
     from sglang_sm120.tuning.tuner import TuneSpec
 
     spec = TuneSpec.make(HIDDEN, max(ROWS), quick=True, dtypes=[DTYPE], kinds=list(KINDS), graph_rows=list(ROWS),

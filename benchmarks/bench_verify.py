@@ -54,6 +54,7 @@ for _p in (_ROOT / "python", _ROOT):
 
 from benchmarks.harness import io, nccl_mode, norms, ranks, run, timing  # noqa: E402
 from benchmarks.harness.io import parse_int_list, short_exc  # noqa: E402
+from benchmarks.harness.schema import e2e_estimate, validate_verify_doc  # noqa: E402
 from benchmarks.workloads import sglang_compat  # noqa: E402
 from benchmarks.workloads import verify_pattern as vp  # noqa: E402
 from benchmarks.workloads.verify_model import (  # noqa: E402
@@ -64,7 +65,6 @@ from benchmarks.workloads.verify_model import (  # noqa: E402
     SglangComm,
     Sm120Comm,
 )
-from benchmarks.harness.schema import e2e_estimate, validate_verify_doc  # noqa: E402
 
 DEFAULT_TOKENS = [1, 2, 3, 4, 8, 16, 32, 64]
 # The verify shape of README's launch: one request verifies --speculative-num-draft-tokens 4 rows of [*, 7168].

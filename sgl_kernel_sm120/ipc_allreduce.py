@@ -331,6 +331,11 @@ class IpcAllReduce:
             and inp.numel() % self.limits.elems_per_pack == 0
         )
 
+    def admits_fused(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        """supports_add_rmsnorm's shape rule without a tensor (interim)."""
+        return (dtype in SUPPORTED_DTYPES and 0 < rows * hidden <= self.max_numel
+                and hidden % self.limits.elems_per_pack == 0 and hidden <= self.limits.max_fused_hidden)
+
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor | None = None,
                              weight: torch.Tensor | None = None) -> bool:
         """supports(inp) for the fused op: [rows, hidden] with a hidden size the fused kernels take; and, when

@@ -422,3 +422,10 @@ def describe_schedule(max_bytes: int, world_size: int, link: Link | str, num_isl
     return ", ".join(
         f"{variant.name} up to {high} B" for _, high, variant in schedule(max_bytes, world_size, link, num_islands)
     )
+
+
+def resolve(route: Route, nbytes: int, shape: WorkspaceShape, limits: KernelLimits, *, fused: bool) -> Route:
+    """`route` with the launch fields it left None filled by their seed rules (interim)."""
+    ctas = cta_cap(route, shape)
+    threads = None if fused else (route.threads or plain_threads(nbytes, route.transport, ctas=ctas, limits=limits))
+    return dataclasses.replace(route, ctas=ctas, threads=threads)

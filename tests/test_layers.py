@@ -22,10 +22,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-KERNEL_LAYERS = {"_abi": 0, "errors": 0, "env": 0, "_ext": 1, "link": 1, "reference": 1, "watchdog": 1, "policy": 2,
-                 "cluster_check": 3, "construction": 4, "data_path_probe": 5, "ipc_allreduce": 6, "": 7}
-KERNEL_PURE = ("_abi", "errors", "env", "watchdog", "policy", "cluster_check")  # no torch at module level
-OVERLAY_LAYERS = {"core": 0, "routing": 1, "tuning": 2, "reporting": 2, "runtime": 3, "hooks": 4, "seams": 5, "": 6}
+KERNEL_LAYERS = {"_abi": 0, "errors": 0, "env": 0, "settings": 0, "_ext": 1, "link": 1, "reference": 1, "watchdog": 1,
+                 "policy": 2, "cluster_check": 3, "construction": 4, "data_path_probe": 5, "ipc_allreduce": 6, "": 7}
+KERNEL_PURE = ("_abi", "errors", "env", "settings", "watchdog", "policy", "cluster_check")  # no torch at module level
+OVERLAY_LAYERS = {"core": 0, "routing": 1, "tuning": 2, "runtime": 3, "hooks": 4, "seams": 5, "": 6}
 BENCH_LAYERS = {"harness": 0, "workloads": 1, "peers": 2, "": 3}
 
 

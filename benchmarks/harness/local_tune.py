@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
-
 from sglang_sm120.routing.table import route_id
 from sglang_sm120.tuning.burst import CandidateRun, CudaBackend
 from sglang_sm120.tuning.calls import CallBank

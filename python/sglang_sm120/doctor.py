@@ -3,10 +3,10 @@
 Prints the settings, the software, the GPUs, the IOMMU/ACS state, the CUDA P2P matrix, the PCIe/NUMA topology and
 the islands, what the gate decides for each TP size and which path that gives (CUDA IPC over P2P, pinned host
 memory, or NCCL), the byte bound and which sizes it leaves to the routing table, the routing table of this box,
-NCCL's own speed and transports against what the box allows, the fused kernel's cluster launch, the host-memory
-workspace's room, and (with GPUs and built kernels) a short multi-process self-test. Exits 0 when the backend can
-run, 1 otherwise, naming why. `--report FILE` also writes all of it, with the environment and the cached tables,
-as one markdown file to attach to an issue.
+NCCL's own speed and transports with the P2P settings that matter (and what to set), the fused kernel's cluster
+launch, the host-memory workspace's room, and (with GPUs and built kernels) a short multi-process self-test.
+Exits 0 when the backend can run, 1 otherwise, naming why. `--report FILE` also writes all of it, with the
+environment and the cached tables, as one markdown file to attach to an issue.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from . import nccl_check
 from .core import config
 from .core.facts import gpu_uuid, kernel_error, key_facts
 from .core.gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
@@ -305,7 +306,8 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     """Every section; the problems that keep the backend from running."""
     problems: list[str] = []
     mode = args.mode or settings.mode
-    print(f"mode: {mode} (from {'--mode' if args.mode else '$' + config.MODE_ENV if config.variable(config.MODE_ENV) else 'default'}); "
+    source = "--mode" if args.mode else f"${config.MODE_ENV}" if config.variable(config.MODE_ENV) else "default"
+    print(f"mode: {mode} (from {source}); "
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
     report_versions()
     section("GPUs")
@@ -341,8 +343,9 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     if topo.error:
         print(f"topology: {topo.error}")
     print(format_levels(topo.levels, [f"cuda:{g['index']}" for g in found]))
+    islands = topo.islands()
     print(f"NUMA nodes: {topo.numa_nodes}; NVLink between all pairs: {topo.nvlink_all_pairs} -> link={topo.link}; "
-          f"islands: {topo.islands() or 'flat'} (the 8-rank kernel uses {kernel_islands(topo.islands(), count) or 'flat'})")
+          f"islands: {islands or 'flat'} (the 8-rank kernel uses {kernel_islands(islands, count) or 'flat'})")
 
     section(f"gate (mode={mode})")
     evaluated = "auto" if mode == "off" else mode
@@ -368,6 +371,10 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
         report_routing_table(usable[0], usable[1], matrix, [g["uuid"] for g in found], args.hidden)
     else:
         print("no TP size enables the backend here: nothing to route")
+    if not args.no_nccl_check:
+        section("NCCL at the verify sizes (it serves what the kernels do not, and is what the tune beats)")
+        print("\n".join(nccl_check.report_lines(nccl_check.run(hidden=args.hidden, vocab=args.vocab,
+                                                              timeout_s=args.nccl_timeout))))
     section("fused one-shot: cluster launch")
     report_cluster_launch(found)
     section("pinned host-memory workspace (GPUs without P2P)")
@@ -417,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a server's --speculative-num-draft-tokens")
     parser.add_argument("--max-bytes", action=config.SettingAction, parse=config.parse_max_bytes, default=None,
                         help="an explicit bound (as --sm120-allreduce-max-bytes)")
+    parser.add_argument("--vocab", type=int, default=163840, help="the model's vocabulary (the logits all-gather)")
+    parser.add_argument("--no-nccl-check", action="store_true", help="skip timing NCCL itself")
+    parser.add_argument("--nccl-timeout", type=float, default=300.0, help="seconds for the NCCL check")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
     parser.add_argument("--self-test-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument("--report", metavar="FILE", help="also write everything as markdown to FILE, for an issue")

@@ -15,50 +15,17 @@ blamed, excluded and the tune starts again (--retries). Rerun after changing any
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
 
+from .core.config import hidden_from_model
 from .routing import cache, render
 from .routing.table import NCCL, RoutingTable
 from .tuning import processes
 from .tuning.tuner import TuneSpec, graph_rows
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
-TEXT_SECTIONS = ("text_config", "language_config", "llm_config", "language_model")
-
-
-def hidden_from_config(config: dict) -> int | None:
-    """hidden_size of a HF config.json, at the top or in the text model's section (multimodal models)."""
-    if isinstance(config.get("hidden_size"), int):
-        return int(config["hidden_size"])
-    return next((int(config[k]["hidden_size"]) for k in TEXT_SECTIONS
-                 if isinstance(config.get(k), dict) and isinstance(config[k].get("hidden_size"), int)), None)
-
-
-def hidden_from_model(model_path: str) -> int:
-    """The hidden size of a local model folder or a Hugging Face repo id (its config.json)."""
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isdir(model_path):
-        try:
-            from huggingface_hub import hf_hub_download
-
-            path = hf_hub_download(model_path, "config.json")
-        except Exception as exc:
-            raise SystemExit(f"error: cannot read config.json of {model_path!r} ({type(exc).__name__}: {exc}); "
-                             "pass --hidden") from None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            hidden = hidden_from_config(json.load(handle))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"error: cannot read {path} ({exc}); pass --hidden") from None
-    if hidden is None:
-        raise SystemExit(f"error: {path} names no hidden_size; pass --hidden")
-    return hidden
-
-
 def parse_args(argv: Sequence[str] | None):
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,8 +12,7 @@ import types
 
 import pytest
 
-from benchmarks.harness import io, nccl_mode
-from benchmarks.harness import schema
+from benchmarks.harness import io, nccl_mode, schema
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.9", "world_size": 2}
 TRITON = "triton (benchmarks/harness/triton_add_rmsnorm.py)"

@@ -6,8 +6,7 @@ import copy
 
 import pytest
 
-from benchmarks.harness import io, ranks, timing
-from benchmarks.harness import schema
+from benchmarks.harness import io, ranks, schema, timing
 
 HW = {"gpu": "NVIDIA H200", "driver": "570.1", "cuda": "13.0", "torch": "2.11.0", "nccl": "2.28.3", "world_size": 2}
 

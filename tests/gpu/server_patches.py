@@ -188,8 +188,10 @@ def _captured_all_gather_as_all_reduce() -> None:
 def backend_stats(group) -> dict | None:
     """The TP backend's Python-side counters (plain / fused / fallback / fused_fallback calls), or None without
     a backend: the one place that knows where the overlay keeps its backend on SGLang's group."""
-    comm = getattr(group, "sm120_comm", None)
-    return dict(comm.stats) if comm is not None else None
+    from sglang_sm120.runtime.registry import group_backend
+
+    backend = group_backend(group)
+    return dict(backend.stats) if backend is not None else None
 
 
 def capture_digest(aux, hidden: int) -> list[list[float]] | None:

@@ -320,7 +320,7 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
         _say(rank, f"sglang {version}: {the_plan.describe()}; TP group {tp.unique_name} on "
                    f"{dist.get_backend(tp.device_group)}")
     return Rank(rank=rank, world=world, plan=the_plan, version=version, device=device, ps=ps, tp=tp,
-                comm=getattr(tp, "sm120_comm", None), cpu_group=ps.get_world_group().cpu_group, patches=patches,
+                comm=getattr(tp, "sm120_backend", None), cpu_group=ps.get_world_group().cpu_group, patches=patches,
                 log_lines=log_lines)
 
 

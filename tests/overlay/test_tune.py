@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sglang_sm120 import tune
+from sglang_sm120.core import config
 from sglang_sm120.routing import cache
 from sglang_sm120.tuning import processes as launch
 
@@ -15,17 +16,18 @@ from .routing.test_table import _table
 
 
 def test_the_hidden_size_is_read_at_the_top_or_in_the_text_model():
-    assert tune.hidden_from_config({"hidden_size": 4096}) == 4096
-    assert tune.hidden_from_config({"text_config": {"hidden_size": 7168}, "vision_config": {"hidden_size": 1}}) == 7168
-    assert tune.hidden_from_config({"vocab_size": 3}) is None
+    assert config.hidden_from_config({"hidden_size": 4096}) == 4096
+    multimodal = {"text_config": {"hidden_size": 7168}, "vision_config": {"hidden_size": 1}}
+    assert config.hidden_from_config(multimodal) == 7168
+    assert config.hidden_from_config({"vocab_size": 3}) is None
 
 
 def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 7168}}))
-    assert tune.hidden_from_model(str(tmp_path)) == 7168
+    assert config.hidden_from_model(str(tmp_path)) == 7168
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="names no hidden_size; pass --hidden"):
-        tune.hidden_from_model(str(tmp_path))
+        config.hidden_from_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 
@@ -250,3 +251,35 @@ def resolve_max_bytes(explicit: int | None, server_args: object | None, hidden_s
         cuda_graph_bs=getattr(server_args, "cuda_graph_bs", None),
         speculative_num_draft_tokens=getattr(server_args, "speculative_num_draft_tokens", None),
         speculative_algorithm=getattr(server_args, "speculative_algorithm", None))
+
+
+TEXT_SECTIONS = ("text_config", "language_config", "llm_config", "language_model")
+
+
+def hidden_from_config(config: dict) -> int | None:
+    """hidden_size of a HF config.json, at the top or in the text model's section (multimodal models)."""
+    if isinstance(config.get("hidden_size"), int):
+        return int(config["hidden_size"])
+    return next((int(config[k]["hidden_size"]) for k in TEXT_SECTIONS
+                 if isinstance(config.get(k), dict) and isinstance(config[k].get("hidden_size"), int)), None)
+
+
+def hidden_from_model(model_path: str) -> int:
+    """The hidden size of a local model folder or a Hugging Face repo id (its config.json)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isdir(model_path):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(model_path, "config.json")
+        except Exception as exc:
+            raise SystemExit(f"error: cannot read config.json of {model_path!r} ({type(exc).__name__}: {exc}); "
+                             "pass --hidden") from None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            hidden = hidden_from_config(json.load(handle))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: cannot read {path} ({exc}); pass --hidden") from None
+    if hidden is None:
+        raise SystemExit(f"error: {path} names no hidden_size; pass --hidden")
+    return hidden

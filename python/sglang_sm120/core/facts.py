@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from . import nccl
+
 logger = logging.getLogger(__name__)
 
 
@@ -102,10 +104,9 @@ def library_identity() -> str:
 
 
 def nccl_settings(environ=None) -> dict[str, str]:
-    """Every NCCL_* variable of the environment, sorted: a table measured against one NCCL configuration says
-    nothing about another."""
-    env = os.environ if environ is None else environ
-    return {name: env[name] for name in sorted(env) if name.startswith("NCCL_")}
+    """NCCL's settings for the key: a table measured against one NCCL configuration says nothing about another.
+    Its logging switches (NCCL_DEBUG*) change where NCCL writes, not how it moves data."""
+    return {k: v for k, v in nccl.settings(environ).items() if not k.startswith("NCCL_DEBUG")}
 
 
 def key_facts(device) -> dict[str, Any]:

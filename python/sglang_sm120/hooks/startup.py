@@ -64,9 +64,7 @@ def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | N
             logger.info("sglang_sm120: no tune at launch: mode auto and the GPUs are not all capability 12.0 "
                         "(%s)", capabilities or "unknown")
             return None
-    from ..tune import hidden_from_model
-
-    hidden = hidden_from_model(server_args.model_path)
+    hidden = config.hidden_from_model(server_args.model_path)
     draft = int(server_args.speculative_num_draft_tokens or 1) if getattr(server_args, "speculative_algorithm",
                                                                           None) else 1
     batches = _first(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []

@@ -123,16 +123,20 @@ def load_file(path: str) -> Loaded:
     """One table file, its format and tune versions checked (not its key)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            doc = json.loads(handle.read())
+            text = handle.read()
     except FileNotFoundError:
         return Loaded(MISSING, path)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         return Loaded(CORRUPT, path, reason=f"cannot read it: {exc}")
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        return Loaded(CORRUPT, path, reason=f"bad JSON: {exc}")
     if isinstance(doc, dict):
-        for field, mine, what in (("format", tbl.FORMAT_VERSION, "table format"),
-                                  ("tune_version", tbl.TUNE_VERSION, "tune procedure")):
+        for field, mine, what in (("format", tbl.FORMAT_VERSION, "table format {}, this build reads {}"),
+                                  ("tune_version", tbl.TUNE_VERSION, "tune procedure {}, this build measures with {}")):
             if doc.get(field) != mine:
-                return Loaded(OTHER_VERSIONS, path, reason=f"{what} {doc.get(field)!r}, this build has {mine}")
+                return Loaded(OTHER_VERSIONS, path, reason=what.format(repr(doc.get(field)), mine))
     try:
         return Loaded(OK, path, tbl.RoutingTable.from_dict(doc))
     except tbl.TableError as exc:

@@ -25,9 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from ..routing.table import NCCL as NCCL_ID
 from .child import MARKER
 from .tuner import TuneSpec
 

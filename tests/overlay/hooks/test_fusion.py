@@ -16,8 +16,8 @@ from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
 from sglang_sm120.routing.book import RouteBook  # noqa: E402
 from sglang_sm120.runtime.backend import TPBackend  # noqa: E402
-from tests.support.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
+from tests.support.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
 
 # Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
 ONLY_0513 = requires_sglang("0.5.13.post1")

@@ -36,7 +36,7 @@ def overlay():
 @pytest.fixture
 def backend(monkeypatch):
     b = fake_backend()
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: b)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
     return b
 
 
@@ -83,7 +83,7 @@ def test_gate_says_yes_only_when_enabled_and_tokens_fit(overlay, backend, monkey
 
     for gate in (allreduce.flashinfer_ar_fusion_applies, exit_mod.flashinfer_ar_fusion_applies):
         assert [bool(gate(t)) for t in (0, 1, 8, 9, 2048)] == [False, True, True, False, False]
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: None)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
     # upstream's own gate answers on CPU (not SM90/SM100): no
     assert not any(allreduce.flashinfer_ar_fusion_applies(t) for t in (1, 8))
 
@@ -99,7 +99,7 @@ def test_fused_ffn_input_as_sglang_calls_it_reaches_our_kernel(overlay, backend,
     ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
     assert torch.equal(res_out, ref_res)
     torch.testing.assert_close(out, ref_out, atol=0.05, rtol=0.02)
-    monkeypatch.setattr(hooks_fusion, "fusion_backend", lambda: None)
+    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
     assert allreduce.fused_ffn_input(plan, x, residual, None) is None  # gate no: SGLang completes unfused
 
 
@@ -197,7 +197,7 @@ def test_pre_capture_seam_builds_from_sglangs_row_count(overlay, fusion_off_in_e
     calls = []
     monkeypatch.setattr(hooks_distributed, "prepare_tp_backend",
                         lambda sa, hidden, dtype, decode_rows: calls.append((hidden, dtype, decode_rows)))
-    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=None))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_backend=None))
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(fake_runner(rows=32))
     assert calls == [(7168, torch.bfloat16, 32)]
     BaseRunner._pre_initialize_flashinfer_allreduce_workspace(fake_runner(draft=True, rows=4))
@@ -219,7 +219,7 @@ def test_byte_bound_from_decode_rows(monkeypatch, explicit, rows, expected):
     backend.settings = OverlaySettings(mode="on", max_bytes=explicit)
     built = []
     monkeypatch.setattr(backend, "build", lambda hidden, dtype, bound, **kw: built.append(bound) or False)
-    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_comm=backend))
+    monkeypatch.setattr(hooks_distributed, "sglang_group", lambda name: SimpleNamespace(sm120_backend=backend))
     # 0.5.23's ServerArgs has no cuda_graph_max_bs; the speculative fields must not multiply SGLang's rows again
     server_args = SimpleNamespace(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4)
     hooks_distributed.prepare_tp_backend(server_args, 7168, torch.bfloat16, decode_rows=rows)
@@ -245,7 +245,7 @@ class FakeUpstreamPcieIpc:
 
 def coordinator(backend, upstream):
     """What SGLang's dispatcher and warm-up read of a GroupCoordinator."""
-    return SimpleNamespace(sm120_comm=backend, pcie_ipc_comm=upstream, ca_comm=None, qr_comm=None,
+    return SimpleNamespace(sm120_backend=backend, pcie_ipc_comm=upstream, ca_comm=None, qr_comm=None,
                            pymscclpp_comm=None, torch_symm_mem_comm=None, pynccl_comm=None, unique_name="tp:0")
 
 

@@ -27,8 +27,10 @@ def book(t, shape=DEVICE):
 def test_the_seeds_route_every_size_to_the_seed_route_of_the_workspace():
     seeds = RouteBook.seeds(WorkspaceShape(8, "device", "pcie", num_islands=2, sm_budget=188), LIMITS)
     assert seeds.source == SEEDS
-    assert seeds.route(2 * ROW, "bfloat16", False) == Route(Variant.ISLAND, Transport.PUSH, "device")
-    assert seeds.route(ROW, "float16", True) == Route(Variant.ONESHOT, Transport.PUSH, "device")
+    # resolved: the CTA cap and, for a plain call, the CTA size a launch uses are named
+    assert seeds.route(2 * ROW, "bfloat16", False) == Route(Variant.ISLAND, Transport.PUSH, "device", ctas=188,
+                                                            threads=64)
+    assert seeds.route(ROW, "float16", True) == Route(Variant.ONESHOT, Transport.PUSH, "device", ctas=188)
     assert seeds.source_line() == ("routes: seeds, UNMEASURED on this box: every size within the bound goes to the "
                                    "sm120 kernels (--sm120-allreduce-tune off; python -m sglang_sm120.tune measures "
                                    "this box)")
@@ -37,7 +39,7 @@ def test_the_seeds_route_every_size_to_the_seed_route_of_the_workspace():
 
 def test_a_table_sends_the_sizes_nccl_won_to_nccl_and_the_others_to_the_launch_measured():
     b = book(table({"sm120/TWOSHOT/pull/device/b94": [10, 10, 30, 30]}))
-    assert b.route(ROW, "bfloat16", False) == Route(Variant.TWOSHOT, Transport.PULL, "device", ctas=94)
+    assert b.route(ROW, "bfloat16", False) == Route(Variant.TWOSHOT, Transport.PULL, "device", ctas=94, threads=64)
     assert b.route(3 * ROW, "bfloat16", False) is None
     assert b.route(5 * ROW, "bfloat16", False) is None  # past what was measured
     assert b.route(ROW, "float16", False) is None and b.route(ROW, "bfloat16", True) is None
@@ -69,12 +71,10 @@ def test_the_server_info_view():
     assert RouteBook.seeds(DEVICE, LIMITS, "no table").as_dict(None, 0) == {
         "source": "seeds", "line": RouteBook.seeds(DEVICE, LIMITS).source_line(), "why": "no table",
         "routes": "all sizes within the bound: seeds"}
-    nccl = RouteBook.all_nccl("the quick tune at start-up failed (rank 1: exit code -9)")
+    nccl = RouteBook.all_nccl("no routing table of this box")
     assert nccl.as_dict("bfloat16", 4 * ROW) == {
-        "source": "nccl", "why": "the quick tune at start-up failed (rank 1: exit code -9)",
-        "routes": "all sizes: NCCL",
-        "line": "routes: all NCCL because the quick tune at start-up failed (rank 1: exit code -9) (retry: "
-                "--sm120-allreduce-tune force, or python -m sglang_sm120.tune)"}
+        "source": "nccl", "why": "no routing table of this box", "routes": "all sizes: NCCL",
+        "line": "routes: all NCCL because no routing table of this box (tune: python -m sglang_sm120.tune)"}
 
 
 def test_all_nccl_routes_every_size_to_nccl():
@@ -88,7 +88,7 @@ def test_a_cluster_size_the_workspace_does_not_launch_goes_to_nccl_not_to_anothe
     without = book(fused, WorkspaceShape(2, "device", "pcie", clusters=(2,), sm_budget=188))
     assert without.route(ROW, "bfloat16", True) is None
     with_four = book(fused, WorkspaceShape(2, "device", "pcie", clusters=(2, 4), sm_budget=188))
-    assert route_id(with_four.route(ROW, "bfloat16", True)) == "sm120/ONESHOT/push/device/c4"
+    assert route_id(with_four.route(ROW, "bfloat16", True)) == "sm120/ONESHOT/push/device/b188/c4"
     one = table({"sm120/ONESHOT/push/device/c1": [10] * 4}, kind="fused")
     assert book(one, WorkspaceShape(2, "device", "pcie", sm_budget=188)).route(ROW, "bfloat16", True)  # always
 

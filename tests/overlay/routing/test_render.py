@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from sglang_sm120.routing import render
@@ -23,21 +22,5 @@ def test_a_table_shows_its_routes_its_times_with_the_routed_one_in_bold_and_its_
     assert "file `/cache/routes.json`" in text and "TP size 2" in text and "CUDA P2P: every pair" in text
 
 
-def test_the_committed_benchmark_results_render():
-    with open(os.path.join(RESULTS, "allreduce_h200_tp2.json")) as handle:
-        text = render.allreduce_doc_markdown(json.load(handle))
-    assert text.startswith("allreduce, us per call:") and "| rows |" in text
-    with open(os.path.join(RESULTS, "verify_h200_tp2.json")) as handle:
-        doc = json.load(handle)
-    text = render.verify_doc_markdown(doc)
-    assert "compute gemm, us per verify forward:" in text
-    assert render.hardware_line(doc).startswith("NVIDIA H200 x2, driver 580.159.04")
-
-
 def test_cells_cannot_break_the_table():
     assert render.md_table(["a"], [["x|y\nz"]]).splitlines()[-1] == "| x\\|y z |"
-
-
-def test_repeated_skip_reasons_are_listed_once():
-    doc = {"results": [], "skipped": [{"impl": "sm120", "reason": "no islands"}] * 3 + [{"impl": "x", "reason": "y"}]}
-    assert render.allreduce_doc_markdown(doc) == "Skipped: sm120: no islands; x: y"

@@ -178,13 +178,21 @@ def test_a_version_that_differs_between_ranks_is_kept_as_both():
     assert tbl.make_key(local, islands=None, p2p=None, memory="host")["driver"] == "1 | 2"
 
 
-def test_coverage_needs_the_hidden_size_every_kind_and_the_largest_size():
+def test_coverage_needs_the_hidden_size_and_every_kind_not_the_largest_size():
     table = _table([10, 10], [5, 5])
-    assert table.coverage_gap("bfloat16", 7168, 2 * 14336, kinds=("plain",)) is None
-    assert "hidden 7168, this server has hidden 4096" in table.coverage_gap("bfloat16", 4096, 16, kinds=("plain",))
-    assert "up to 28672 B, this server reduces up to 28673 B" in table.coverage_gap("bfloat16", 7168, 28673,
-                                                                                   kinds=("plain",))
-    assert table.coverage_gap("bfloat16", 7168, 16) == "no bfloat16 fused routes"
+    assert table.coverage_gap("bfloat16", 7168, kinds=("plain",)) is None
+    assert "hidden 7168, this server has hidden 4096" in table.coverage_gap("bfloat16", 4096, kinds=("plain",))
+    assert table.coverage_gap("bfloat16", 7168) == "no bfloat16 fused routes"
+    # sizes past the largest measured one are NCCL's, and the table still serves the others
+    assert tbl.lookup(table, 28673, "bfloat16", False) is None and tbl.lookup(table, 28672, "bfloat16", False)
+
+
+def test_the_verify_size_compares_the_chosen_route_with_nccl():
+    table = _table([20, 20, 10], [10, 10, 30])
+    route, ours, nccl = table.versus_nccl("bfloat16", "plain", 1)
+    assert route_id(route) == ONE and (ours, nccl) == (10.0, 20.0)
+    assert table.versus_nccl("bfloat16", "plain", 3) == (None, None, 10.0)  # NCCL won there
+    assert table.versus_nccl("bfloat16", "plain", 4) == (None, None, None)  # not measured
 
 
 def test_describe_lists_the_ranges_in_words():

@@ -348,10 +348,11 @@ def test_activation_line_says_when_sglangs_own_pcie_allreduce_was_requested_too(
     line = _warnings(caplog)[-1]
     assert "ENABLED" in line and "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set too" in line, line
     assert "PCIe-IPC workspace is not built" in line, line
-    assert backend_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+    line = backend_mod.activation_line
+    assert line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE is set: SGLang's own PCIe-IPC all-reduce is used")
     monkeypatch.setattr(upstream_pcie, "upstream_pcie_ipc_requested", lambda: False)
-    assert backend_mod.activation_line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
+    assert line(False, "tp:0", 8, "auto", "no P2P", upstream_pcie.activation_note(False)).endswith(
         "SGLang's own all-reduce paths are used")
 
 
@@ -599,7 +600,8 @@ def test_a_tuned_table_routes_each_size_and_the_line_names_it_with_nccl_at_the_v
     residual = two.clone()
     backend.run_fused(two, residual, weight, 1e-6, backend.fused_route_for(two, residual, weight))
     # the routes run resolved: every launch field the op needs is named
-    assert [r.id for r in backend.workspace.routes_run] == ["TWOSHOT/push/device/b188/t64", "ONESHOT/push/device/b188/c4"]
+    assert [r.id for r in backend.workspace.routes_run] == ["TWOSHOT/push/device/b188/t64",
+                                                           "ONESHOT/push/device/b188/c4"]
     assert backend.describe()["routes"]["source"] == "table"
     for b in backends.values():
         b.close()

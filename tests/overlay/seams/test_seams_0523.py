@@ -292,7 +292,7 @@ def test_default_store_falls_back_to_sglangs_tcp_store(monkeypatch):
     assert hooks_distributed.default_store() is store
 
 
-def test_tp_communicator_uses_the_runtime_tp_group_without_the_deprecated_getter(monkeypatch):
+def test_tp_backend_uses_the_runtime_tp_group_without_the_deprecated_getter(monkeypatch):
     import warnings
 
     from sglang.srt import runtime_context
@@ -300,37 +300,34 @@ def test_tp_communicator_uses_the_runtime_tp_group_without_the_deprecated_getter
 
     backend = object()
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(
-        tp_group=SimpleNamespace(sm120_comm=backend)))
+        tp_group=SimpleNamespace(sm120_backend=backend)))
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: 1 / 0)  # never asked
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        assert hooks_distributed.tp_communicator() is backend
+        assert hooks_distributed.tp_backend() is backend
 
 
 def test_piecewise_probe_follows_tc_piecewise_graphs_not_breakable_ones(monkeypatch):
-    import torch
     from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import enable_breakable_cuda_graph
     from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
         enable_tc_piecewise_cuda_graph,
     )
 
-    monkeypatch.setattr(hooks_distributed, "_piecewise_probe", None)
-    x = torch.zeros(2, 8, dtype=torch.bfloat16)
-    assert not hooks_distributed._must_use_original(x)
+    monkeypatch.setattr(hooks_distributed, "_in_piecewise", None)
+    assert not hooks_distributed.must_use_original()
     with enable_tc_piecewise_cuda_graph():
-        assert hooks_distributed._in_piecewise_cuda_graph()
-        assert hooks_distributed._must_use_original(x)
-    with enable_breakable_cuda_graph():  # deliberate: see _must_use_original
-        assert not hooks_distributed._must_use_original(x)
-    assert not hooks_distributed._in_piecewise_cuda_graph()
+        assert hooks_distributed.must_use_original()
+    with enable_breakable_cuda_graph():  # deliberate: see must_use_original
+        assert not hooks_distributed.must_use_original()
+    assert not hooks_distributed.must_use_original()
 
 
 def test_missing_piecewise_probe_is_loud_and_keeps_sglangs_path(monkeypatch, caplog):
-    monkeypatch.setattr(hooks_distributed, "_piecewise_probe", None)
+    monkeypatch.setattr(hooks_distributed, "_in_piecewise", None)
     monkeypatch.setattr(hooks_distributed, "PIECEWISE_PROBES", (("sglang.no_such_module", "flag"),))
     with caplog.at_level("ERROR", logger="sglang_sm120"):
-        assert hooks_distributed._in_piecewise_cuda_graph() is True
-    assert "no piecewise-CUDA-graph probe" in caplog.text
+        assert hooks_distributed.must_use_original() is True
+    assert "no piecewise-CUDA-graph flag" in caplog.text
 
 
 def test_deterministic_switch_is_the_resolved_one(clean_env):
@@ -380,7 +377,7 @@ def test_seams_run_inside_sglangs_own_distributed_init_on_cpu():
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
             assert hooks_distributed.sglang_group("tp_group") is tp
-        assert tp.unique_name.startswith("tp:") and "sm120_comm" in vars(tp) and tp.sm120_comm is None
+        assert tp.unique_name.startswith("tp:") and "sm120_backend" in vars(tp) and tp.sm120_backend is None
         x = torch.ones(2, 8)
         assert tp.all_reduce(x) is x
         print("OK")

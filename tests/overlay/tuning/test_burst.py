@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
+from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.routing import table as tbl
 from sglang_sm120.tuning import calls, verify
-from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.tuning.tuner import Tuner, TuneSpec
 
 from .fake_group import FakeBackend, FakeGroup

@@ -20,6 +20,9 @@ def emit(**event):
     print(MARKER + json.dumps(event), flush=True)
 print("some unrelated output", flush=True)
 emit(event="setup", key={"world_size": 2, "gpus": "stand-in"})
+if behaviour == "found":
+    emit(event="found", path="/cache/routes_tp2_h7168_x.json")
+    sys.exit(0)
 excluded = {rule["candidate"] for rule in spec["exclude"]}
 for cid, nbytes in (("nccl", 14336), ("sm120/ONESHOT/push/device", 28672)):
     if cid in excluded:
@@ -30,9 +33,6 @@ for cid, nbytes in (("nccl", 14336), ("sm120/ONESHOT/push/device", 28672)):
         os.kill(os.getpid(), signal.SIGKILL)
     if cid.startswith("sm120") and behaviour == "hang":
         time.sleep(60)
-if behaviour == "found":
-    emit(event="found", path="/cache/routes_tp2_h7168_x.json")
-    sys.exit(0)
 if behaviour == "error":
     emit(event="error", error="RuntimeError: NCCL could not start", trace="Traceback ...")
     sys.exit(1)
