@@ -28,7 +28,10 @@ def test_command_line_parses_with_this_release(graphs):
     parsed = parser.parse_args(args[3:sm120])
     tp = getattr(parsed, "tp_size", getattr(parsed, "tensor_parallel_size", None))  # renamed in 0.5.23
     assert parsed.model_path == "/m/target" and tp == 2 and parsed.trust_remote_code
-    assert args[sm120:sm120 + 4] == ["--sm120-allreduce", "on", *st.TUNE_ARGS]
+    assert args[sm120:sm120 + 2 + len(st.TUNE_ARGS)] == ["--sm120-allreduce", "on", *st.TUNE_ARGS]
+    if not graphs:  # both "on" runs have the graph run's largest batch, so one byte bound (parsed above)
+        flag = "--cuda-graph-max-bs" if st.installed_release() == "0.5.13.post1" else "--cuda-graph-max-bs-decode"
+        assert "--disable-cuda-graph" in args and args[args.index(flag) + 1] == st.GRAPH_BS[-1]
 
 
 def _digest(x):
@@ -59,7 +62,9 @@ def _run(mode, graphs, fused=14, plain=5, draft_plain=3, capture_scale=1.0):
                "spec_accepted_drafts": 0, "forwards": forwards}
     on = mode == "on"
     return {"mode": mode, "graphs": graphs, "requests": [copy.deepcopy(request) for _ in st.PROMPTS],
-            "enabled_lines": ["ENABLED"] if on else [], "disabled_lines": [] if on else ["DISABLED"],
+            "enabled_lines": ["ENABLED ... routes: tuned table /c/routes.json"] if on else [],
+            "disabled_lines": [] if on else ["DISABLED"],
+            "tune_lines": ["written to /c/routes.json; measuring took 40.0 s"] if on else [],
             "info_after": [{"active": on}], "device_calls": [1, 2, 3, 4, 5],
             "capture_guard_lines": ["[TP0] layers [1, 3, 5] feed", "[TP1] layers [1, 3, 5] feed"],
             "graph_capture_lines": ["Capture cuda graph end"] if graphs else [],
@@ -77,6 +82,15 @@ def test_a_good_run_passes_every_check():
     verdicts = _verdicts({"off, eager": _run("off", False), "on, eager": _run("on", False),
                           "on, graphs": _run("on", True)})
     assert verdicts and all(verdicts.values()), [k for k, v in verdicts.items() if not v]
+
+
+def test_a_server_routing_by_the_seeds_or_without_the_launchers_tune_fails():
+    seeded = _run("on", False)
+    seeded["enabled_lines"] = ["ENABLED ... routes: seeds, UNMEASURED on this box"]
+    untuned = _run("on", True)
+    untuned["tune_lines"] = []
+    verdicts = _verdicts({"on, eager": seeded, "on, graphs": untuned})
+    assert [k for k, v in verdicts.items() if not v] == [k for k in verdicts if "launcher's tune" in k]
 
 
 @pytest.mark.parametrize("broken, failing", [

@@ -22,6 +22,8 @@ by every process that applies it, on stderr, as `[sm120 server-test patch] ...`:
 - SGLang's groups on gloo: NCCL refuses two ranks on one GPU. `model_runner.get_default_distributed_backend`
   answers "gloo", and `init_model_parallel_group` gets `use_pynccl=False` and no custom, mscclpp or
   symmetric-memory all-reduce (the same patch as tests/gpu/sglang_harness.py's shared mode).
+- the launcher's tune (before the ranks start) runs its ranks on GPU 0 too, with NCCL's time injected, since NCCL
+  refuses two ranks on one GPU.
 - the all-gather inside a captured CUDA graph (the logits of the target and of the draft): gloo stages
   through the host and cannot be captured, so while a stream captures, `GroupCoordinator._all_gather_into_tensor`
   writes this rank's slice into a zeroed buffer of the full size and all-reduces it through the group's own
@@ -112,6 +114,30 @@ def activate() -> None:
     _groups_on_gloo()
     _captured_all_gather_as_all_reduce()
     _record_forwards()
+    _tune_on_the_shared_gpu()
+
+
+def _tune_on_the_shared_gpu() -> None:
+    """The launcher's tune (sglang_sm120.hooks.startup) with its ranks on GPU 0, where the schedulers are, and
+    NCCL's time injected: NCCL refuses two ranks on one GPU, and time-sliced ranks' times mean nothing anyway."""
+    from sglang_sm120.hooks import startup
+
+    original = startup.tune_command
+    if getattr(original, "_sm120_server_test", False):
+        return
+
+    def tune_command(server_args, settings):
+        command = original(server_args, settings)
+        if command is not None:
+            at = command.index("--gpus") + 1
+            command[at] = ",".join("0" for _ in command[at].split(","))
+            command += ["--share-gpu", "--debug-nccl-us", "1000000"]
+            say(f"launcher's tune on GPU 0 with NCCL's time injected: {' '.join(command[1:])}")
+        return command
+
+    tune_command._sm120_server_test = True
+    startup.tune_command = tune_command
+    say("hooks.startup.tune_command: ranks share GPU 0, NCCL's time injected")
 
 
 def _every_scheduler_on_device_0() -> None:

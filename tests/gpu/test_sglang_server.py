@@ -4,22 +4,25 @@ installed SGLang release (0.5.13.post1 or 0.5.23; scripts/gpu_suite.sh runs each
 
 Three servers, the same settings but these:
 - "off, eager":   --sm120-allreduce off, --disable-cuda-graph (SGLang's own all-reduce; the reference)
-- "on, eager":    --sm120-allreduce on (an H200 is not capability 12.0), --disable-cuda-graph
+- "on, eager":    --sm120-allreduce on (an H200 is not capability 12.0), --disable-cuda-graph (the graph run's
+                  largest batch still given, so both "on" runs have one byte bound)
 - "on, graphs":   --sm120-allreduce on, CUDA graphs (batch sizes 1, 2, 4) for the target and the draft
-each with the launch README gives (EAGLE-3, 3 steps, top-k 1, 4 draft tokens, --trust-remote-code) and the tune
-setting of TUNE_ARGS. By default the three start at once (SERVERS_AT_ONCE, below); SGL_SM120_SERVER_SEQUENTIAL=1
-starts them one after the other.
+each with the launch README gives (EAGLE-3, 3 steps, top-k 1, 4 draft tokens, --trust-remote-code, the default
+--sm120-allreduce-tune: the launcher tunes before the ranks start). By default the three start at once
+(SERVERS_AT_ONCE, below); SGL_SM120_SERVER_SEQUENTIAL=1 starts them one after the other.
 
 Test-side only, each logged by the process that applies it (nothing of it is in the overlay):
 tests/gpu/server_patches.py (every rank on GPU 0, SGLang's groups on gloo, the captured all-gather as a zero-padded
-all-reduce, one line per model-runner forward), a stand-in `flashinfer` package (SGLang imports it at module
+all-reduce, the launcher's tune with its ranks sharing GPU 0 and NCCL's time injected, one line per model-runner
+forward), a stand-in `flashinfer` package (SGLang imports it at module
 import; every call raises, and these settings keep SGLang off it: Triton attention, PyTorch sampling, FlashInfer's
 all-reduce fusion disabled), `--grammar-backend none` (no request here is constrained), and
 SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (two ranks on one GPU see each other's memory). SGLang turns piecewise
 CUDA graphs off for a multimodal model itself, as for the users' Kimi-K2.5.
 
 What is checked (the verdicts and every number are also written to $SGL_SM120_SERVER_TEST_OUT/server_test.json):
-- on: rank 0's ENABLED line, `/get_server_info` reports the backend active; off: no ENABLED line, not active;
+- on: rank 0's ENABLED line, routing by the table the launcher's tune measured, `/get_server_info` reports the
+  backend active; off: no ENABLED line, not active;
 - per eager target-verify forward of "on, eager": the fused and plain calls equal
   benchmarks/workloads/verify_pattern.verify_counts for this model and release, no call fell back (the fused count
   holds only if the MoE sums deferred into the next layer's fused norm: nothing else makes fused calls); every
@@ -64,8 +67,10 @@ from benchmarks.workloads import verify_pattern as vp  # noqa: E402
 from tests.gpu.server_patches import FORWARD_TAG  # noqa: E402
 
 RELEASES = vp.RELEASES
-# The start-up tune measures ranks time-slicing one GPU against gloo, which means nothing here: the seeds.
-TUNE_ARGS = ["--sm120-allreduce-tune", "off"]
+# The default tune setting (auto): the launcher runs the tune before the ranks start and the ranks route by the
+# table it measured. On one GPU NCCL cannot run two ranks, so the test-side patches run that tune with the ranks
+# sharing the GPU and NCCL's time injected (server_patches: its routes mean nothing, its plumbing is the product's).
+TUNE_ARGS: list[str] = []
 # Three servers at once on the one GPU, safe because:
 # KV pools are capped by --max-total-tokens, so --mem-fraction-static only bounds what SGLang's start-up memory
 # check subtracts; JIT builds lock their cache folder; ports are each server's own.
@@ -137,9 +142,11 @@ def launch_args(release: str, model: dict, *, port: int, nccl_port: int, mode: s
             "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "4",
             "--random-seed", "0", "--log-level", "info", "--grammar-backend", "none",
             "--speculative-draft-model-path", model["draft"], *EAGLE, "--sm120-allreduce", mode, *TUNE_ARGS]
-    if not graphs:
-        return args + ["--disable-cuda-graph"]
-    return args + ["--cuda-graph-bs" if release == "0.5.13.post1" else "--cuda-graph-bs-decode", *GRAPH_BS]
+    old = release == "0.5.13.post1"
+    if not graphs:  # the graph run's batch bound, so both "on" runs serve the same sizes with the same table
+        return args + ["--disable-cuda-graph", "--cuda-graph-max-bs" if old else "--cuda-graph-max-bs-decode",
+                       GRAPH_BS[-1]]
+    return args + ["--cuda-graph-bs" if old else "--cuda-graph-bs-decode", *GRAPH_BS]
 
 
 def expected_counts(model: dict, release: str) -> dict:
@@ -348,6 +355,8 @@ def serve(server: Server, model: dict, workdir: str) -> dict:
                                         if "[sm120 server-test patch" in ln})
         record["graph_capture_lines"] = [ln for ln in text.splitlines() if re.search(r"[Cc]apture cuda graph end", ln)]
         record["capture_guard_lines"] = [ln for ln in text.splitlines() if "feed aux hidden-state captures" in ln]
+        record["tune_lines"] = [ln for ln in text.splitlines() if ln.startswith(("sglang_sm120: routing table for",
+                                                                                 "written to ", "tuning TP="))]
         record["tail"] = server.tail(40)
     return record
 
@@ -431,6 +440,10 @@ def _judge(runs: dict, check, expected: dict, model: dict, release: str) -> None
         on = run["mode"] == "on"
         check(f"{name}: ENABLED line on rank 0" if on else f"{name}: no ENABLED line",
               bool(run["enabled_lines"]) == on, run["enabled_lines"] or run["disabled_lines"])
+        if on:
+            check(f"{name}: the launcher's tune measured a table and the ranks route by it",
+                  any("routes: tuned table" in ln for ln in run["enabled_lines"]) and run["tune_lines"],
+                  {"tune": run["tune_lines"][-3:], "enabled": run["enabled_lines"]})
         states = run["info_after"]
         check(f"{name}: /get_server_info reports the backend {'active' if on else 'inactive'}",
               bool(states) and all(bool(s.get("active")) == on for s in states), states)

@@ -241,14 +241,19 @@ def derive_max_bytes(*, hidden_size: int, element_size: int, cuda_graph_max_bs: 
     return ByteBound(raw, why)
 
 
+def server_arg(server_args, *names):
+    """The first of `names` the record sets (0.5.23 renamed the decode graph fields: cuda_graph_bs_decode...)."""
+    return next((getattr(server_args, n) for n in names if getattr(server_args, n, None)), None)
+
+
 def resolve_max_bytes(explicit: int | None, server_args: object | None, hidden_size: int, element_size: int,
                       decode_rows: int | None = None) -> ByteBound:
     if explicit is not None:
         return ByteBound(int(explicit), f"set explicitly (--sm120-allreduce-max-bytes / {MAX_BYTES_ENV})")
     return derive_max_bytes(
         hidden_size=hidden_size, element_size=element_size, decode_rows=decode_rows,
-        cuda_graph_max_bs=getattr(server_args, "cuda_graph_max_bs", None),
-        cuda_graph_bs=getattr(server_args, "cuda_graph_bs", None),
+        cuda_graph_max_bs=server_arg(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode"),
+        cuda_graph_bs=server_arg(server_args, "cuda_graph_bs", "cuda_graph_bs_decode"),
         speculative_num_draft_tokens=getattr(server_args, "speculative_num_draft_tokens", None),
         speculative_algorithm=getattr(server_args, "speculative_algorithm", None))
 

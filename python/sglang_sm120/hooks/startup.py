@@ -22,10 +22,6 @@ from ..core.gate import SM120, SUPPORTED_WORLD_SIZES
 logger = logging.getLogger("sglang_sm120")
 
 
-def _first(server_args, *names):
-    return next((getattr(server_args, n) for n in names if getattr(server_args, n, None)), None)
-
-
 def _capabilities(gpus: list[int]) -> list[tuple[int, int]] | None:
     """The GPUs' compute capabilities from NVML (no CUDA context in the launcher), by CUDA's order."""
     try:
@@ -49,15 +45,25 @@ def _capabilities(gpus: list[int]) -> list[tuple[int, int]] | None:
         return None
 
 
+def resolved(server_args, *names):
+    """The first of the fields `names` that is set, as SGLang resolved it (0.5.23 declares resolved values beside
+    the raw fields and renamed the decode graph fields; 0.5.13.post1 writes the fields)."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+    except ImportError:
+        return config.server_arg(server_args, *names)
+    return next((value for value in (resolution_result(server_args, n) for n in names) if value), None)
+
+
 def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | None:
     """The tool's command line for this server, or None when no tune is due (with the reason logged at INFO)."""
-    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    tp = int(resolved(server_args, "tp_size") or 1)
     if settings.mode == "off" or settings.tune == "off" or tp not in SUPPORTED_WORLD_SIZES:
         return None
-    if int(getattr(server_args, "nnodes", 1) or 1) != 1:
+    if int(resolved(server_args, "nnodes") or 1) != 1:
         return None
-    step = int(getattr(server_args, "gpu_id_step", 1) or 1)
-    gpus = [int(getattr(server_args, "base_gpu_id", 0) or 0) + r * step for r in range(tp)]
+    step = int(resolved(server_args, "gpu_id_step") or 1)
+    gpus = [int(resolved(server_args, "base_gpu_id") or 0) + r * step for r in range(tp)]
     if settings.mode == "auto":
         capabilities = _capabilities(gpus)
         if capabilities is None or any(c != SM120 for c in capabilities):
@@ -65,15 +71,15 @@ def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | N
                         "(%s)", capabilities or "unknown")
             return None
     hidden = config.hidden_from_model(server_args.model_path)
-    draft = int(server_args.speculative_num_draft_tokens or 1) if getattr(server_args, "speculative_algorithm",
-                                                                          None) else 1
-    batches = _first(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []
-    max_batch = int(_first(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode") or max(batches, default=32))
+    draft = int(resolved(server_args, "speculative_num_draft_tokens") or 1) \
+        if resolved(server_args, "speculative_algorithm") else 1
+    batches = resolved(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []
+    max_batch = int(resolved(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode") or max(batches, default=32))
     bound = config.derive_max_bytes(hidden_size=hidden, element_size=2, cuda_graph_max_bs=max_batch,
                                     cuda_graph_bs=list(batches), speculative_num_draft_tokens=draft,
                                     speculative_algorithm="on" if draft > 1 else None)
     max_bytes = settings.max_bytes or bound.max_bytes
-    dtype = "fp16" if str(getattr(server_args, "dtype", "auto")) in ("float16", "half") else "bf16"
+    dtype = "fp16" if str(resolved(server_args, "dtype")) in ("float16", "half") else "bf16"
     command = [sys.executable, "-m", "sglang_sm120.tune", "--tp", str(tp), "--gpus", ",".join(map(str, gpus)),
                "--hidden", str(hidden), "--dtype", dtype, "--max-rows", str(max(1, max_bytes // (hidden * 2))),
                "--max-batch", str(max_batch), "--draft-tokens", str(draft), "--quick",
