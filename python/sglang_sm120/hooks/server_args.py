@@ -1,28 +1,14 @@
-"""Replacements for ServerArgs seams: the three flags, and how their values reach every process.
+"""Replacements for ServerArgs seams: the flags, and how the settings reach every process.
 
-Every setting is parsed once, into one config.OverlaySettings stored on the ServerArgs record
-(config.SETTINGS_ATTR): SGLang hands the record to every scheduler process by pickling it (multiprocessing's
-spawn), and the pickle carries the record's instance attributes (0.5.13.post1: the dataclass's __dict__;
-0.5.23: its __reduce__ passes __dict__ along), so the hooks there read the settings the launcher parsed.
-Nothing is written into the environment.
-- `add_cli_args` (staticmethod): adds the flags, so they show in `--help` (argparse parses each value once).
-- `__post_init__`: the environment's settings (a bad value raises `config.SettingError` here, before SGLang's
-  own checks), stored on the record; this alone serves `sglang.Engine(**kwargs)`, which bypasses argparse; and
-  keeps FlashInfer's TRT-LLM all-reduce fusion off on SM120.
-- `from_cli_args` (classmethod): lays the flags over the environment's settings (those `__post_init__` stored,
-  or, where it has none, 0.5.23, parsed here); a bad variable ends the launch with one line naming it, like
-  argparse's own errors, instead of a traceback.
-
-SGLang 0.5.23 changed this concern; its seam table (seams/v0_5_23.py) uses the hooks of the last section:
-- ServerArgs is a msgspec struct whose `__post_init__` does nothing, and msgspec binds that hook when the
-  class is built, so replacing it later never runs. Resolution is `resolve_once()`, called once by the
-  launcher / Engine (the pickled copy in each scheduler carries `_resolution_finished` and returns early).
-  Non-underscore attributes can be set only before it: after, the record is sealed. So the environment
-  (the `sglang.Engine(**kwargs)` path) is read in a `resolve_once` wrapper, before the original runs.
-- FlashInfer's fusion is a resolved field (`flashinfer_allreduce_fusion_backend`); on SM12x any value makes
-  the warm-up raise (FlashInfer's backend resolution accepts SM90/SM100 only). Resolution steps may not write
-  fields; they declare decisions. The declaration goes right after `handle_model_specific_adjustments`,
-  the step that holds SGLang's own auto-enable and enforce-disable passes; nothing later turns it back on.
+The settings are parsed once (core/config.py) into one OverlaySettings stored on the ServerArgs record, which
+SGLang pickles to every scheduler process (0.5.13.post1: the dataclass's __dict__; 0.5.23: its __reduce__ passes
+__dict__ along). Nothing is written into the environment.
+- `add_cli_args`: the flags, so `--help` shows them (argparse parses each value once, with config.SettingAction).
+- `from_cli_args`: the flags laid over the environment's settings; a bad variable ends the launch with one line.
+- 0.5.13.post1 `__post_init__`: the environment's settings for `sglang.Engine(**kwargs)`, which bypasses argparse
+  (a bad value raises before SGLang's own checks); FlashInfer's fusion switched off on SM12x.
+- 0.5.23 (last section): ServerArgs is a msgspec struct whose `__post_init__` is bound when the class is built, so a
+  replacement would never run; resolution (`resolve_once`) takes its place, and fields are declared, not written.
 """
 
 from __future__ import annotations
@@ -35,34 +21,34 @@ from ..core import config
 
 logger = logging.getLogger("sglang_sm120")
 
+FUSION_FIELD = "flashinfer_allreduce_fusion_backend"  # 0.5.23's resolved switch
 
-def _local_capability() -> tuple[int, int] | None:
+
+def _cuda_capability() -> tuple[int, int] | None:
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return tuple(torch.cuda.get_device_capability())
+        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
     except Exception:
-        pass
-    return None
+        return None
+
+
+def _warn_fusion_off(what: str, capability) -> None:
+    logger.warning("sglang_sm120: FlashInfer all-reduce fusion%s has no kernels for compute capability %d.%d; turned "
+                   "it off (the sm120 backend provides the fused all-reduce + RMSNorm)", what, *capability)
 
 
 def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int] | None = None) -> bool:
-    """FlashInfer's TRT-LLM fusion has no SM12x kernels (its JIT stops with "No supported CUDA architectures
-    found for major versions [9, 10]"), and enabling it would make the pre-capture hook build its workspace.
-    Returns True if it switched the flag off."""
-    if config.settings_of(server_args).mode == "off":
+    """0.5.13.post1: FlashInfer's TRT-LLM fusion has no SM12x kernels (its JIT stops), and enabling it would make the
+    pre-capture hook build its workspace. True if it switched the flag off."""
+    if config.settings_of(server_args).mode == "off" or not getattr(server_args, "enable_flashinfer_allreduce_fusion",
+                                                                     False):
         return False
-    if not getattr(server_args, "enable_flashinfer_allreduce_fusion", False):
-        return False
-    capability = _local_capability() if capability is None else capability
+    capability = _cuda_capability() if capability is None else capability
     if capability is None or capability[0] != 12:
         return False
     server_args.enable_flashinfer_allreduce_fusion = False
-    logger.warning(
-        "sglang_sm120: FlashInfer all-reduce fusion has no kernels for compute capability %d.%d; turned it off "
-        "(the sm120 backend provides the fused all-reduce + RMSNorm)", *capability,
-    )
+    _warn_fusion_off("", capability)
     return True
 
 
@@ -82,8 +68,8 @@ def wrap_add_cli_args(original):
 
 
 def exit_on_setting_error(check):
-    """Run `check` and return what it returns; on a SettingError end the command-line launch with its one-line
-    message (exit code 2, as argparse does for a bad flag) instead of a traceback from deep inside SGLang's setup."""
+    """`check()`; a SettingError ends the command-line launch with its one line (exit code 2, as argparse does for
+    a bad flag) instead of a traceback from deep inside SGLang's setup."""
     try:
         return check()
     except config.SettingError as exc:
@@ -96,8 +82,8 @@ def wrap_from_cli_args(original):
 
     @functools.wraps(func)
     def from_cli_args(cls, args):
-        # 0.5.13.post1: SGLang's from_cli_args builds the record, whose __post_init__ (ours first) parses and
-        # stores the environment's settings; 0.5.23 only builds the record here (resolution comes later).
+        # 0.5.13.post1 builds the record here, its __post_init__ (ours first) storing the environment's settings;
+        # 0.5.23 only builds it (resolution comes later).
         server_args = exit_on_setting_error(lambda: func(cls, args))
         stored = getattr(server_args, config.SETTINGS_ATTR, None)
         if not isinstance(stored, config.OverlaySettings):
@@ -112,8 +98,7 @@ def wrap_from_cli_args(original):
 def wrap_post_init(original):
     @functools.wraps(original)
     def __post_init__(self):
-        # Before SGLang's own checks (which need a GPU and take time): a typo in a variable raises at once.
-        settings = config.settings_from_environment()
+        settings = config.settings_from_environment()  # before SGLang's own checks: a typo raises at once
         original(self)
         store_settings(self, settings)
         keep_flashinfer_fusion_off_on_sm120(self)
@@ -122,29 +107,13 @@ def wrap_post_init(original):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# SGLang 0.5.23: a msgspec ServerArgs, resolved once by a pipeline of steps
-
-FUSION_FIELD = "flashinfer_allreduce_fusion_backend"
-DECLARATION_SOURCE = "sglang_sm120"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# server arguments
-
-
-def fill_settings_from_env(server_args) -> None:
-    """A record made without argparse (`sglang.Engine(**kwargs)`) gets the environment's settings. Invalid values
-    raise here, naming the variable, before SGLang starts anything."""
-    if not isinstance(getattr(server_args, config.SETTINGS_ATTR, None), config.OverlaySettings):
-        store_settings(server_args, config.settings_from_environment())
+# SGLang 0.5.23
 
 
 class RunsFirst:
-    """A method replacement that does its work when the method is looked up (`record.resolve_once`) and hands
-    back SGLang's own bound method, which the caller then calls itself. A wrapper function would still be on the
-    stack while the original runs, so every error SGLang raises there (a bad argument, a missing model) would
-    show a frame of ours and invite the blame; this shows SGLang's frames only. Called through the class
-    (`ServerArgs.resolve_once(record)`), it runs both steps itself."""
+    """A method replacement that does its work when the method is looked up (`record.resolve_once`) and hands back
+    SGLang's own bound method for the caller to call: no frame of ours is on the stack while SGLang resolves, so
+    its errors (a bad argument, a missing model) show its frames only. Called through the class, it runs both."""
 
     def __init__(self, original, first):
         functools.update_wrapper(self, original)
@@ -161,10 +130,12 @@ class RunsFirst:
 
 
 def _fill_unless_sealed(server_args) -> None:
-    # A finished (or failed) record is sealed; the early return of the original is what runs then.
-    if not getattr(server_args, "_resolution_finished", False) and not getattr(server_args, "_resolution_failed",
-                                                                               False):
-        fill_settings_from_env(server_args)
+    # A record made without argparse (`sglang.Engine(**kwargs)`) gets the environment's settings before resolution
+    # seals it; a finished (or failed) record is sealed and the original returns early.
+    if getattr(server_args, "_resolution_finished", False) or getattr(server_args, "_resolution_failed", False):
+        return
+    if not isinstance(getattr(server_args, config.SETTINGS_ATTR, None), config.OverlaySettings):
+        store_settings(server_args, config.settings_from_environment())
 
 
 def wrap_resolve_once(original):
@@ -172,8 +143,8 @@ def wrap_resolve_once(original):
 
 
 def _device_capability() -> tuple[int, int] | None:
-    """The GPU's compute capability without creating a CUDA context (SGLang asks NVML first for the same
-    reason: a context in the launcher poisons the scheduler processes it forks)."""
+    """The GPU's capability without a CUDA context (SGLang asks NVML for the same reason: a context in the launcher
+    poisons the scheduler processes it forks)."""
     try:
         from sglang.srt.utils.common import get_device_sm
 
@@ -184,28 +155,23 @@ def _device_capability() -> tuple[int, int] | None:
 
 
 def keep_flashinfer_fusion_off_on_sm12x(server_args, capability: tuple[int, int] | None = None) -> bool:
-    """Declare `flashinfer_allreduce_fusion_backend=None` on SM12x unless the overlay is off. Returns True if
-    it did. Must run during resolution (declarations are refused on a published record)."""
+    """Declare `flashinfer_allreduce_fusion_backend=None` on SM12x unless the overlay is off (any value makes the
+    warm-up raise there). True if it did. Runs during resolution: a published record refuses declarations."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    if config.settings_of(server_args).mode == "off":
-        return False
     requested = resolution_result(server_args, FUSION_FIELD)
-    if requested is None:
+    if config.settings_of(server_args).mode == "off" or requested is None:
         return False
     capability = _device_capability() if capability is None else capability
     if capability is None or capability[0] != 12:
         return False
-    declare_resolution(server_args, DECLARATION_SOURCE, **{FUSION_FIELD: None})
-    logger.warning(
-        "sglang_sm120: FlashInfer all-reduce fusion (backend %r) has no kernels for compute capability %d.%d "
-        "and SGLang would stop at warm-up; turned it off (the sm120 backend provides the fused all-reduce + "
-        "RMSNorm)", requested, *capability,
-    )
+    declare_resolution(server_args, "sglang_sm120", **{FUSION_FIELD: None})
+    _warn_fusion_off(f" (backend {requested!r})", capability)
     return True
 
 
 def wrap_handle_model_specific_adjustments(original):
+    # The step that holds SGLang's own auto-enable and enforce-disable passes; nothing later turns it back on.
     # functools.wraps keeps __name__, which SGLang's run_hook uses to find plugin overrides of this step.
     @functools.wraps(original)
     def handle_model_specific_adjustments(server_args):

@@ -1,14 +1,10 @@
-"""Applying and restoring a seam table: attribute replacements inside the installed SGLang package.
+"""Applying and restoring a seam table: attribute replacements inside the installed SGLang.
 
-A seam names `module:Owner.attribute` and a factory turning the original attribute into its replacement. The
-raw attribute is read from the owner's `__dict__`, so staticmethod/classmethod descriptors reach the factory
-intact. Replacements are marked (`__sm120_seam__`) so a second activation never wraps a wrapper.
-
-Seams in modules that are not imported yet are applied right after the module's first import (a
-`sys.meta_path` finder that lets the real loader run, then patches). This keeps activation cheap in the
-launcher and lets the overlay load where importing e.g. `model_executor.model_runner` is impossible (its
-imports need sgl_kernel's torch ops, absent on the test GPU machines): a seam is only needed once its module
-exists.
+A seam names `module:Owner.attribute` and a factory turning the original attribute into its replacement. The raw
+attribute is read from the owner's `__dict__`, so staticmethod/classmethod descriptors reach the factory intact;
+replacements are marked (`__sm120_seam__`) so a second activation never wraps a wrapper. Seams of modules not
+imported yet are applied right after their first import (a `sys.meta_path` finder that runs the real loader, then
+patches): activation stays cheap, and the overlay loads where such a module cannot be imported at all.
 """
 
 from __future__ import annotations
@@ -62,9 +58,8 @@ _applied: list[_Applied] = []
 
 
 class UnresolvedSeamTarget(AttributeError):
-    """A seam (or a name a hook reads) that the installed SGLang does not have. Raised at activation: a
-    target whose module never exists would otherwise stay pending forever and the overlay would be
-    silently partial."""
+    """A seam (or a name a hook reads) the installed SGLang does not have, raised at activation: a target whose
+    module never exists would otherwise stay pending forever, the overlay silently partial."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
@@ -74,8 +69,7 @@ class UnresolvedSeamTarget(AttributeError):
 
 
 def target_problem(target: str) -> str | None:
-    """Why `module:Owner.attr` does not resolve, or None. Modules that are not imported yet are only
-    located; for imported ones the attribute chain must exist too."""
+    """Why `module:Owner.attr` does not resolve, or None (a module not imported yet is only located)."""
     module_name, _, path = target.partition(":")
     try:
         spec = find_module_spec(module_name)
@@ -141,7 +135,7 @@ def _apply_now(seams: list[Seam]) -> list[_Applied]:
 
 
 class _PatchAfterExec(importlib.abc.Loader):
-    """Wraps a module's real loader for one import: runs it, then applies the module's pending seams."""
+    """A module's real loader for one import, then its pending seams."""
 
     def __init__(self, loader, finder: _DeferredSeamFinder, name: str):
         self._loader, self._finder, self._name = loader, finder, name
@@ -195,9 +189,8 @@ _finder: _DeferredSeamFinder | None = None
 
 
 def apply(seams: list[Seam]) -> int:
-    """Patch the seams of imported modules now (all or none) and the others right after their import.
-    Every target must resolve first (UnresolvedSeamTarget otherwise, nothing patched). Returns how many were
-    patched now."""
+    """Patch the seams of imported modules now (all or none), the others right after their import; every target
+    must resolve first (UnresolvedSeamTarget, nothing patched). Returns how many were patched now."""
     global _finder
     with _lock:
         check_resolvable([s.target for s in seams])

@@ -238,3 +238,23 @@ def test_kernel_timeout_follows_dist_timeout_unless_the_kernel_variable_is_set()
         dist_timeout = None
 
     assert config.kernel_timeout_s(NoTimeout(), {}) is None
+
+
+@pytest.mark.parametrize("spelling", ["SGLANG_SM120_ALLREDUCE", "SGL_SM120_ALLREDUCE"])
+def test_every_setting_is_read_under_both_spellings(spelling):
+    assert config.settings_from_environment({spelling: "off"}).mode == "off"
+    assert config.settings_from_environment({"SGLANG_SM120_ALLREDUCE": "on", "SGL_SM120_ALLREDUCE": "on"}).mode == "on"
+
+
+def test_one_setting_at_two_values_is_an_error_naming_both():
+    with pytest.raises(config.SettingError, match="SGLANG_SM120_ALLREDUCE='on' and SGL_SM120_ALLREDUCE='off'"):
+        config.settings_from_environment({"SGLANG_SM120_ALLREDUCE": "on", "SGL_SM120_ALLREDUCE": "off"})
+
+
+@pytest.mark.parametrize("name, value", [("SGL_SM120_AR_TIMEOUT_S", "-5"), ("SGLANG_SM120_AR_WARN_S", "soon"),
+                                         ("SGL_SM120_FUSED_CLUSTERS", "maybe")])
+def test_a_bad_kernel_switch_stops_the_launch_with_the_overlays_settings(name, value):
+    """Read with the overlay's settings, when SGLang makes its ServerArgs: one line, before any rank starts (not a
+    DISABLED line at pre-capture)."""
+    with pytest.raises(config.SettingError, match=name.replace("SGLANG_", "SGL_").replace("SGL_", "SGL(ANG)?_")):
+        config.settings_from_environment({name: value})

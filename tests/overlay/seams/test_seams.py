@@ -4,6 +4,7 @@ restored, version refusal, plugin entry point, server arguments and their journe
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import os
 import pickle
@@ -22,6 +23,7 @@ from tests.sglang_versions import requires_sglang  # noqa: E402
 
 # Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
 ONLY_0513 = requires_sglang("0.5.13.post1")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def current(target):
@@ -229,18 +231,6 @@ def test_flashinfer_fusion_kept_off_on_sm12x(overlay):
         assert args.enable_flashinfer_allreduce_fusion is True
 
 
-def test_launcher_alias_registers_entry_point(monkeypatch, tmp_path):
-    from sglang_sm120 import launch_server
-
-    monkeypatch.setattr(launch_server.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "ep"))
-    monkeypatch.setattr(launch_server.sys, "path", list(launch_server.sys.path))
-    monkeypatch.setenv("PYTHONPATH", "")
-    root = launch_server.register_entry_point_for_this_run()
-    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == root
-    found = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "sm120_allreduce"]
-    assert found and found[0].value == "sglang_sm120.plugin:activate"
-
-
 def test_seams_of_modules_not_yet_imported_apply_on_import(tmp_path, monkeypatch):
     package = tmp_path / "sm120_seam_probe_pkg"
     package.mkdir()
@@ -341,3 +331,14 @@ def test_upstream_pcie_ipc_is_not_requested_where_sglang_has_none(monkeypatch):
 
     monkeypatch.setenv(upstream_pcie.ENV, "1")
     assert upstream_pcie.upstream_pcie_ipc_requested() is upstream_pcie.upstream_has_pcie_ipc()
+
+
+@pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
+def test_the_seam_ledger_in_the_docs_names_every_seam_of_every_release(version):
+    """docs/overlay.md is the ledger a maintainer reads: each seam's target as `module:Owner.attribute` without the
+    `sglang.srt.` prefix, in that release's table."""
+    text = open(os.path.join(REPO, "docs", "overlay.md"), encoding="utf-8").read()
+    section = text.split(f"### SGLang {version}", 1)[1].split("\n### ", 1)[0]
+    table = importlib.import_module(seams.SEAM_TABLES[version])
+    missing = [s.target for s in table.SEAMS if f"`{s.target.removeprefix('sglang.srt.')}`" not in section]
+    assert not missing, f"docs/overlay.md, section SGLang {version}, does not name {missing}"
