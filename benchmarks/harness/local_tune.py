@@ -74,7 +74,7 @@ class LocalGroupMeasurer(BurstMeasurer):
         return "NCCL, not run (one process; its time injected)"
 
     def reset(self) -> None:
-        self._drop_run()
+        self._run = None
         comms, self._comms = self._comms, None
         if comms is not None:
             self._close_group(comms)

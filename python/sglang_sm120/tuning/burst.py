@@ -1,17 +1,12 @@
-"""One candidate at one size, as this process runs it: checked eagerly, then as a pipelined burst of CUDA-graph
-replays, then timed by replaying the same graph, so the checked graph is the timed one.
-
-The ranks this process runs are its lanes (one in a rank's process; all W in a one-process group). The graph holds
-`calls` calls per lane, call k reading input slot k and writing output slot k, so several calls are in flight
-with distinct buffers, as in a server's graph. Every call of the check gets inputs of its own (tuning/verify.py):
+"""One candidate at one size as this process runs it, on its ranks as lanes (one in a rank's process, all W in a
+one-process group). The graph holds `calls` calls per lane, call k on input and output slot k, so several calls
+are in flight with distinct buffers, as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
 1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between;
-2. `burst_replays` replays back to back with no host synchronization: before each, its slots get new inputs and
-   NaN outputs (stream-ordered), after each its outputs are copied aside; then all are checked. A candidate that
-   returns the previous call's result, reads the previous call's input or reuses a buffer its peer (or its own
-   previous call) is still reading fails here;
-3. the timed replays (the last burst replay's inputs), after which the outputs are checked once more.
-The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks. The
-device work goes through a backend (`CudaBackend`; the CPU tests bring a fake one).
+2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs,
+   its outputs copied aside, then all checked: a candidate that returns the previous call's result, reads the
+   previous call's input or reuses a buffer its peer (or its own previous call) still reads fails here;
+3. the timed replays of the same graph (the checked graph is the timed one), then a check of their outputs.
+The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from .verify import CallBank, salt
 
 
 class CudaBackend:
-    """Lane streams, synchronization, capture and replay on one CUDA device."""
+    """The device work of a CandidateRun on one CUDA device, one stream per lane (the CPU tests fake it)."""
 
     def __init__(self, device, lanes: int):
         import torch
@@ -54,7 +49,7 @@ class CudaBackend:
             for stream in self.streams:
                 stream.wait_stream(main)
             for index, calls in enumerate(lanes):
-                with torch.cuda.stream(self.streams[index]):
+                with self.lane(index):
                     for call in calls:
                         call()
             for stream in self.streams:
@@ -153,6 +148,3 @@ class CandidateRun:
         for k in range(self.calls):
             self._check(f"after the timed replays, call {k + 1}", self.fed[k], self._outputs(k))
         return [t / self.calls for t in per_replay]
-
-    def close(self) -> None:
-        self.graph = None

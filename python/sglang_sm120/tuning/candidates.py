@@ -16,22 +16,8 @@ was timed is what a server runs. Timed:
 
 from __future__ import annotations
 
-from sgl_kernel_sm120.policy import (
-    ELEMENT_BYTES,
-    ROW_SPLITS,
-    STAGED_FEW_CTAS,
-    THREAD_GRAIN,
-    KernelLimits,
-    Memory,
-    Route,
-    Transport,
-    Variant,
-    WorkspaceShape,
-    fused_grid,
-    plain_grid,
-    plain_threads,
-    refusal,
-)
+from sgl_kernel_sm120 import policy
+from sgl_kernel_sm120.policy import KernelLimits, Route, Transport, Variant, WorkspaceShape
 
 # The CTA caps tried, as fractions of the SM budget; the plain kernels' CTA sizes tried on the whole budget: the
 # seed size times QUICK_THREAD_STEPS in a quick tune, the seed and FULL_THREAD_SIZES in a full one.
@@ -48,7 +34,7 @@ def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[i
         return []
     if transport is not Transport.STAGED:
         return sorted({max(1, budget // f) for f in (QUICK_CTA_FRACTIONS if quick else FULL_CTA_FRACTIONS)})
-    cap = max(1, min(STAGED_FEW_CTAS, budget))
+    cap = max(1, min(policy.STAGED_FEW_CTAS, budget))
     more = () if quick else (cap * 2, cap * 4, budget // 2)
     return sorted({cap, budget} | {c for c in more if cap < c < budget})
 
@@ -62,7 +48,7 @@ def staged_windows(world_size: int, quick: bool) -> list[int]:
 def thread_sizes(nbytes: int, transport: Transport, ctas: int, limits: KernelLimits, quick: bool) -> list[int]:
     """The plain kernels' CTA sizes tried under a cap of `ctas` (the whole budget), ascending, the seed always
     (staged push: only the seed in a quick tune)."""
-    seed = plain_threads(nbytes, transport, ctas=ctas, limits=limits)
+    seed = policy.plain_threads(nbytes, transport, ctas=ctas, limits=limits)
     if quick:
         sizes = {seed} if transport is Transport.STAGED else {seed * step for step in QUICK_THREAD_STEPS}
     else:
@@ -76,9 +62,9 @@ def launch_of(kind: str, nbytes: int, rows: int, ctas: int, cluster: int | None,
     of the CTA size; fused: 0, the kernels size their own): two launches with one triple run the same grid."""
     if kind == "plain":
         packs = max(1, nbytes // limits.pack_bytes)
-        return 1, plain_grid(nbytes, ctas, threads, limits), min(
-            threads, limits.plain_max_threads, -(-packs // THREAD_GRAIN) * THREAD_GRAIN)
-    return cluster or 1, fused_grid(rows, ctas, cluster or 1), 0
+        return 1, policy.plain_grid(nbytes, ctas, threads, limits), min(
+            threads, limits.plain_max_threads, -(-packs // policy.THREAD_GRAIN) * policy.THREAD_GRAIN)
+    return cluster or 1, policy.fused_grid(rows, ctas, cluster or 1), 0
 
 
 def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
@@ -87,7 +73,7 @@ def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int
     threads None (the kernels' own) where the SM budget is not known; threads for plain calls only."""
     caps = cta_caps(transport, shape, quick)
     fused_oneshot = kind == "fused" and variant is Variant.ONESHOT
-    clusters = [c for c in ROW_SPLITS if c == 1 or c in shape.clusters] if fused_oneshot else [None]
+    clusters = [c for c in policy.ROW_SPLITS if c == 1 or c in shape.clusters] if fused_oneshot else [None]
     if not caps:
         return [(None, c, None) for c in clusters]
     chosen: dict[tuple[int, int, int], tuple[int, int | None, int | None]] = {}
@@ -98,7 +84,7 @@ def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int
             sizes: list[int | None] = [None]
             if kind == "plain":  # the seed size below the budget, every one of thread_sizes on it
                 sizes = (thread_sizes(nbytes, transport, cap, limits, quick) if cap == caps[-1]
-                         else [plain_threads(nbytes, transport, ctas=cap, limits=limits)])
+                         else [policy.plain_threads(nbytes, transport, ctas=cap, limits=limits)])
             for threads in sizes:  # ascending caps: the largest of a launch stays
                 chosen[launch_of(kind, nbytes, rows, cap, cluster, threads, limits)] = (cap, cluster, threads)
     return list(chosen.values())
@@ -113,15 +99,15 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
         return []
     fused = kind == "fused"
     if fused and (hidden % limits.elems_per_pack or hidden > limits.max_fused_hidden
-                  or nbytes % (ELEMENT_BYTES * hidden)):
+                  or nbytes % (policy.ELEMENT_BYTES * hidden)):
         return []
-    rows = nbytes // (ELEMENT_BYTES * hidden) if hidden > 0 else 0
+    rows = nbytes // (policy.ELEMENT_BYTES * hidden) if hidden > 0 else 0
     variants = [Variant.ONESHOT]
     if shape.world_size > 2:
         variants.append(Variant.TWOSHOT)
-    if shape.num_islands >= 2 and shape.memory is Memory.DEVICE:
+    if shape.num_islands >= 2 and shape.memory is policy.Memory.DEVICE:
         variants.append(Variant.ISLAND)
-    transports = list(Transport) if shape.memory is Memory.DEVICE else [Transport.PUSH]
+    transports = list(Transport) if shape.memory is policy.Memory.DEVICE else [Transport.PUSH]
     routes: list[Route] = []
     for variant in variants:
         for transport in transports:
@@ -129,6 +115,6 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
             for ctas, cluster, threads in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
                 for window in windows:
                     route = Route(variant, transport, shape.memory, ctas, cluster, threads, window)
-                    if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
+                    if policy.refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
                         routes.append(route)
     return routes

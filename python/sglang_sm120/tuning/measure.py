@@ -1,10 +1,8 @@
-"""The CUDA side of a tune for one rank (the Tuner's `Measurer`): the workspace, one candidate's check and timing
-(tuning/burst.py), and NCCL's timing. A candidate is a sgl_kernel_sm120.policy.Route, which IpcAllReduce.launch /
-launch_fused run as given once `refusal` accepted the call's arguments.
-
-The workspace is built with on_timeout="exit" and a short wait bound, so a candidate that hangs on this fabric
-fails in seconds and leaves the CUDA context usable; after any failure the Tuner calls `reset()` on every rank
-and the next candidate builds a fresh workspace.
+"""The CUDA side of a tune for one rank (the Tuner's measurer): the workspace, our candidates' check and timing
+(tuning/burst.py), and NCCL's timing. A candidate is a policy.Route, which IpcAllReduce.launch / launch_fused run
+as given once `refusal` accepted the call's arguments. The workspace is built with on_timeout="exit" and a short
+wait bound, so a candidate that hangs on this fabric fails in seconds and leaves the CUDA context usable; after
+any failure the Tuner calls `reset()` on every rank and the next candidate builds a fresh workspace.
 """
 
 from __future__ import annotations
@@ -64,8 +62,8 @@ def checked_calls(workspaces: Mapping[int, Any], route: Route, bank: CallBank):
 
 
 class BurstMeasurer:
-    """What a Measurer of this process's ranks `lanes` runs our candidates with: one size's CallBank at a time, and
-    the checked CandidateRun that `time()` replays, for the checked graph is the timed one."""
+    """How a measurer of this process's ranks (`lanes`) runs our candidates: one size's CallBank at a time, and the
+    checked CandidateRun that `time()` replays: the checked graph is the timed one."""
 
     def __init__(self, spec, world: int, lanes: Sequence[int], device, backend, seed: int = 0):
         self.spec, self.world, self.lanes, self.device = spec, int(world), list(lanes), device
@@ -82,7 +80,7 @@ class BurstMeasurer:
 
     def _verify_run(self, route: Route, kind: str, dtype: str, rows: int, workspaces: Mapping[int, Any],
                     check_timeouts: Callable[[], None]) -> str:
-        self._drop_run()
+        self._run = None  # the last candidate's graph goes first
         bank = self._bank_for(kind, dtype, rows)
         run = CandidateRun(bank, route_id(route), self.lanes, int(self.spec.calls),
                            checked_calls(workspaces, route, bank), self.backend, check_timeouts)
@@ -95,12 +93,7 @@ class BurstMeasurer:
         try:
             return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
         finally:
-            self._drop_run()
-
-    def _drop_run(self) -> None:
-        if self._run is not None:
-            self._run[1].close()
-        self._run = None
+            self._run = None
 
 
 class CudaMeasurer(BurstMeasurer):
@@ -139,7 +132,7 @@ class CudaMeasurer(BurstMeasurer):
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"
 
     def reset(self) -> None:
-        self._drop_run()
+        self._run = None
         ws, self._ws = self._ws, None
         if ws is not None:
             try:

@@ -1,17 +1,15 @@
 """The exactness check every candidate passes before it is timed: each call's inputs and exact expected outputs,
-the comparison, and the group's verdict. torch is needed (the CPU is enough).
+the comparison, and the group's verdict (torch on the CPU is enough).
 
-Exactness: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real
--0 must survive), built on the CPU from (seed, rank) alone, so every rank can build every rank's inputs; sums of
-a few small integers are exact in bf16/fp16 in any order. The fused case is built backwards from its expected
-residual R (`fused_target`), so that its RMSNorm scale is a power of two and the expected norm is exact too. The
-check has zero tolerance (values equal, no NaN; +0 == -0 as values), and the bits are compared across ranks
-(`fingerprint`, `reduce_verdicts`): a candidate fails everywhere when any rank failed or the ranks' bits differ.
+Exact: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
+must survive), built from (seed, rank) alone, so every rank can build every rank's inputs; their sums are exact in
+bf16/fp16 in any order, and the fused case is built backwards from its expected residual (`fused_target`) so its
+norm is exact too. Zero tolerance (values equal, no NaN; +0 == -0 as values), and the ranks' bits are compared
+(`fingerprint`, `reduce_verdicts`): a candidate fails everywhere when any rank failed or the bits differ.
 
 Every call its own inputs: a candidate that returns the previous call's result, reads the previous call's input
-or reuses a buffer too early passes any check whose calls all see the same inputs. So call j of candidate c gets
-the salt `salt(c) + j`, which rolls the base inputs (and the expected sum: a roll commutes with the sum) and
-moves the fused R's pattern.
+or reuses a buffer too early passes any check whose calls all see the same inputs. So call j of candidate c uses
+the salt `salt(c) + j`, which rolls the base inputs (and the expected sum) and moves the fused pattern.
 """
 
 from __future__ import annotations
@@ -64,12 +62,6 @@ def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
     return torch.where(col % 4 == 0, sign * 2.0 ** (k + 1), zero), 2.0 ** -k
 
 
-def fused_weight(hidden: int, device=None):
-    import torch
-
-    return torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], dtype=torch.float32, device=device)
-
-
 class CallBank:
     """One size's base case on `device`, for the ranks in `ranks` (every rank in one process, or this rank); a
     call's tensors are a roll, a subtraction and a product of it on the device, nothing random per call."""
@@ -87,8 +79,10 @@ class CallBank:
         inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
         self.total = reference_all_reduce(inputs).float().to(device)  # small integers: exact
         self.base = {r: inputs[r].to(device) for r in ranks}
-        self.weight32 = fused_weight(hidden, device) if kind == "fused" else None
-        self.weight = None if self.weight32 is None else self.weight32.to(self.torch_dtype)
+        self.weight32 = self.weight = None
+        if kind == "fused":
+            self.weight32 = torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).float()
+            self.weight = self.weight32.to(self.torch_dtype)
 
     def _roll(self, t, value: int):
         return t.reshape(-1).roll(shift(value, self.numel)).reshape(self.rows, self.hidden)
