@@ -79,6 +79,9 @@ class FakeWorkspace:
     def timeout_error(self):
         return None
 
+    def synchronize(self) -> None:  # raises a timed-out wait's error on a real workspace
+        pass
+
     def refusal(self, x, route, *, fused, residual=None, weight=None, outs=()):
         return policy.refusal(self.shape, route, x.numel() * x.element_size(), fused=fused, limits=self.limits)
 

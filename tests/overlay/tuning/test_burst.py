@@ -124,6 +124,36 @@ def test_time_without_its_verify_is_refused():
     assert measurer.time(route, "plain", "bfloat16", 2)
 
 
+def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_graph_and_runs_nccls_step(monkeypatch):
+    from sgl_kernel_sm120 import reference_add_rmsnorm
+    from sglang_sm120.tuning import measure
+
+    group = FakeGroup(1)
+    backend = FakeBackend(group)
+    monkeypatch.setattr(measure, "CudaBackend", lambda device, lanes: backend)
+    monkeypatch.setattr(measure.CudaMeasurer, "_workspace", lambda self: group.workspaces[0])
+    monkeypatch.setattr(measure, "find_fused_add_rmsnorm", lambda: ("torch ops", measure._torch_add_rmsnorm))
+    spec = TuneSpec.make(HIDDEN, 2, quick=True, dtypes=["bfloat16"], kinds=["fused"])
+    m = measure.CudaMeasurer(rank=0, world=1, device="cpu", cpu_group=None, nccl_group="nccl", spec=spec)
+    route = tbl.parse_route("sm120/ONESHOT/push/device/b16/c1")
+    with pytest.raises(RuntimeError, match="without its verify"):
+        m.time(route, "fused", "bfloat16", 2)
+    assert m.verify(route, "fused", "bfloat16", 2)
+    assert m.time(route, "fused", "bfloat16", 2) == [10.0 / spec.calls] * spec.iters
+    assert backend.captures == 1 and set(group.launches) == {route}
+    # NCCL's step: an all-reduce of zeros on the NCCL group, then the incumbent add + RMSNorm in place
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda buf, group: reduced.append((buf.clone(), group)))
+    step = m._nccl("fused", "bfloat16", 2)
+    step(0)
+    _, buf, residual = m._nccl_case
+    assert len(reduced) == 1 and not reduced[0][0].any() and reduced[0][1] == "nccl"
+    bank = verify.CallBank("fused", "bfloat16", 2, HIDDEN, 1, [0], "cpu")
+    norm, summed = reference_add_rmsnorm(torch.zeros(2, HIDDEN), bank.inputs(0)["residual"], bank.weight, bank.eps)
+    assert torch.equal(residual, summed) and torch.equal(buf, norm)
+    assert m.incumbent("fused") == "NCCL + torch ops"
+
+
 def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_each_size_timed():
     table, group, _ = tune("good", ("plain", "fused"))
     ours = [e for e in table.entries if e.route is not None]
