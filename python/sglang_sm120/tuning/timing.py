@@ -68,23 +68,3 @@ def replay_times(graph: Any, iters: int, *, warmup: int = 0, sync_each: bool = F
 def short_error(exc: BaseException, limit: int = 400) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def time_graph(graph: Any, *, calls: int, iters: int, warmup: int, gather: Callable[[Any], list],
-               barrier: Callable[[], Any] | None = None) -> dict:
-    """``replay_times`` / calls on every rank, gathered (``gather``: every rank's object, rank order, over a CPU
-    group) and aggregated; raises the same error on every rank if any rank failed."""
-    if barrier is not None:
-        barrier()
-    local, err = None, None
-    try:
-        local = [t / calls for t in replay_times(graph, iters, warmup=warmup)]
-    except Exception as e:  # noqa: BLE001
-        err = short_error(e)
-    gathered = gather((local, err))
-    errs = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-    if errs:
-        raise RuntimeError("timing failed: " + "; ".join(errs))
-    out = aggregate_iteration_times([g[0] for g in gathered])
-    out["calls_per_replay"] = calls
-    return out
