@@ -8,7 +8,7 @@ was timed is what a server runs. Timed:
   more islands in device memory; every transport in device memory, push only in host memory (every byte goes
   through the shared host buffer: pacing and peer loads gain nothing);
 - a few CTA caps up to the SM budget (staged push: from STAGED_FEW_CTAS), and on the whole budget a few CTA sizes
-  of the plain kernels (a fixed size was up to 1.24x off the best at some sizes); the fused one-shot at every
+  of the plain kernels (a fixed one was up to 1.24x off the best: bench_tuner_pick.py); the fused one-shot at every
   agreed cluster size whose clusters all fit the CTAs at once (rows x cluster <= CTAs: past that the split
   loses); shapes that launch the same grid at this size once, at the largest cap (the kernels' own default);
 - staged push with one pass in flight and with all W - 1 (and 2 in a full tune).

@@ -28,10 +28,10 @@ from .verify import reduce_verdicts
 # the sizes below, then doubling.
 FULL_DENSE_ROWS = 16
 QUICK_ROWS = (1, 2, 3, 4, 6, 8)
-# Pruning: a candidate slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES consecutive sizes is not timed at larger
-# ones (NCCL gains on our kernels as sizes grow), and once none of ours is left NCCL serves the larger sizes
-# untimed. It compares with NCCL only, never with another candidate of ours: one slower than ONESHOT at a few
-# rows may still win at many.
+# Pruning, which keeps a full TP=8 tune near 20 s: a candidate slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES
+# consecutive sizes is not timed at larger ones (NCCL gains on our kernels as sizes grow), and once none of ours is
+# left NCCL serves the larger sizes untimed. It compares with NCCL only, never with another candidate of ours: one
+# slower than ONESHOT at a few rows may still win at many.
 PRUNE_FACTOR = 1.5
 PRUNE_SIZES = 2
 
@@ -41,7 +41,7 @@ class TuneError(RuntimeError):
 
 
 def graph_rows(batch_sizes: Sequence[int], draft_tokens: int = 1) -> list[int]:
-    """The row counts a server runs in CUDA graphs: every captured batch size, and it times the draft tokens."""
+    """The row counts a server runs in CUDA graphs: every captured batch size, and each times the draft tokens."""
     if draft_tokens < 1 or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"batch sizes and draft tokens must be >= 1, got {list(batch_sizes)} x {draft_tokens}")
     return sorted({int(b) for b in batch_sizes} | {int(b) * int(draft_tokens) for b in batch_sizes})
