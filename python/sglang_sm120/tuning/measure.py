@@ -107,7 +107,6 @@ class CudaMeasurer(BurstMeasurer):
         self.islands, self.link, self.memory = islands, link, memory
         self.norm_name, self.norm = find_fused_add_rmsnorm()
         self._ws = None
-        self._nccl_case: tuple | None = None
         self._workspace()  # collective: every rank builds it here
 
     def _workspace(self):
@@ -148,11 +147,8 @@ class CudaMeasurer(BurstMeasurer):
         import torch.distributed as dist
 
         bank = self._bank_for(kind, dtype, rows)
-        if self._nccl_case is None or self._nccl_case[0] is not bank:
-            residual = bank.inputs(0)["residual"] if kind == "fused" else None
-            self._nccl_case = (bank, bank.base[self.rank].clone().zero_(), residual)
-        _, buf, residual = self._nccl_case
-        group, norm = self.nccl_group, self.norm
+        buf, group, norm = bank.base[self.rank].clone().zero_(), self.nccl_group, self.norm
+        residual = bank.inputs(0)["residual"] if kind == "fused" else None
 
         def step(k):
             dist.all_reduce(buf, group=group)
