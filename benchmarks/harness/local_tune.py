@@ -19,10 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
-from sglang_sm120.routing.table import route_id
-from sglang_sm120.tuning.burst import CandidateRun, CudaBackend
-from sglang_sm120.tuning.calls import CallBank
-from sglang_sm120.tuning.measure import checked_calls
+from sglang_sm120.tuning.burst import CudaBackend
+from sglang_sm120.tuning.measure import BurstMeasurer
 
 
 def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
@@ -40,7 +38,7 @@ def _close_cuda_group(comms) -> None:
     close_local_group(comms)
 
 
-class LocalGroupMeasurer:
+class LocalGroupMeasurer(BurstMeasurer):
     """`make_group(device, world, max_numel, spec, islands, link)` / `close_group(comms)` / `backend` default to
     IpcAllReduce.local_group on CUDA; the CPU tests pass fakes."""
 
@@ -50,14 +48,13 @@ class LocalGroupMeasurer:
 
         if spec.debug_nccl_us is None:
             raise ValueError("a one-process group cannot run NCCL: its time must be injected (debug_nccl_us)")
-        self.world, self.device, self.spec = int(world), torch.device(device), spec
-        self.islands, self.link, self.seed = islands, link, seed
+        device, world = torch.device(device), int(world)
+        super().__init__(spec, world, range(world), device,
+                         backend if backend is not None else CudaBackend(device, world), seed)
+        self.islands, self.link = islands, link
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
         self._make_group, self._close_group = make_group or _cuda_group, close_group or _close_cuda_group
-        self.backend = backend if backend is not None else CudaBackend(self.device, self.world)
         self._comms: list | None = None
-        self._bank: tuple[tuple[str, str, int], CallBank] | None = None
-        self._run: tuple[tuple, CandidateRun] | None = None
         self._group()
 
     # -- the group -------------------------------------------------------------------------------------------
@@ -77,7 +74,7 @@ class LocalGroupMeasurer:
         return "NCCL, not run (one process; its time injected)"
 
     def reset(self) -> None:
-        self._drop_run()
+        self._run = None
         comms, self._comms = self._comms, None
         if comms is not None:
             self._close_group(comms)
@@ -86,53 +83,20 @@ class LocalGroupMeasurer:
         self.reset()
         self._bank = None
 
-    # -- one candidate at one size ---------------------------------------------------------------------------
-    def _bank_for(self, kind: str, dtype: str, rows: int) -> CallBank:
-        where = (kind, dtype, rows)
-        if self._bank is None or self._bank[0] != where:
-            self._bank = None  # one size at a time: the Tuner measures a size's candidates together
-            self._bank = (where, CallBank(kind, dtype, rows, int(self.spec.hidden), self.world, range(self.world),
-                                          self.device, self.seed))
-        return self._bank[1]
-
-    def _make_call(self, route: Route, kind: str):
-        bank = self._bank[1]
-        per_rank = [checked_calls(ws, route, kind, getattr(bank, "weight", None), bank.eps) for ws in self._group()]
-
-        def make(rank: int, x, residual, outs):
-            return per_rank[rank](rank, x, residual, outs)
-
-        return make
-
     def _raise_timeouts(self) -> None:
         for r, ws in enumerate(self._group()):
             err = ws.timeout_error()
             if err is not None:
                 raise RuntimeError(f"rank {r}: {err}")
 
-    def _drop_run(self) -> None:
-        if self._run is not None:
-            self._run[1].close()
-        self._run = None
-
     # -- the Measurer interface ------------------------------------------------------------------------------
     def verify(self, route: Route | None, kind: str, dtype: str, rows: int) -> str:
         if route is None:
             raise ValueError("NCCL cannot run in a one-process group (its time is injected)")
-        self._drop_run()
-        bank = self._bank_for(kind, dtype, rows)
-        run = CandidateRun(bank, route_id(route), range(self.world), int(self.spec.calls), self._make_call(route, kind),
-                           self.backend, self._raise_timeouts)
-        self._run = ((route, kind, dtype, rows), run)
-        return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
+        return self._verify_run(route, kind, dtype, rows, dict(enumerate(self._group())), self._raise_timeouts)
 
     def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
-        if self._run is None or self._run[0] != (route, kind, dtype, rows):
-            raise RuntimeError(f"time({route_id(route)}) without its verify(): the checked graph is the timed one")
-        try:
-            return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
-        finally:
-            self._drop_run()
+        return self._time_run(route, kind, dtype, rows)
 
 
 def run_one_process(world: int, device_index: int, spec, *, islands=None, link: str | None = None,

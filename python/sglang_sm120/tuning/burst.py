@@ -1,22 +1,12 @@
-"""One candidate at one size, as this process runs it: checked eagerly, then as a pipelined burst of CUDA-graph
-replays, then timed by replaying the same graph (one capture serves the check and the timing).
-
-The ranks this process runs are its lanes (one in a rank's process; all W in the one-process group of
-tuning/measure_local.py). The graph holds `calls` calls per lane, call `k` reading input slot `k` and writing
-output slot `k`, so several calls are in flight at once with distinct buffers, as in a server's graph; every call
-of the check gets inputs of its own (tuning/calls.py):
-1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between (a wrong
-   result here is the plainest failure to read);
-2. `burst_replays` replays back to back, no host synchronization among them: before each, its slots are fed with
-   new inputs and its outputs set to NaN (stream-ordered), after each the outputs are copied aside; then all of
-   them are checked. A candidate that returns the previous call's result, reads the previous call's input or
-   reuses a buffer its peer (or its own previous call) is still reading fails here;
-3. the timed replays (the inputs of the last burst replay), after which the outputs are checked once more.
-Every check is exact (tuning/verify.py); the fingerprint of every output checked is this process's digest, which
-the Tuner compares across ranks.
-
-The device work goes through a backend (`CudaBackend` here; the CPU tests bring their own), so the procedure
-runs on CPU tensors with fake workspaces in the tests.
+"""One candidate at one size as this process runs it, on its ranks as lanes (one in a rank's process, all W in a
+one-process group). The graph holds `calls` calls per lane, call k on input and output slot k, so several calls
+are in flight with distinct buffers, as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
+1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between;
+2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs,
+   its outputs copied aside, then all checked: a candidate that returns the previous call's result, reads the
+   previous call's input or reuses a buffer its peer (or its own previous call) still reads fails here;
+3. the timed replays of the same graph (the checked graph is the timed one), then a check of their outputs.
+The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks.
 """
 
 from __future__ import annotations
@@ -26,11 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import timing, verify
-from .calls import CallBank, salt
+from .verify import CallBank, salt
 
 
 class CudaBackend:
-    """Lane streams, synchronization, capture and replay on one CUDA device."""
+    """The device work of a CandidateRun on one CUDA device, one stream per lane (the CPU tests fake it)."""
 
     def __init__(self, device, lanes: int):
         import torch
@@ -59,7 +49,7 @@ class CudaBackend:
             for stream in self.streams:
                 stream.wait_stream(main)
             for index, calls in enumerate(lanes):
-                with torch.cuda.stream(self.streams[index]):
+                with self.lane(index):
                     for call in calls:
                         call()
             for stream in self.streams:
@@ -83,8 +73,7 @@ class CandidateRun:
 
         self.bank, self.ranks, self.calls = bank, list(ranks), max(1, int(calls))
         self.backend, self.check_timeouts = backend, check_timeouts
-        self.first = salt(candidate_id)
-        self.used = 0  # salts handed out so far: every call of this candidate gets a new one
+        self.next_salt = salt(candidate_id)
         like = next(iter(bank.base.values()))
         self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
         self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
@@ -97,9 +86,8 @@ class CandidateRun:
         self.fed: list[int] = [0] * self.calls  # the salt whose inputs each slot holds
         self.prints: list[str] = []
 
-    # -- inputs and checks ----------------------------------------------------------------------------------
     def _feed(self, k: int) -> None:
-        value, self.used = self.first + self.used, self.used + 1
+        value, self.next_salt = self.next_salt, self.next_salt + 1
         given = self.bank.inputs(value)
         for r in self.ranks:
             self.x[r][k].copy_(given["x"][r])
@@ -108,6 +96,9 @@ class CandidateRun:
         if self.residual is not None:
             self.residual[k].copy_(given["residual"])
         self.fed[k] = value
+
+    def _outputs(self, k: int, copy: bool = False) -> dict[int, tuple]:
+        return {r: tuple(o.clone() if copy else o for o in self.outs[r][k]) for r in self.ranks}
 
     def _check(self, where: str, value: int, outputs: dict[int, tuple]) -> None:
         expected = self.bank.expected(value)
@@ -121,51 +112,39 @@ class CandidateRun:
             raise AssertionError(f"{where}: the ranks' outputs differ in some bit")
         self.prints += mine
 
-    def _issue(self, k: int) -> None:
-        """Every lane's call k, call-major (one-process groups need it: IpcAllReduce.local_group)."""
-        for index, r in enumerate(self.ranks):
-            with self.backend.lane(index):
-                self.call[r][k]()
+    def _settle(self) -> None:
+        self.backend.synchronize()
+        self.check_timeouts()
 
-    # -- the procedure --------------------------------------------------------------------------------------
     def verify(self, eager_calls: int, replays: int) -> str:
+        """The digest of every output checked, in order: equal across ranks when their bits are."""
         for j in range(max(1, int(eager_calls))):
             k = j % self.calls
             self._feed(k)
             self.backend.synchronize()
-            self._issue(k)
-            self.backend.synchronize()
-            self.check_timeouts()
-            self._check(f"eager call {j + 1}", self.fed[k], {r: self.outs[r][k] for r in self.ranks})
+            for index, r in enumerate(self.ranks):  # call-major: one-process groups need it (local_group)
+                with self.backend.lane(index):
+                    self.call[r][k]()
+            self._settle()
+            self._check(f"eager call {j + 1}", self.fed[k], self._outputs(k))
         self.graph = self.backend.capture([self.call[r] for r in self.ranks])
-        records: list[tuple[str, int, dict[int, tuple]]] = []
+        records = []
         for b in range(max(1, int(replays))):
             for k in range(self.calls):
                 self._feed(k)
             self.graph.replay()
-            for k in range(self.calls):
-                records.append((f"graph replay {b + 1} call {k + 1}", self.fed[k],
-                                {r: tuple(o.clone() for o in self.outs[r][k]) for r in self.ranks}))
-        self.backend.synchronize()
-        self.check_timeouts()
+            records += [(f"graph replay {b + 1} call {k + 1}", self.fed[k], self._outputs(k, copy=True))
+                        for k in range(self.calls)]
+        self._settle()
         for where, value, outputs in records:
             self._check(where, value, outputs)
-        return self.digest()
+        return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
 
     def time(self, iters: int, warmup: int) -> list[float]:
         if self.graph is None:
             raise RuntimeError("time() before verify(): the graph is captured, and checked, by verify()")
         per_replay = self.backend.replay_times(self.graph, int(iters), int(warmup))
-        self.backend.synchronize()
-        self.check_timeouts()
+        self._settle()
         for k in range(self.calls):
-            self._check(f"after the timed replays, call {k + 1}", self.fed[k],
-                        {r: self.outs[r][k] for r in self.ranks})
+            self._check(f"after the timed replays, call {k + 1}", self.fed[k], self._outputs(k))
         return [t / self.calls for t in per_replay]
-
-    def digest(self) -> str:
-        """Of every output checked so far, in order: equal across ranks when their bits are."""
-        return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
-
-    def close(self) -> None:
-        self.graph = None

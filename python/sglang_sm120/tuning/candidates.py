@@ -1,54 +1,28 @@
-"""Which launches of our kernels the tuner times at a size.
+"""Which launches of our kernels the tuner times at a size (NCCL, the incumbent, is always timed besides).
 
-`candidates()` is a pure function of group-identical inputs (the workspace's agreed `WorkspaceShape`, its
-library's `KernelLimits`, the size, the kind), so every rank times the same candidates in the same order; a rank
-that timed another list would wait in a collective its peers never enter. The launches themselves, and what a
-workspace runs, are sgl_kernel_sm120.policy's; this module only picks which of them are worth a measurement:
-- ONESHOT always (host memory: up to the workspace's one-shot bound); TWOSHOT from 4 ranks on (at 2 it moves the
-  same bytes as one-shot in twice the hops); ISLAND when the workspace has two or more islands (device memory);
-- device memory: every transport; host memory: push only (every byte goes through the shared host buffer, where
-  the staged pacing and the peer loads have nothing to gain);
-- the launch shape of each, in the quick tune too (`launch_shapes`): a few CTA caps up to the group's SM budget
-  (staged push: from its few-CTA cap STAGED_FEW_CTAS up to the budget); for the plain kernels their CTA size
-  (`thread_sizes`: on the whole budget, the seed size and two and four times it in the quick tune, 64 to 512 in a
-  full one; staged push at its seed size in the quick tune; the seed is policy.plain_threads under that cap), as
-  the one-GPU sweep of every launch found a fixed CTA size up to 1.24x off the best at some sizes
-  (benchmarks/bench_tuner_pick.py, 1x H200, 2026-12-03); and for the fused one-shot every cluster size
-  the workspace agreed (1 always; 2, 4, 8 where the cluster check passed) whose clusters all fit the CTAs at
-  once (rows x cluster <= CTAs: past that rows loop and the split loses, csrc/ar_kernels.cu
-  fused_cluster_size). Shapes that launch the same grid at this size are timed once (policy.plain_grid,
-  policy.fused_grid: the kernels clamp the grid to the work, so at few rows most caps are the same launch), and
-  the route keeps the largest cap of them (the kernels' own default);
-- staged push's window (its passes in flight before their pacing waits, `staged_windows`): one pass at a time and
-  all of them (W - 1) in the quick tune, and 2 between in a full one; at 2 ranks there is one pass;
-- NCCL is not a candidate of ours: the tuner always times it, as the incumbent.
-Every candidate is a route the workspace runs as it is (policy.refusal), so what was timed is what a server runs.
+`candidates()` is a pure function of group-identical inputs (the agreed WorkspaceShape and KernelLimits, the size,
+the kind), so every rank times the same candidates in the same order: a rank with another list would wait in a
+collective its peers never enter. Every candidate is a route the workspace runs as it is (policy.refusal), so what
+was timed is what a server runs. Timed:
+- ONESHOT always; TWOSHOT from 4 ranks (at 2 it moves one-shot's bytes in twice the hops); ISLAND with two or
+  more islands in device memory; every transport in device memory, push only in host memory (every byte goes
+  through the shared host buffer: pacing and peer loads gain nothing);
+- a few CTA caps up to the SM budget (staged push: from STAGED_FEW_CTAS), and on the whole budget a few CTA sizes
+  of the plain kernels (a fixed one was up to 1.24x off the best: bench_tuner_pick.py); the fused one-shot at every
+  agreed cluster size whose clusters all fit the CTAs at once (rows x cluster <= CTAs: past that the split
+  loses); shapes that launch the same grid at this size once, at the largest cap (the kernels' own default);
+- staged push with one pass in flight and with all W - 1 (and 2 in a full tune).
 """
 
 from __future__ import annotations
 
-from sgl_kernel_sm120.policy import (
-    ELEMENT_BYTES,
-    ROW_SPLITS,
-    STAGED_FEW_CTAS,
-    THREAD_GRAIN,
-    KernelLimits,
-    Memory,
-    Route,
-    Transport,
-    Variant,
-    WorkspaceShape,
-    fused_grid,
-    plain_grid,
-    plain_threads,
-    refusal,
-)
+from sgl_kernel_sm120 import policy
+from sgl_kernel_sm120.policy import KernelLimits, Route, Transport, Variant, WorkspaceShape
 
-# The CTA caps tried, as fractions of the SM budget (the budget itself always; staged push from its own cap up).
-QUICK_CTA_FRACTIONS = (2, 1)  # budget / 2, budget
+# The CTA caps tried, as fractions of the SM budget; the plain kernels' CTA sizes tried on the whole budget: the
+# seed size times QUICK_THREAD_STEPS in a quick tune, the seed and FULL_THREAD_SIZES in a full one.
+QUICK_CTA_FRACTIONS = (2, 1)
 FULL_CTA_FRACTIONS = (4, 2, 1)
-# The plain kernels' CTA sizes tried on the whole budget: the seed size times these in the quick tune, every one of
-# FULL_THREAD_SIZES in a full one (each up to the kernels' largest).
 QUICK_THREAD_STEPS = (1, 2, 4)
 FULL_THREAD_SIZES = (64, 128, 256, 512)
 
@@ -58,24 +32,23 @@ def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[i
     budget = int(shape.sm_budget)
     if budget < 1:
         return []
-    caps = {max(1, budget // f) for f in (QUICK_CTA_FRACTIONS if quick else FULL_CTA_FRACTIONS)}
-    if transport is Transport.STAGED:
-        cap = max(1, min(STAGED_FEW_CTAS, budget))
-        caps = {cap, budget}
-        if not quick:
-            caps |= {c for c in (cap * 2, cap * 4, budget // 2) if cap < c < budget}
-    return sorted(caps)
+    if transport is not Transport.STAGED:
+        return sorted({max(1, budget // f) for f in (QUICK_CTA_FRACTIONS if quick else FULL_CTA_FRACTIONS)})
+    cap = max(1, min(policy.STAGED_FEW_CTAS, budget))
+    more = () if quick else (cap * 2, cap * 4, budget // 2)
+    return sorted({cap, budget} | {c for c in more if cap < c < budget})
 
 
 def staged_windows(world_size: int, quick: bool) -> list[int]:
-    """The windows staged push is timed at, ascending: 1 .. world - 1 passes in flight."""
+    """The windows (passes in flight before the pacing waits) staged push is timed at, ascending."""
     last = max(1, world_size - 1)
     return sorted({1, last} | (set() if quick else {min(2, last)}))
 
 
 def thread_sizes(nbytes: int, transport: Transport, ctas: int, limits: KernelLimits, quick: bool) -> list[int]:
-    """The plain kernels' CTA sizes tried under a cap of `ctas` (the whole budget), ascending (the seed always)."""
-    seed = plain_threads(nbytes, transport, ctas=ctas, limits=limits)
+    """The plain kernels' CTA sizes tried under a cap of `ctas` (the whole budget), ascending, the seed always
+    (staged push: only the seed in a quick tune)."""
+    seed = policy.plain_threads(nbytes, transport, ctas=ctas, limits=limits)
     if quick:
         sizes = {seed} if transport is Transport.STAGED else {seed * step for step in QUICK_THREAD_STEPS}
     else:
@@ -83,44 +56,36 @@ def thread_sizes(nbytes: int, transport: Transport, ctas: int, limits: KernelLim
     return sorted(t for t in sizes if t <= limits.plain_max_threads)
 
 
-def effective_threads(nbytes: int, threads: int, limits: KernelLimits) -> int:
-    """The CTA size a plain call of `nbytes` really launches with `threads` asked (policy.plain_grid's clamp)."""
-    packs = max(1, nbytes // limits.pack_bytes)
-    return min(threads, limits.plain_max_threads, -(-packs // THREAD_GRAIN) * THREAD_GRAIN)
-
-
 def launch_of(kind: str, nbytes: int, rows: int, ctas: int, cluster: int | None, threads: int | None,
               limits: KernelLimits) -> tuple[int, int, int]:
-    """(CTAs per row, grid, CTA size) the kernels launch for these launch fields at this size: two launches with
-    the same triple run the same grid (plain: `threads` given, fused: CTA size 0, the kernels size their own)."""
+    """(CTAs per row, grid, CTA size) the kernels launch for these fields at this size (policy.plain_grid's clamp
+    of the CTA size; fused: 0, the kernels size their own): two launches with one triple run the same grid."""
     if kind == "plain":
-        return 1, plain_grid(nbytes, ctas, threads, limits), effective_threads(nbytes, threads, limits)
-    return cluster or 1, fused_grid(rows, ctas, cluster or 1), 0
+        packs = max(1, nbytes // limits.pack_bytes)
+        return 1, policy.plain_grid(nbytes, ctas, threads, limits), min(
+            threads, limits.plain_max_threads, -(-packs // policy.THREAD_GRAIN) * policy.THREAD_GRAIN)
+    return cluster or 1, policy.fused_grid(rows, ctas, cluster or 1), 0
 
 
 def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
                   limits: KernelLimits, quick: bool) -> list[tuple[int | None, int | None, int | None]]:
-    """(CTA cap, cluster, threads) of every launch of one variant and transport timed at this size, each a distinct
-    launch (grid and CTA size). (None, cluster, None): the kernels' own cap and CTA size, where the SM budget is not
-    known. threads: plain calls only; the seed size at caps below the budget, every one of thread_sizes on it."""
+    """(CTA cap, cluster, threads) of every distinct launch of one variant and transport timed at this size; cap and
+    threads None (the kernels' own) where the SM budget is not known; threads for plain calls only."""
     caps = cta_caps(transport, shape, quick)
     fused_oneshot = kind == "fused" and variant is Variant.ONESHOT
-    clusters: list[int | None] = [None]
-    if fused_oneshot:
-        clusters = [c for c in ROW_SPLITS if c == 1 or c in shape.clusters]
+    clusters = [c for c in policy.ROW_SPLITS if c == 1 or c in shape.clusters] if fused_oneshot else [None]
     if not caps:
         return [(None, c, None) for c in clusters]
     chosen: dict[tuple[int, int, int], tuple[int, int | None, int | None]] = {}
     for cluster in clusters:
         for cap in caps:
-            if cluster is not None and cluster > 1 and rows * cluster > cap:
+            if (cluster or 1) > 1 and rows * cluster > cap:
                 continue
             sizes: list[int | None] = [None]
-            if kind == "plain":
+            if kind == "plain":  # the seed size below the budget, every one of thread_sizes on it
                 sizes = (thread_sizes(nbytes, transport, cap, limits, quick) if cap == caps[-1]
-                         else [plain_threads(nbytes, transport, ctas=cap, limits=limits)])
-            for threads in sizes:
-                # ascending caps: the largest of a launch stays
+                         else [policy.plain_threads(nbytes, transport, ctas=cap, limits=limits)])
+            for threads in sizes:  # ascending caps: the largest of a launch stays
                 chosen[launch_of(kind, nbytes, rows, cap, cluster, threads, limits)] = (cap, cluster, threads)
     return list(chosen.values())
 
@@ -134,15 +99,15 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
         return []
     fused = kind == "fused"
     if fused and (hidden % limits.elems_per_pack or hidden > limits.max_fused_hidden
-                  or nbytes % (ELEMENT_BYTES * hidden)):
+                  or nbytes % (policy.ELEMENT_BYTES * hidden)):
         return []
-    rows = nbytes // (ELEMENT_BYTES * hidden) if hidden > 0 else 0
+    rows = nbytes // (policy.ELEMENT_BYTES * hidden) if hidden > 0 else 0
     variants = [Variant.ONESHOT]
     if shape.world_size > 2:
         variants.append(Variant.TWOSHOT)
-    if shape.num_islands >= 2 and shape.memory is Memory.DEVICE:
+    if shape.num_islands >= 2 and shape.memory is policy.Memory.DEVICE:
         variants.append(Variant.ISLAND)
-    transports = list(Transport) if shape.memory is Memory.DEVICE else [Transport.PUSH]
+    transports = list(Transport) if shape.memory is policy.Memory.DEVICE else [Transport.PUSH]
     routes: list[Route] = []
     for variant in variants:
         for transport in transports:
@@ -150,6 +115,6 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
             for ctas, cluster, threads in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
                 for window in windows:
                     route = Route(variant, transport, shape.memory, ctas, cluster, threads, window)
-                    if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
+                    if policy.refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
                         routes.append(route)
     return routes

@@ -1,23 +1,18 @@
-"""One rank of a tune, as its own process: `python -m sglang_sm120.tuning.child --rank R --world W --device D
---port P --spec FILE`, started by tuning/processes.py (one per rank), so that a candidate that kills its CUDA
-context kills this process only.
-
-It joins the other ranks over TCP on 127.0.0.1:P (NCCL for the incumbent, one gloo group for every agreement),
-computes the table key as a server's ranks do (core/facts.key_facts, the P2P matrix, the islands, the workspace
-memory and its launch facts), and with `if_missing` stops when every rank finds a table of that key. Otherwise it
-excludes the candidates blamed under the key, runs the Tuner with the CUDA measurer, and reports on stdout, one
-JSON object per line after the marker `@@sm120-tune `: "setup" once, "begin" before every candidate, then "done"
-(the table), "found" (the table that exists) or "error".
+"""One rank of a tune as its own process (`python -m sglang_sm120.tuning.child --rank R --world W --device D
+--port P --spec FILE`, started by tuning/processes.py), so that a candidate that kills its CUDA context kills this
+process only. It joins the other ranks on 127.0.0.1:P (NCCL for the incumbent, gloo for every agreement), computes
+the table key as a server's ranks do, and stops with `if_missing` when every rank finds a table of that key;
+otherwise it runs the Tuner without the candidates blamed under the key. It reports one JSON object per line after
+MARKER: "setup" once, "begin" before every candidate, then "done" (the table), "found" or "error".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
-import os
 import sys
-import time
 import traceback
 
 MARKER = "@@sm120-tune "
@@ -25,23 +20,11 @@ INIT_TIMEOUT_S = 300.0
 
 
 def emit(event: dict) -> None:
-    sys.stdout.write(MARKER + json.dumps(event, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
-def _gather(group, world):
-    import torch.distributed as dist
-
-    def gather(obj):
-        out: list = [None] * world
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    return gather
+    print(MARKER + json.dumps(event, sort_keys=True), flush=True)
 
 
 def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | None, str, str]:
-    """(key, islands, link, memory) of this group, computed like the server does, agreed (rank 0's probe)."""
+    """(key, islands, link, memory) of this group as a server computes them, agreed (rank 0's probe)."""
     from ..core import config
     from ..core.facts import group_facts, key_facts, p2p_row
     from ..core.topology import kernel_islands, probe
@@ -49,8 +32,7 @@ def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | No
 
     local = key_facts(device)
     everyone = gather({"key": local, "p2p": p2p_row(device.index), "uuid": local["uuid"]})
-    facts = group_facts([{"uuid": e["uuid"], "p2p": e["p2p"], "capability": [0, 0]} for e in everyone])
-    p2p = facts.p2p
+    p2p = group_facts([{"uuid": e["uuid"], "p2p": e["p2p"], "capability": [0, 0]} for e in everyone]).p2p
     memory = spec.memory
     if memory is None:
         connected = p2p is not None and all(all(row) for row in p2p)
@@ -72,8 +54,8 @@ def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | No
 
 
 def _exclude_blamed(spec, everyone: list) -> None:
-    """Add the candidates blamed for a crash or hang under this key (every rank's read of the cache, so every
-    rank excludes the same) to the spec's exclusions, once each."""
+    """Add the candidates blamed under this key (every rank's read of the cache: all exclude the same) to the
+    spec's exclusions, once each."""
     for blamed in everyone:
         for entry in blamed or []:
             rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
@@ -90,25 +72,28 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
     from .measure import CudaMeasurer
     from .tuner import Tuner, TuneSpec
 
-    started = time.monotonic()
     with open(spec_path, encoding="utf-8") as handle:
         spec = TuneSpec.from_dict(json.load(handle))
     torch.cuda.set_device(device_index)
     device = torch.device("cuda", device_index)
-    # The incumbent needs NCCL; a debug run that injects its time (ranks sharing one GPU, where NCCL refuses to
-    # start) runs on gloo alone.
+    # A debug run that injects NCCL's time (ranks sharing one GPU, where NCCL refuses to start) runs on gloo alone.
     backend = "gloo" if spec.debug_nccl_us is not None else "nccl"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     measurer = None
     try:
         gloo = dist.new_group(backend="gloo")
-        gather = _gather(gloo, world)
+
+        def gather(obj):
+            out: list = [None] * world
+            dist.all_gather_object(out, obj, group=gloo)
+            return out
+
         key, islands, link, memory = _setup(rank, world, gather, spec, device)
         measurer = CudaMeasurer(rank=rank, world=world, device=device, cpu_group=gloo,
                                 nccl_group=None if backend == "gloo" else dist.group.WORLD, spec=spec,
                                 islands=islands, link=link, memory=memory)
-        # The launch facts of the workspace the candidates run on are part of the key, as in the server.
+        # The launch facts of the workspace the candidates run on are part of the key, as in a server.
         key = {**key, "launch": launch_facts(measurer._workspace())}
         emit({"event": "setup", "memory": memory, "islands": islands, "link": link, "key": key})
         if spec.if_missing:
@@ -119,24 +104,19 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
                 return 0
         _exclude_blamed(spec, gather(cache.blames(key)))
         table = Tuner(measurer, spec, rank=rank, world=world, gather=gather, key=key, progress=emit).run()
-        emit({"event": "done", "table": table.to_dict(), "digest": table.digest(),
-              "child_s": round(time.monotonic() - started, 3)})
+        emit({"event": "done", "table": table.to_dict(), "digest": table.digest()})
         return 0
     finally:
         if measurer is not None:
             measurer.close()
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.tuning.child")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--device", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
+    for name in ("rank", "world", "device", "port"):
+        parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--spec", required=True, help="JSON file of a TuneSpec")
     args = parser.parse_args(argv)
     try:
@@ -148,5 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

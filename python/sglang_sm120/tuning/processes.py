@@ -1,14 +1,8 @@
-"""The parent side of a tune (`python -m sglang_sm120.tune`): start one process per rank (tuning/child.py), follow
-them, and make one outcome of what they reported.
-
-A candidate can hang or fault on a fabric nobody measured before, and a fault (or our kernels' trap) ends the CUDA
-context of the process that ran it, so candidates run in these child processes while the parent watches:
-- every child reports `begin` before each candidate; a child that dies, or a group that makes no progress for
-  `stall_s`, is attributed to the candidate its last `begin` named (`culprit`);
-- `tune_with_retries` then excludes that candidate from its size up, with the reason, and starts the group
-  again; the table records it as failed and the cache keeps the blame (routing/cache.py);
-- a child's own Python error is not retried: it is not a candidate's fault.
-Servers never run this: the launcher runs the tool before the ranks exist (hooks/startup.py).
+"""The parent side of a tune (`python -m sglang_sm120.tune`): one process per rank (tuning/child.py), followed, and
+one outcome made of what they reported. A fault (or our kernels' trap) ends the CUDA context of the process that
+ran it, so candidates run in children while the parent watches: a child that dies, or a group that makes no
+progress for `stall_s`, is blamed on the candidate its last `begin` named, which `tune_with_retries` excludes from
+its size up before it starts the group again. A child's own Python error is no candidate's fault: not retried.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ from .tuner import TuneSpec
 
 CHILD_MODULE = "sglang_sm120.tuning.child"
 EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
-DEADLINE = "the tune did not finish within"
 
 
 def free_port() -> int:
@@ -41,8 +34,7 @@ def free_port() -> int:
 
 
 def child_env(base: dict | None = None) -> dict:
-    """The environment of a child: ours, with both packages' parent folders first on PYTHONPATH (a server or a
-    checkout may have found them through sys.path alone)."""
+    """Ours, with both packages' parent folders first on PYTHONPATH (we may have found them through sys.path)."""
     import sgl_kernel_sm120
 
     env = dict(os.environ if base is None else base)
@@ -60,7 +52,6 @@ class ChildOutcome:
     returncode: int | None = None
     table: dict | None = None
     digest: str | None = None
-    child_s: float | None = None
     error: str | None = None  # the child's own error event
     last_begin: dict | None = None
     begins: int = 0
@@ -86,41 +77,27 @@ class Attempt:
 
 def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
     """One outcome of a group's children (pure)."""
+    outcomes = list(outcomes)
     if outcomes and all(o.ok for o in outcomes):
         if all(o.found for o in outcomes):
-            return Attempt(None, None, None, None, list(outcomes), found=outcomes[0].found)
-        digests = {o.digest for o in outcomes}
-        if len(digests) == 1:
-            first = outcomes[0]
-            return Attempt(first.table, first.digest, None, None, list(outcomes))
-        return Attempt(None, None, "the ranks reported different tables", None, list(outcomes))
-    errors = [o for o in outcomes if o.error]
-    if errors:
-        detail = "; ".join(f"rank {o.rank}: {o.error}" for o in errors)
-        return Attempt(None, None, detail, None, list(outcomes))
-    bad = [o for o in outcomes if not o.ok]
-    first = min(bad, key=lambda o: (o.killed != "", o.rank))  # a child that died by itself comes first
-    if first.killed:
-        why = first.killed
-    else:
-        why = f"rank {first.rank} died (exit code {first.returncode})"
+            return Attempt(None, None, None, None, outcomes, found=outcomes[0].found)
+        if len({o.digest for o in outcomes}) == 1:
+            return Attempt(outcomes[0].table, outcomes[0].digest, None, None, outcomes)
+        return Attempt(None, None, "the ranks reported different tables", None, outcomes)
+    if any(o.error for o in outcomes):
+        return Attempt(None, None, "; ".join(f"rank {o.rank}: {o.error}" for o in outcomes if o.error), None, outcomes)
+    first = min((o for o in outcomes if not o.ok), key=lambda o: (o.killed != "", o.rank))  # one that died first
+    why = first.killed
+    if not why:
         tail = " | ".join(line for line in first.tail[-3:] if line.strip())
-        if tail:
-            why += f": {tail[-300:]}"
-    culprit = _culprit([o.last_begin for o in outcomes], why)
-    return Attempt(None, None, why if culprit is None else f"{why} while running {culprit['candidate']}", culprit,
-                   list(outcomes))
-
-
-def _culprit(begins: Sequence[dict | None], why: str) -> dict | None:
-    """The candidate to blame for a crash or hang: the last one any rank began ({dtype, kind, candidate,
-    from_bytes, reason}); None when no rank had begun one."""
-    begins = [b for b in begins if b]
+        why = f"rank {first.rank} died (exit code {first.returncode})" + (f": {tail[-300:]}" if tail else "")
+    begins = [o.last_begin for o in outcomes if o.last_begin]
     if not begins:
-        return None
-    last = max(begins, key=lambda b: int(b.get("seq", 0)))
-    return {"dtype": last["dtype"], "kind": last["kind"], "candidate": last["candidate"],
-            "from_bytes": int(last["bytes"]), "reason": f"{why} while running it"}
+        return Attempt(None, None, why, None, outcomes)
+    last = max(begins, key=lambda b: int(b.get("seq", 0)))  # the candidate any rank began last is to blame
+    culprit = {"dtype": last["dtype"], "kind": last["kind"], "candidate": last["candidate"],
+               "from_bytes": int(last["bytes"]), "reason": f"{why} while running it"}
+    return Attempt(None, None, f"{why} while running {last['candidate']}", culprit, outcomes)
 
 
 class _Child:
@@ -139,12 +116,11 @@ class _Child:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             line = line.rstrip("\n")
-            if not line.startswith(MARKER):
-                self.tail.append(line)
-                continue
             try:
-                event = json.loads(line[len(MARKER):])
+                event = json.loads(line[len(MARKER):]) if line.startswith(MARKER) else None
             except ValueError:
+                event = None
+            if not isinstance(event, dict):  # not ours: kept for the report of a child that died
                 self.tail.append(line)
                 continue
             self.last_event = time.monotonic()
@@ -158,7 +134,6 @@ class _Child:
                 self.outcome.found = str(event.get("path"))
             elif kind == "done":
                 self.outcome.table, self.outcome.digest = event.get("table"), event.get("digest")
-                self.outcome.child_s = event.get("child_s")
             elif kind == "error":
                 self.outcome.error = str(event.get("error"))
                 self.tail.extend(str(event.get("trace", "")).splitlines()[-5:])
@@ -184,9 +159,9 @@ class _Child:
 def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, timeout_s: float, stall_s: float,
                  port: int | None = None, on_event: Callable[[int, dict], None] | None = None,
                  command: Callable[..., list[str]] | None = None, env: dict | None = None) -> list[ChildOutcome]:
-    """Start one child per (rank, device) of `ranks` (all ranks, or this process's one), wait for them within
-    `timeout_s`, kill them all when none made progress for `stall_s` or when one ended badly and the others did
-    not follow within EXIT_GRACE_S. `command` replaces the child command line (tests)."""
+    """One child per (rank, device) of `ranks`, awaited within `timeout_s`; all are killed when none made progress
+    for `stall_s`, or when one ended badly and the others did not follow within EXIT_GRACE_S. `command(rank,
+    device, spec_path)` replaces the child's command line (tests)."""
     port = free_port() if port is None else port
     command = command or (lambda rank, device, spec_path: [
         sys.executable, "-m", CHILD_MODULE, "--rank", str(rank), "--world", str(world), "--device", str(device),
@@ -210,7 +185,7 @@ def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *
                 bad_since = now
             if now > deadline:
                 for c in alive:
-                    c.kill(f"{DEADLINE} {timeout_s:.0f} s")
+                    c.kill(f"the tune did not finish within {timeout_s:.0f} s")
             elif alive and now - max(c.last_event for c in children) > stall_s:
                 for c in alive:
                     c.kill(f"no progress for {stall_s:.0f} s")
@@ -229,7 +204,7 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
                       stall_s: float, on_event=None, on_retry: Callable[[Attempt], None] | None = None,
                       command=None, env=None) -> Attempt:
     """All ranks' children, again (at most `retries` times) after a candidate killed one, with that candidate
-    excluded from its size up. The last attempt's outcome; its table records every exclusion as a failure."""
+    excluded from its size up: the last attempt's outcome."""
     attempt = None
     for _ in range(retries + 1):
         outcomes = run_children(list(zip(range(world), devices, strict=True)), world, spec, timeout_s=timeout_s,
@@ -246,14 +221,3 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
     assert attempt is not None
     attempt.error = f"{attempt.error}; gave up after {retries + 1} attempts"
     return attempt
-
-
-def describe_failure(outcome: ChildOutcome) -> str:
-    """One line about a child that did not deliver a table."""
-    if outcome.error:
-        return outcome.error
-    if outcome.killed:
-        where = f" while running {outcome.last_begin['candidate']}" if outcome.last_begin else ""
-        return f"{outcome.killed}{where}"
-    tail = " | ".join(line for line in outcome.tail[-3:] if line.strip())
-    return f"exit code {outcome.returncode}" + (f": {tail[-300:]}" if tail else "")

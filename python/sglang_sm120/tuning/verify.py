@@ -1,17 +1,15 @@
-"""The exactness check every candidate passes before it is timed.
+"""The exactness check every candidate passes before it is timed: each call's inputs and exact expected outputs,
+the comparison, and the group's verdict (torch on the CPU is enough).
 
-Inputs are small integers, with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
-must survive: csrc/ar_protocol.cuh), built on the CPU from (seed, rank) alone: every rank can build every rank's
-inputs and the exact expected result. Sums of a few small integers are exact in bf16/fp16 whatever the order.
+Exact: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
+must survive), built from (seed, rank) alone, so every rank can build every rank's inputs; their sums are exact in
+bf16/fp16 in any order, and the fused case is built backwards from its expected residual (`fused_target`) so its
+norm is exact too. Zero tolerance (values equal, no NaN; +0 == -0 as values), and the ranks' bits are compared
+(`fingerprint`, `reduce_verdicts`): a candidate fails everywhere when any rank failed or the bits differ.
 
-The fused case is built backwards from its expected residual R: each row holds +-b on every fourth element and
-(signed) zeros elsewhere, b = 2^(k+1) with k = row % 3, so mean(R^2) = 4^k and rsqrt(mean + eps) is 2^-k up to
-a relative error far below half an ulp of bf16/fp16; R * 2^-k * weight is a small integer times a power of two,
-so the expected norm is exact too. The residual handed to the kernel is R minus the sum of the ranks' inputs.
-
-The check has zero tolerance (values equal, no NaN; +0 == -0 as values), and every rank's output bytes are
-digested: `reduce_verdicts` fails a candidate when any rank failed or the ranks' outputs differ in any bit.
-torch is needed (CPU is enough); nothing here touches a GPU.
+Every call its own inputs: a candidate that returns the previous call's result, reads the previous call's input
+or reuses a buffer too early passes any check whose calls all see the same inputs. So call j of candidate c uses
+the salt `salt(c) + j`, which rolls the base inputs (and the expected sum) and moves the fused pattern.
 """
 
 from __future__ import annotations
@@ -20,41 +18,38 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-EPS = 2.0 ** -20  # about 1e-6, like the models'; its effect on the expected norm rounds away (docstring)
-_DTYPES = ("bfloat16", "float16")
+from sgl_kernel_sm120.policy import DTYPES
+
+EPS = 2.0 ** -20  # about the models' 1e-6; its effect on the expected norm rounds away
+ROLL_STEP = 9973  # a prime: consecutive salts roll by different amounts
 
 
-def _dtype(name: str):
-    import torch
+def salt(candidate_id: str) -> int:
+    """The first salt of a candidate's calls: the same on every rank (a hash of its id, not Python's hash())."""
+    return int(hashlib.sha256(candidate_id.encode()).hexdigest()[:8], 16)
 
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {name!r}")
-    return getattr(torch, name)
+
+def shift(value: int, numel: int) -> int:
+    numel = max(1, int(numel))
+    return (int(value) * (ROLL_STEP if ROLL_STEP % numel else 1)) % numel
 
 
 def rank_input(rank: int, rows: int, hidden: int, dtype: str, seed: int = 0):
-    """Rank `rank`'s input: integers in [-3, 3], about one element in eight a -0."""
+    """Rank `rank`'s base input: integers in [-3, 3], about one element in eight a -0."""
     import torch
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     generator = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + rows)
     values = torch.randint(-3, 4, (rows, hidden), generator=generator).float()
     negative_zero = torch.randint(0, 8, (rows, hidden), generator=generator) == 0
-    values = torch.where(negative_zero, torch.full_like(values, -0.0), values)
-    return values.to(_dtype(dtype))
-
-
-def plain_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
-    """(every rank's input, the exact sum)."""
-    inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
-    total = inputs[0].float()
-    for x in inputs[1:]:
-        total = total + x.float()
-    return inputs, total.to(_dtype(dtype))
+    return torch.where(negative_zero, torch.full_like(values, -0.0), values).to(getattr(torch, dtype))
 
 
 def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
-    """(R, its row scale 2^-k) in float32: the expected residual of a fused call and what its RMSNorm multiplies
-    by (docstring). `phase` moves the pattern, so calls of another phase expect other bits in every row."""
+    """(R, its RMSNorm scale 2^-k) in float32. Each row of R holds +-2^(k+1) on every fourth element and signed
+    zeros elsewhere, k = (row + phase) % 3, so mean(R^2) = 4^k and rsqrt(mean + eps) is 2^-k far within half an
+    ulp; R * 2^-k * weight is a small integer times a power of two."""
     import torch
 
     if hidden % 4:
@@ -62,34 +57,58 @@ def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
     row = torch.arange(rows, device=device).unsqueeze(1) + int(phase)
     col = torch.arange(hidden, device=device).unsqueeze(0)
     k = (row % 3).float()
-    magnitude = 2.0 ** (k + 1)
     sign = torch.where(((col // 4) + row) % 2 == 0, 1.0, -1.0)
     zero = torch.where((col + row) % 8 == 1, -0.0, 0.0)
-    return torch.where(col % 4 == 0, sign * magnitude, zero), 2.0 ** -k
+    return torch.where(col % 4 == 0, sign * 2.0 ** (k + 1), zero), 2.0 ** -k
 
 
-def fused_weight(hidden: int, device=None):
-    import torch
+class CallBank:
+    """One size's base case on `device`, for the ranks in `ranks` (every rank in one process, or this rank); a
+    call's tensors are a roll, a subtraction and a product of it on the device, nothing random per call."""
 
-    return torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], dtype=torch.float32, device=device)
+    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device,
+                 seed: int = 0):
+        import torch
 
+        from sgl_kernel_sm120.reference import reference_all_reduce
 
-def fused_case(world: int, rows: int, hidden: int, dtype: str, seed: int = 0):
-    """(every rank's input, residual, weight, eps, expected norm, expected residual) of the fused op."""
-    inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
-    target, scale = fused_target(rows, hidden)
-    total = inputs[0].float()
-    for x in inputs[1:]:
-        total = total + x.float()
-    residual = (target - total).to(_dtype(dtype))  # small integers: exact
-    weight = fused_weight(hidden)
-    norm = target * scale * weight
-    return inputs, residual, weight.to(_dtype(dtype)), EPS, norm.to(_dtype(dtype)), target.to(_dtype(dtype))
+        if kind not in ("plain", "fused"):
+            raise ValueError(f"kind must be plain or fused, got {kind!r}")
+        self.kind, self.dtype, self.rows, self.hidden = kind, dtype, int(rows), int(hidden)
+        self.torch_dtype, self.numel, self.eps = getattr(torch, dtype), self.rows * self.hidden, EPS
+        inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
+        self.total = reference_all_reduce(inputs).float().to(device)  # small integers: exact
+        self.base = {r: inputs[r].to(device) for r in ranks}
+        self.weight32 = self.weight = None
+        if kind == "fused":
+            self.weight32 = torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).float()
+            self.weight = self.weight32.to(self.torch_dtype)
+
+    def _roll(self, t, value: int):
+        return t.reshape(-1).roll(shift(value, self.numel)).reshape(self.rows, self.hidden)
+
+    def inputs(self, value: int) -> dict[str, Any]:
+        """{'x': {rank: input}, 'residual': the fused call's residual (the same on every rank) or None}."""
+        residual = None
+        if self.kind == "fused":  # R minus the sum: the residual the kernel adds to the sum to give R
+            target, _ = fused_target(self.rows, self.hidden, value, self.total.device)
+            residual = (target - self._roll(self.total, value)).to(self.torch_dtype)
+        return {"x": {r: self._roll(base, value) for r, base in self.base.items()}, "residual": residual}
+
+    def expected(self, value: int) -> tuple:
+        """plain: (sum,); fused: (norm, residual)."""
+        if self.kind == "plain":
+            return (self._roll(self.total, value).to(self.torch_dtype),)
+        target, scale = fused_target(self.rows, self.hidden, value, self.total.device)
+        return (target * scale * self.weight32).to(self.torch_dtype), target.to(self.torch_dtype)
+
+    def output_names(self) -> tuple[str, ...]:
+        return ("norm", "residual") if self.kind == "fused" else ("sum",)
 
 
 def mismatch(name: str, got, expected) -> str | None:
-    """None when `got` equals `expected` exactly (as values, on the CPU), else the first difference in words. Both
-    are moved to the CPU: the tuner's outputs and its expected values live on the GPU."""
+    """None when `got` equals `expected` exactly, else the first difference in words; compared on the CPU (the
+    tuner's tensors live on the GPU)."""
     import torch
 
     got, expected = got.detach().to("cpu"), expected.detach().to("cpu")
@@ -105,7 +124,7 @@ def mismatch(name: str, got, expected) -> str | None:
 
 
 def same_values(got, expected) -> bool:
-    """`mismatch` on the tensors' own device, without moving them: True when equal as values with no NaN."""
+    """`mismatch` is None, computed on the tensors' own device."""
     import torch
 
     if got.shape != expected.shape or got.dtype != expected.dtype:
@@ -115,8 +134,8 @@ def same_values(got, expected) -> bool:
 
 
 def fingerprint(tensors) -> str:
-    """A digest of many outputs computed where they are: a position-weighted sum of their 16-bit patterns, so one
-    flipped bit anywhere (the sign of a zero included) changes it. For comparing ranks' bits, not for security."""
+    """A digest of outputs computed where they are: a position-weighted sum of their 16-bit patterns, so one
+    flipped bit (a zero's sign included) changes it. For comparing ranks' bits, not for security."""
     import torch
 
     total = 0
@@ -127,27 +146,15 @@ def fingerprint(tensors) -> str:
     return f"weighted:{total:x}"
 
 
-def output_digest(*tensors) -> str:
-    """sha256 of the tensors' bytes (every bit, the sign of zero included)."""
-    import torch
-
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def reduce_verdicts(gathered: Sequence[tuple[str | None, str | None]]) -> str | None:
-    """Every rank's (error or None, output digest), rank order -> the group's verdict: None (passed) or why not.
-    Pure: every rank computes the same verdict from the same gathered list."""
+    """Every rank's (error or None, output digest), rank order -> None (passed) or why not; pure, so every rank
+    reaches the same verdict."""
     errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
     if errors:
         return "; ".join(errors)
-    digests = [d for _, d in gathered]
-    if len(set(digests)) != 1:
-        groups: dict[Any, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        return "outputs differ across ranks (ranks with identical bits: " + ", ".join(
-            str(ranks) for ranks in groups.values()) + ")"
+    groups: dict[Any, list[int]] = {}
+    for r, (_, digest) in enumerate(gathered):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) != 1:
+        return f"outputs differ across ranks (ranks with identical bits: {', '.join(map(str, groups.values()))})"
     return None

@@ -1,5 +1,5 @@
 """A one-process group of fake workspaces on CPU tensors, and a backend that "captures" and replays their calls,
-for running tuning/measure_local.py's verification and timing without a GPU.
+for running the tuner's verification and timing (tuning/burst.py) without a GPU.
 
 A call completes when every rank has issued it (as the kernels' waits make it), reading the inputs then. The
 fakes break the contract the way real bugs do:
@@ -78,6 +78,9 @@ class FakeWorkspace:
 
     def timeout_error(self):
         return None
+
+    def synchronize(self) -> None:  # raises a timed-out wait's error on a real workspace
+        pass
 
     def refusal(self, x, route, *, fused, residual=None, weight=None, outs=()):
         return policy.refusal(self.shape, route, x.numel() * x.element_size(), fused=fused, limits=self.limits)

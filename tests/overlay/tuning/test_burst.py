@@ -1,10 +1,11 @@
 """The tuner's verification can fail: a candidate that returns the previous call's result, one whose buffer reuse
 races when calls are in flight, and one whose ranks' bits differ are rejected and never routed; a correct one
-passes, and its checked graph is the timed one. The one-process measurer (tuning/measure_local.py) runs on fake
-workspaces over CPU tensors (tests/overlay/tuning/fake_group.py)."""
+passes, and its checked graph is the timed one. The one-process measurer (benchmarks/harness/local_tune.py) runs on
+fake workspaces over CPU tensors (tests/overlay/tuning/fake_group.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.routing import table as tbl
-from sglang_sm120.tuning import calls, verify
+from sglang_sm120.tuning import verify
 from sglang_sm120.tuning.tuner import Tuner, TuneSpec
 
 from .fake_group import FakeBackend, FakeGroup
@@ -29,6 +30,11 @@ def tune(mode: str, kinds=("plain",), max_rows: int = 4, world: int = 2):
                                   make_group=lambda *args: group.workspaces, close_group=lambda comms: None)
     table = Tuner(measurer, spec, rank=0, world=1, gather=lambda obj: [obj], key=KEY).run()
     return table, group, backend
+
+
+def digest(*tensors) -> str:
+    """sha256 of the tensors' bytes: every bit, a zero's sign included."""
+    return hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)).hexdigest()
 
 
 def ours_failed(table) -> dict[str, str]:
@@ -79,16 +85,16 @@ def test_ranks_whose_outputs_differ_only_in_the_sign_of_a_zero_are_rejected():
 
 @pytest.mark.parametrize("dtype, world, rows, hidden", [("bfloat16", 2, 3, HIDDEN), ("float16", 8, 5, 7168)])
 def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own(dtype, world, rows, hidden):
-    bank = calls.CallBank("fused", dtype, rows, hidden, world, range(world), "cpu")
-    plain = calls.CallBank("plain", dtype, rows, hidden, world, range(world), "cpu")
+    bank = verify.CallBank("fused", dtype, rows, hidden, world, range(world), "cpu")
+    plain = verify.CallBank("plain", dtype, rows, hidden, world, range(world), "cpu")
     seen = set()
     for cid in ("sm120/ONESHOT/push/device/b16/c1", "sm120/ONESHOT/push/device/b8/c1"):
-        first = calls.salt(cid)
+        first = verify.salt(cid)
         for j in range(6):
             given, expected = bank.inputs(first + j), bank.expected(first + j)
-            seen.add(verify.output_digest(given["x"][0], given["residual"]))
-            seen.add(("expected", verify.output_digest(*expected)))
-            seen.add(("plain", verify.output_digest(*plain.expected(first + j))))
+            seen.add(digest(given["x"][0], given["residual"]))
+            seen.add(("expected", digest(*expected)))
+            seen.add(("plain", digest(*plain.expected(first + j))))
             # the expected outputs are what the ops compute from these inputs, exactly (float64 reference)
             total = sum(given["x"][r].double() for r in range(world))
             res = total + given["residual"].double()
@@ -103,7 +109,7 @@ def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own(d
 
 def test_consecutive_calls_roll_by_different_amounts_whatever_the_element_count():
     for numel in (8, 64, 9973 * 8, 7168 * 128):
-        assert all(calls.shift(v, numel) != calls.shift(v + 1, numel) for v in range(50))
+        assert all(verify.shift(v, numel) != verify.shift(v + 1, numel) for v in range(50))
 
 
 def test_time_without_its_verify_is_refused():
@@ -116,6 +122,36 @@ def test_time_without_its_verify_is_refused():
         measurer.time(route, "plain", "bfloat16", 2)
     measurer.verify(route, "plain", "bfloat16", 2)
     assert measurer.time(route, "plain", "bfloat16", 2)
+
+
+def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_graph_and_runs_nccls_step(monkeypatch):
+    from sgl_kernel_sm120 import reference_add_rmsnorm
+    from sglang_sm120.tuning import measure
+
+    group = FakeGroup(1)
+    backend = FakeBackend(group)
+    monkeypatch.setattr(measure, "CudaBackend", lambda device, lanes: backend)
+    monkeypatch.setattr(measure.CudaMeasurer, "_workspace", lambda self: group.workspaces[0])
+    monkeypatch.setattr(measure, "find_fused_add_rmsnorm", lambda: ("torch ops", measure._torch_add_rmsnorm))
+    spec = TuneSpec.make(HIDDEN, 2, quick=True, dtypes=["bfloat16"], kinds=["fused"])
+    m = measure.CudaMeasurer(rank=0, world=1, device="cpu", cpu_group=None, nccl_group="nccl", spec=spec)
+    route = tbl.parse_route("sm120/ONESHOT/push/device/b16/c1")
+    with pytest.raises(RuntimeError, match="without its verify"):
+        m.time(route, "fused", "bfloat16", 2)
+    assert m.verify(route, "fused", "bfloat16", 2)
+    assert m.time(route, "fused", "bfloat16", 2) == [10.0 / spec.calls] * spec.iters
+    assert backend.captures == 1 and set(group.launches) == {route}
+    # NCCL's step: an all-reduce of zeros on the NCCL group, then the incumbent add + RMSNorm in place
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda buf, group: reduced.append((buf, buf.clone(), group)))
+    m._nccl("fused", "bfloat16", 2)(0)
+    [(buf, before, group)] = reduced
+    assert not before.any() and group == "nccl"
+    bank = verify.CallBank("fused", "bfloat16", 2, HIDDEN, 1, [0], "cpu")
+    norm, _ = reference_add_rmsnorm(torch.zeros(2, HIDDEN), bank.inputs(0)["residual"], bank.weight, bank.eps)
+    assert torch.equal(buf, norm)
+    assert m.incumbent("fused") == "NCCL + torch ops"
 
 
 def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_each_size_timed():

@@ -9,12 +9,21 @@ from sgl_kernel_sm120 import reference_all_reduce, reference_all_reduce_add_rmsn
 from sglang_sm120.tuning import verify
 
 
+def plain_total(world, rows, hidden, dtype="bfloat16"):
+    return verify.CallBank("plain", dtype, rows, hidden, world, range(world), "cpu").expected(0)[0]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_expected_results_are_the_references_exactly(dtype):
-    inputs, total = verify.plain_case(8, 3, 7168, dtype)
-    assert verify.mismatch("sum", reference_all_reduce(inputs), total) is None
-    inputs, residual, weight, eps, norm, res = verify.fused_case(4, 5, 7168, dtype)
-    ref_norm, ref_res = reference_all_reduce_add_rmsnorm(inputs, residual, weight, eps)
+@pytest.mark.parametrize("value", [0, 1, verify.salt("sm120/ONESHOT/push/device")])
+def test_the_expected_results_are_the_references_exactly(dtype, value):
+    plain = verify.CallBank("plain", dtype, 3, 7168, 8, range(8), "cpu")
+    given = plain.inputs(value)["x"]
+    assert verify.mismatch("sum", reference_all_reduce([given[r] for r in range(8)]), plain.expected(value)[0]) is None
+    fused = verify.CallBank("fused", dtype, 5, 7168, 4, range(4), "cpu")
+    given = fused.inputs(value)
+    norm, res = fused.expected(value)
+    ref_norm, ref_res = reference_all_reduce_add_rmsnorm([given["x"][r] for r in range(4)], given["residual"],
+                                                         fused.weight, fused.eps)
     assert verify.mismatch("norm", ref_norm, norm) is None
     assert verify.mismatch("residual", ref_res, res) is None
 
@@ -30,7 +39,7 @@ def test_inputs_are_small_integers_with_negative_zeros_and_differ_by_rank():
 
 
 def test_a_wrong_value_or_a_nan_is_named():
-    _, total = verify.plain_case(2, 2, 64, "bfloat16")
+    total = plain_total(2, 2, 64)
     wrong = total.clone()
     wrong[1, 5] += 1
     assert "1 of 128 elements differ, first at [1, 5]" in verify.mismatch("sum", wrong, total)
@@ -56,17 +65,22 @@ class OnAnotherDevice:
 
 
 def test_a_difference_between_device_tensors_is_named_on_the_cpu():
-    _, total = verify.plain_case(2, 2, 64, "bfloat16")
+    total = plain_total(2, 2, 64)
     wrong = total.clone()
     wrong[0, 3] += 1
     text = verify.mismatch("sum", OnAnotherDevice(wrong), OnAnotherDevice(total))
     assert "1 of 128 elements differ, first at [0, 3]" in text
 
 
-def test_the_digest_sees_the_sign_of_zero():
+def test_the_fingerprint_sees_the_sign_of_zero_and_any_one_bit():
     a = torch.zeros(8, dtype=torch.bfloat16)
-    assert verify.output_digest(a) != verify.output_digest(-a)
+    assert verify.fingerprint([a]) != verify.fingerprint([-a])
     assert verify.mismatch("zero", -a, a) is None  # as values they are equal
+    x = verify.rank_input(0, 4, 64, "bfloat16")
+    for i in (0, 17, 255):
+        flipped = x.clone().view(torch.int16).reshape(-1)
+        flipped[i] ^= 1
+        assert verify.fingerprint([x]) != verify.fingerprint([flipped.view(torch.bfloat16).reshape(x.shape)])
 
 
 def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
@@ -77,6 +91,6 @@ def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
 
 def test_the_fused_case_needs_a_hidden_size_in_fours():
     with pytest.raises(ValueError):
-        verify.fused_case(2, 1, 6, "bfloat16")
+        verify.CallBank("fused", "bfloat16", 1, 6, 2, range(2), "cpu").inputs(0)
     with pytest.raises(ValueError):
         verify.rank_input(0, 1, 8, "float32")
