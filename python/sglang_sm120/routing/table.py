@@ -20,6 +20,7 @@ import bisect
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -44,6 +45,7 @@ SUSTAIN = 2
 VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "nccl_settings", "sglang_sm120", "kernels")
 BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
 LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
+OTHER_VERSIONS, ANOTHER_KEY = "other versions", "another key"
 
 
 class TableError(ValueError):
@@ -100,13 +102,10 @@ def _beats(candidate: float | None, incumbent: float | None, min_gain: float) ->
 
 def _in_long_runs(flags: Sequence[bool], length: int) -> list[bool]:
     """True at the positions inside a run of at least `length` consecutive True values."""
-    out, start = [False] * len(flags), None
-    for i, flag in enumerate([*flags, False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            out[start:i] = [i - start >= length] * (i - start)
-            start = None
+    out: list[bool] = []
+    for flag, run in itertools.groupby(flags):
+        count = len(list(run))
+        out += [flag and count >= length] * count
     return out
 
 
@@ -136,21 +135,20 @@ def ranges(points: Sequence[Point], routes: Sequence[Route | None], dtype: str, 
     """Byte ranges from per-point routes: each measured size takes its own route; the sizes strictly between two
     measured ones take their route only where both chose the same route of ours, else NCCL; the sizes below the
     smallest measured one (less than the one row a tune starts at) take its route. Adjacent equal routes merge."""
-    pieces: list[Entry] = []
-    previous: tuple[Point, Route | None] | None = None
-    for point, route in zip(points, routes, strict=True):
-        low = 1 if previous is None else previous[0].nbytes + 1
-        if point.nbytes > low:
-            agreed = previous is None or (route is not None and previous[1] == route)
-            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, route if agreed else None))
-        pieces.append(Entry(dtype, kind, point.nbytes, point.nbytes, route))
-        previous = (point, route)
     merged: list[Entry] = []
-    for entry in pieces:
-        if merged and merged[-1].route == entry.route and merged[-1].high + 1 == entry.low:
-            merged[-1] = dataclasses.replace(merged[-1], high=entry.high)
+
+    def add(low: int, high: int, route: Route | None) -> None:
+        if merged and merged[-1].route == route and merged[-1].high + 1 == low:
+            merged[-1] = dataclasses.replace(merged[-1], high=high)
         else:
-            merged.append(entry)
+            merged.append(Entry(dtype, kind, low, high, route))
+
+    low = 1
+    for i, (point, route) in enumerate(zip(points, routes, strict=True)):
+        if point.nbytes > low:
+            add(low, point.nbytes - 1, route if i == 0 or (route is not None and routes[i - 1] == route) else None)
+        add(point.nbytes, point.nbytes, route)
+        low = point.nbytes + 1
     return merged
 
 
@@ -205,9 +203,9 @@ def box_tag(key: Mapping[str, Any]) -> str:
 
 
 def compare_keys(expected: Mapping[str, Any], found: Mapping[str, Any]) -> tuple[str, str] | None:
-    """None when `found` (a table's key) is `expected` (this group's); else ("other versions" | "another key",
-    what differs, as 'field table-value -> this-value')."""
-    for status, fields in (("other versions", VERSION_FIELDS), ("another key", BOX_FIELDS)):
+    """None when `found` (a table's key) is `expected` (this group's); else (OTHER_VERSIONS | ANOTHER_KEY, what
+    differs, as 'field table-value -> this-value')."""
+    for status, fields in ((OTHER_VERSIONS, VERSION_FIELDS), (ANOTHER_KEY, BOX_FIELDS)):
         out = []
         for field in (f for f in fields if expected.get(f) != found.get(f)):
             mine, theirs = expected.get(field), found.get(field)
