@@ -16,7 +16,6 @@ hand-edited route is not served as stored.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import hashlib
@@ -235,7 +234,6 @@ class RoutingTable:
     notes: list[str] = dataclasses.field(default_factory=list)
     rule: dict[str, Any] = dataclasses.field(default_factory=_rule)
     tune_version: int = TUNE_VERSION
-    _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
@@ -356,16 +354,10 @@ def _point(raw: Any) -> tuple[tuple[str, str], Point]:
 
 def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:
     """The route of a message of `nbytes` bytes; None when the table does not cover that size (the caller then
-    uses NCCL). O(log entries) after the first call on a table."""
-    if table._index is None:
-        table._index = {}
-        for entry in sorted(table.entries, key=lambda e: e.low):
-            lows, entries = table._index.setdefault((entry.dtype, entry.kind), ([], []))
-            lows.append(entry.low)
-            entries.append(entry)
-    lows, entries = table._index.get((dtype, "fused" if fused else "plain"), ([], []))
-    at = bisect.bisect_right(lows, nbytes) - 1
-    return entries[at].route if at >= 0 and nbytes <= entries[at].high else None
+    uses NCCL). A scan of a few entries: callers memoize per size."""
+    kind = "fused" if fused else "plain"
+    return next((e.route for e in table.entries if (e.dtype, e.kind) == (dtype, kind) and e.low <= nbytes <= e.high),
+                None)
 
 
 def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = None) -> str:
