@@ -9,9 +9,11 @@ CUDA_VISIBLE_DEVICES can interleave sockets.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import groupby
 
 # nvmlGpuTopologyLevel_t, closest first: one board, one PCIe switch, several switches, one host bridge, one NUMA
@@ -23,11 +25,9 @@ Level = int | None  # None: unknown
 
 @dataclass
 class Topology:
-    uuids: list[str]
     levels: list[list[Level]] | None  # pairwise, diagonal 0
     numa_nodes: list[int | None]
     nvlink_all_pairs: bool | None  # None: unknown
-    pci_bus_ids: list[str | None] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -99,74 +99,59 @@ def _or_none(call, *args):
         return None
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
+@contextlib.contextmanager
 def _nvml():
     import pynvml  # nvidia-ml-py; SGLang depends on it
 
     pynvml.nvmlInit()
-    return pynvml
+    try:
+        yield pynvml
+    finally:
+        _or_none(pynvml.nvmlShutdown)
 
 
 def probe(uuids: Sequence[str]) -> Topology:
-    """Pairwise levels, NUMA nodes, PCI bus ids and NVLink of the GPUs with these UUIDs (NVML orders GPUs its own
-    way, whatever CUDA_VISIBLE_DEVICES says). Never raises: unknowns are None."""
+    """Pairwise levels, NUMA nodes and NVLink of the GPUs with these UUIDs (NVML orders GPUs its own way, whatever
+    CUDA_VISIBLE_DEVICES says). Never raises: unknowns are None."""
     n = len(uuids)
-    topo = Topology(list(uuids), None, [None] * n, None, [None] * n)
+    topo, stage = Topology(None, [None] * n, None), "NVML unavailable"
     try:
-        nvml = _nvml()
+        with _nvml() as nvml:
+            stage = "NVML topology query failed"
+            handles = [nvml.nvmlDeviceGetHandleByUUID(uuid) for uuid in uuids]
+            ancestor = nvml.nvmlDeviceGetTopologyCommonAncestor
+            levels = [[0 if i == j else _or_none(ancestor, a, b) for j, b in enumerate(handles)]
+                      for i, a in enumerate(handles)]
+            topo.levels = [[None if v is None else int(v) for v in row] for row in levels]
+            topo.numa_nodes = [_numa_node(nvml, handle) for handle in handles]
+            status = [_or_none(nvml.nvmlDeviceGetP2PStatus, handles[i], handles[j], nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                      for i in range(n) for j in range(i + 1, n)]
+            if n > 1 and None not in status:
+                topo.nvlink_all_pairs = all(s == nvml.NVML_P2P_STATUS_OK for s in status)
     except Exception as exc:
-        topo.error = f"NVML unavailable ({type(exc).__name__}: {exc})"
-        return topo
-    try:
-        handles = [nvml.nvmlDeviceGetHandleByUUID(uuid) for uuid in uuids]
-        ancestor = nvml.nvmlDeviceGetTopologyCommonAncestor
-        levels = [[0 if i == j else _or_none(ancestor, a, b) for j, b in enumerate(handles)]
-                  for i, a in enumerate(handles)]
-        topo.levels = [[None if v is None else int(v) for v in row] for row in levels]
-        for i, handle in enumerate(handles):
-            bus = _or_none(nvml.nvmlDeviceGetPciInfo, handle)
-            topo.pci_bus_ids[i] = _text(bus.busId) if bus is not None else None
-            topo.numa_nodes[i] = _numa_node(nvml, handle, topo.pci_bus_ids[i])
-        status = [_or_none(nvml.nvmlDeviceGetP2PStatus, handles[i], handles[j], nvml.NVML_P2P_CAPS_INDEX_NVLINK)
-                  for i in range(n) for j in range(i + 1, n)]
-        if n > 1 and None not in status:
-            topo.nvlink_all_pairs = all(s == nvml.NVML_P2P_STATUS_OK for s in status)
-    except Exception as exc:
-        topo.error = f"NVML topology query failed ({type(exc).__name__}: {exc})"
-    finally:
-        _or_none(nvml.nvmlShutdown)
+        topo.error = f"{stage} ({type(exc).__name__}: {exc})"
     return topo
 
 
-def _numa_node(nvml, handle, bus: str | None) -> int | None:
+def _numa_node(nvml, handle) -> int | None:
     node = _or_none(nvml.nvmlDeviceGetNumaNodeId, handle)
+    bus = getattr(_or_none(nvml.nvmlDeviceGetPciInfo, handle), "busId", None)
     if (node is None or int(node) < 0) and bus:  # older drivers: sysfs, through the PCI bus id
-        domain, _, rest = bus.lower().partition(":")
-        node = _or_none(_read_int, f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest}/numa_node")
+        domain, _, rest = (bus.decode() if isinstance(bus, bytes) else str(bus)).lower().partition(":")
+        path = pathlib.Path(f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest}/numa_node")
+        node = _or_none(lambda: int(path.read_text().strip()))
     return int(node) if node is not None and int(node) >= 0 else None
-
-
-def _read_int(path: str) -> int:
-    with open(path) as handle:
-        return int(handle.read().strip())
 
 
 def cpu_affinity(uuid: str) -> str | None:
     """The CPU list NVML recommends for the GPU ("0-31,64-95"), for the doctor."""
     try:
-        nvml = _nvml()
+        with _nvml() as nvml:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            words = nvml.nvmlDeviceGetCpuAffinity(handle, ((os.cpu_count() or 64) + 63) // 64)
     except Exception:
         return None
-    try:
-        words = nvml.nvmlDeviceGetCpuAffinity(nvml.nvmlDeviceGetHandleByUUID(uuid), ((os.cpu_count() or 64) + 63) // 64)
-        cpus = [w * 64 + b for w, word in enumerate(words) for b in range(64) if int(word) >> b & 1]
-    except Exception:
-        return None
-    finally:
-        _or_none(nvml.nvmlShutdown)
+    cpus = [w * 64 + b for w, word in enumerate(words) for b in range(64) if int(word) >> b & 1]
     runs = [[cpu for _, cpu in run] for _, run in groupby(enumerate(cpus), lambda pair: pair[1] - pair[0])]
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
