@@ -140,9 +140,11 @@ def settings_from_environment(environ: Mapping[str, str] | None = None) -> Overl
     """The settings from the environment, the kernel package's switches checked too; SettingError names the first
     bad variable."""
     kernel_settings.read(environ)
-    raw = {field: (variable(name, environ), name, parse) for field, name, parse in ENVIRONMENT}
-    return OverlaySettings(**{field: parse(value, name) for field, (value, name, parse) in raw.items()
-                              if value is not None})
+    given = {}
+    for field, name, parse in ENVIRONMENT:
+        if (raw := variable(name, environ)) is not None:
+            given[field] = parse(raw, name)
+    return OverlaySettings(**given)
 
 
 def with_flags(settings: OverlaySettings, namespace: object) -> OverlaySettings:
