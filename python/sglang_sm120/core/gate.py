@@ -34,18 +34,10 @@ def _ranks_by_capability(capabilities: Sequence[Capability]) -> str:
     return ", ".join(f"ranks {ranks}: {cap}" for cap, ranks in sorted(by_cap.items()))
 
 
-def decide(
-    mode: str,
-    capabilities: Sequence[Capability],
-    world_size: int,
-    nnodes: int,
-    p2p: Sequence[Sequence[bool]] | None,
-    deterministic: bool,
-    kernel_errors: Sequence[str | None] | None = None,
-    modes: Sequence[str] | None = None,
-    names: Sequence[str | None] | None = None,
-    hostmem: str = "auto",
-) -> GateDecision:
+def decide(mode: str, capabilities: Sequence[Capability], world_size: int, nnodes: int,
+           p2p: Sequence[Sequence[bool]] | None, deterministic: bool, kernel_errors: Sequence[str | None] | None = None,
+           modes: Sequence[str] | None = None, names: Sequence[str | None] | None = None,
+           hostmem: str = "auto") -> GateDecision:
     """Should the TP group use the sm120 IPC backend, and with which workspace memory?
 
     mode: this rank's; modes: every rank's (they must agree). capabilities: (major, minor) per rank. nnodes: the

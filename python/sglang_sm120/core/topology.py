@@ -53,9 +53,8 @@ def _equal_groups(labels: Sequence[object]) -> list[list[int]] | None:
     return ordered if len(ordered) >= 2 and size >= 2 and all(len(g) == size for g in ordered) else None
 
 
-def islands_from_levels(
-    levels: Sequence[Sequence[Level]] | None, numa_nodes: Sequence[int | None] | None = None
-) -> list[list[int]] | None:
+def islands_from_levels(levels: Sequence[Sequence[Level]] | None,
+                        numa_nodes: Sequence[int | None] | None = None) -> list[list[int]] | None:
     """Split the ranks where the topology splits at its top level; None means "treat as flat".
 
     Ranks joined by any link closer than the farthest level present (either direction) form one island. The split
