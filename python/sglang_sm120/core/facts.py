@@ -99,7 +99,8 @@ def library_identity() -> str:
         from sgl_kernel_sm120 import _ext
 
         path = _ext.library_path()
-        return f"{os.path.basename(path)}:{os.stat(path).st_size}:{int(os.stat(path).st_mtime)}"
+        stat = os.stat(path)
+        return f"{os.path.basename(path)}:{stat.st_size}:{int(stat.st_mtime)}"
     except Exception as exc:
         return f"unavailable ({type(exc).__name__})"
 
