@@ -1,14 +1,9 @@
-"""Every setting of the overlay, read here and nowhere else, and the byte bound.
+"""Every overlay setting, parsed here and nowhere else into one `OverlaySettings`, and the byte bound.
 
-The three flags (`--sm120-allreduce`, `--sm120-allreduce-max-bytes`, `--sm120-allreduce-tune`) and the
-`SGLANG_SM120_*` variables are parsed once, into one `OverlaySettings`, when SGLang makes its ServerArgs record:
-the environment first (`sglang.Engine(**kwargs)` bypasses argparse), then the flags over it. The record carries
-the object to every scheduler process (SGLang pickles it), where the hooks read it (`settings_of`). Reading the
-environment also reads the kernel package's switches (`sgl_kernel_sm120.settings`), so a bad value of either
-family stops the launch with one line naming the variable, before any rank starts.
-
-SGLang 0.5.23 treats `SGL_*` variables as deprecated spellings of `SGLANG_*` and copies them over, so every
-variable here is read under both spellings; one setting at two different values is an error.
+Parsed when SGLang makes its ServerArgs record: the environment first (`sglang.Engine(**kwargs)` bypasses argparse),
+the flags over it. The record carries the settings to every scheduler process (SGLang pickles it; `settings_of`).
+The kernel package's switches are checked on the way, so a bad value of either family stops the launch in one line.
+SGLang 0.5.23 copies `SGL_*` variables to `SGLANG_*`, so each variable is read under both spellings.
 """
 
 from __future__ import annotations
@@ -33,13 +28,9 @@ MODES = ("auto", "on", "off")
 TUNE_MODES = ("auto", "off", "force")
 HOSTMEM_CHOICES = ("auto", "off")
 MAX_SECONDS = 3600.0
+SETTINGS_ATTR = "sm120_settings"  # the ServerArgs attribute that carries the parsed settings
 
-# The argparse destinations of the flags, and the ServerArgs attribute that carries the parsed settings.
-MODE_ATTR, MAX_BYTES_ATTR, TUNE_ATTR = "sm120_allreduce", "sm120_allreduce_max_bytes", "sm120_allreduce_tune"
-SETTINGS_ATTR = "sm120_settings"
-
-# A derived bound is capped: past a few MiB NCCL's ring is as fast on PCIe, and the scratch on every GPU grows
-# with the bound. An explicit one may go to MAX_EXPLICIT_BYTES (the scratch is about 2 x TP x bound per GPU).
+# Past a few MiB NCCL's ring is as fast on PCIe, and every GPU's scratch (about 2 x TP x bound) grows with the bound.
 DERIVED_MAX_BYTES_CAP = 8 << 20
 MAX_EXPLICIT_BYTES = 64 << 20
 MIN_MAX_BYTES = 16  # one 16-byte vector
@@ -61,9 +52,9 @@ def _choice(choices, what, meaning=""):
 
 parse_mode = _choice(MODES, "mode")
 parse_tune = _choice(TUNE_MODES, "tune setting", "auto: tune at launch when no table of this box exists; off: the "
-                                                 "built-in seeds; force: tune at every launch")
+                     "built-in seeds; force: tune at every launch")
 parse_hostmem = _choice(HOSTMEM_CHOICES, "host-memory setting", "auto: use pinned host memory where CUDA P2P is "
-                                                                "missing; off: stay on NCCL there")
+                        "missing; off: stay on NCCL there")
 
 
 def parse_max_bytes(value: object, source: str) -> int | None:
@@ -104,7 +95,7 @@ class OverlaySettings:
     tune_timeout_s: float = 180.0  # the launcher's tune, when it runs
 
 
-# (field, variable, parser): what the environment can set; the README's settings table lists the same variables.
+# (field, variable, parser); the README's settings table lists the same variables.
 ENVIRONMENT = (
     ("mode", MODE_ENV, parse_mode),
     ("max_bytes", MAX_BYTES_ENV, parse_max_bytes),
@@ -113,14 +104,32 @@ ENVIRONMENT = (
     ("agreement_timeout_s", AGREEMENT_TIMEOUT_ENV, parse_seconds),
     ("tune_timeout_s", TUNE_TIMEOUT_ENV, parse_seconds),
 )
-FLAGS = (("mode", MODE_ATTR), ("max_bytes", MAX_BYTES_ATTR), ("tune", TUNE_ATTR))
+# (field, flag, parser, choices or metavar, help); argparse's destination is the flag in snake case.
+FLAGS = (
+    ("mode", "--sm120-allreduce", parse_mode, MODES,
+     "Serve small tensor-parallel all-reduces and the fused all-reduce + residual-add + RMSNorm with "
+     "sgl_kernel_sm120's CUDA IPC kernels. auto (default): when every TP GPU is compute capability 12.0, TP 2/4/8 on "
+     f"one node, deterministic inference off; on: any CUDA GPU; off: SGLang unchanged. Env: {MODE_ENV}."),
+    ("max_bytes", "--sm120-allreduce-max-bytes", parse_max_bytes, "N",
+     "Largest all-reduce (bytes) the kernels may serve; larger ones stay on NCCL. Default: the widest captured "
+     f"decode/verify batch x hidden x element size, at most {DERIVED_MAX_BYTES_CAP}. Env: {MAX_BYTES_ENV}."),
+    ("tune", "--sm120-allreduce-tune", parse_tune, TUNE_MODES,
+     "Each size goes to the kernels only where this box's routing table (python -m sglang_sm120.tune) measured them "
+     "faster than NCCL. auto (default): when no table matches, the launcher runs a quick tune before the ranks start "
+     "(a failure leaves every size on NCCL); off: no tuning, a missing table means the unmeasured seeds; force: tune "
+     f"at every launch. Env: {TUNE_ENV}."),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The value of SGLANG_SM120_X under either spelling (SGL_SM120_X too), None when unset or empty."""
     env = os.environ if environ is None else environ
-    twin = "SGL_" + name.removeprefix("SGLANG_")
-    found = {spelled: env[spelled] for spelled in (name, twin) if env.get(spelled, "") != ""}
+    found = {spelled: env[spelled] for spelled in (name, "SGL_" + name.removeprefix("SGLANG_"))
+             if env.get(spelled, "") != ""}
     if len(set(found.values())) > 1:
         shown = " and ".join(f"{spelled}={value!r}" for spelled, value in found.items())
         raise SettingError(f"{shown} are one setting at two values: unset one of them")
@@ -128,33 +137,33 @@ def variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def settings_from_environment(environ: Mapping[str, str] | None = None) -> OverlaySettings:
-    """The overlay's settings from the environment; the kernel package's switches are checked on the way.
-    SettingError names the first bad variable."""
+    """The settings from the environment, the kernel package's switches checked too; SettingError names the first
+    bad variable."""
     kernel_settings.read(environ)
     given = {}
     for field, name, parse in ENVIRONMENT:
-        raw = variable(name, environ)
-        if raw is not None:
+        if (raw := variable(name, environ)) is not None:
             given[field] = parse(raw, name)
     return OverlaySettings(**given)
 
 
 def with_flags(settings: OverlaySettings, namespace: object) -> OverlaySettings:
-    """`settings` with the flags argparse parsed (their SettingAction checked each value)."""
-    given = {field: getattr(namespace, dest) for field, dest in FLAGS if getattr(namespace, dest, None) is not None}
+    """`settings` with the flags argparse parsed (SettingAction checked each value)."""
+    given = {field: getattr(namespace, _dest(flag)) for field, flag, *_ in FLAGS
+             if getattr(namespace, _dest(flag), None) is not None}
     return dataclasses.replace(settings, **given)
 
 
 def settings_of(server_args: object | None, environ: Mapping[str, str] | None = None) -> OverlaySettings:
-    """The settings stored on a ServerArgs record when it was made; else (a record rebuilt from its fields, as
-    0.5.13.post1's Ray launcher does, or none) this process's environment."""
+    """The settings stored on a ServerArgs record; else (a record rebuilt from its fields, as 0.5.13.post1's Ray
+    launcher does, or none) this process's environment."""
     stored = getattr(server_args, SETTINGS_ATTR, None)
     return stored if isinstance(stored, OverlaySettings) else settings_from_environment(environ)
 
 
 def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | None = None) -> float | None:
-    """The kernels' wait bound: the kernel switch when set, else SGLang's --dist-timeout (what NCCL would wait
-    for a late peer), else None (the kernel package's default)."""
+    """The kernels' wait bound: None when the kernel switch is set (the package reads it) or nothing is known, else
+    SGLang's --dist-timeout (what NCCL would wait for a late peer)."""
     if kernel_settings.read(environ).timeout_given:
         return None
     dist_timeout = getattr(server_args, "dist_timeout", None)
@@ -164,9 +173,8 @@ def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | No
 
 
 class SettingAction(argparse.Action):
-    """Parses a flag with one of the parsers above; a bad value ends the command with one line (exit 2) instead
-    of argparse printing SGLang's whole usage first. A parser built with exit_on_error=False gets an
-    ArgumentError."""
+    """Parses a flag with one of the parsers above. A bad value ends the command with one line (exit 2), not
+    SGLang's whole usage; a parser built with exit_on_error=False gets an ArgumentError."""
 
     def __init__(self, option_strings, dest, parse=None, **kwargs):
         self.parse = parse
@@ -187,26 +195,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     if any("--sm120-allreduce" in action.option_strings for action in parser._actions):
         return
     group = parser.add_argument_group("sglang-sm120 (CUDA IPC all-reduce for RTX PRO 6000 / SM120)")
-    group.add_argument(
-        "--sm120-allreduce", dest=MODE_ATTR, action=SettingAction, parse=parse_mode, default=None,
-        metavar="{" + ",".join(MODES) + "}",
-        help="Serve small tensor-parallel all-reduces and the fused all-reduce + residual-add + RMSNorm with "
-             "sgl_kernel_sm120's CUDA IPC kernels. auto (default): when every TP GPU is compute capability 12.0, "
-             "TP 2/4/8 on one node, deterministic inference off; on: any CUDA GPU; off: SGLang unchanged. "
-             f"Env: {MODE_ENV}.")
-    group.add_argument(
-        "--sm120-allreduce-max-bytes", dest=MAX_BYTES_ATTR, action=SettingAction, parse=parse_max_bytes,
-        default=None, metavar="N",
-        help="Largest all-reduce (bytes) the kernels may serve; larger ones stay on NCCL. Default: the widest "
-             f"captured decode/verify batch x hidden x element size, at most {DERIVED_MAX_BYTES_CAP}. "
-             f"Env: {MAX_BYTES_ENV}.")
-    group.add_argument(
-        "--sm120-allreduce-tune", dest=TUNE_ATTR, action=SettingAction, parse=parse_tune, default=None,
-        metavar="{" + ",".join(TUNE_MODES) + "}",
-        help="Each size goes to the kernels only where this box's routing table (python -m sglang_sm120.tune) "
-             "measured them faster than NCCL. auto (default): when no table matches, the launcher runs a quick "
-             "tune before the ranks start (a failure leaves every size on NCCL); off: no tuning, a missing table "
-             f"means the unmeasured seeds; force: tune at every launch. Env: {TUNE_ENV}.")
+    for _, flag, parse, meta, text in FLAGS:
+        group.add_argument(flag, dest=_dest(flag), action=SettingAction, parse=parse, default=None, help=text,
+                           metavar=meta if isinstance(meta, str) else "{" + ",".join(meta) + "}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,28 +249,24 @@ def resolve_max_bytes(explicit: int | None, server_args: object | None, hidden_s
         speculative_algorithm=getattr(server_args, "speculative_algorithm", None))
 
 
-TEXT_SECTIONS = ("text_config", "language_config", "llm_config", "language_model")
-
-
 def hidden_from_config(config: dict) -> int | None:
     """hidden_size of a HF config.json, at the top or in the text model's section (multimodal models)."""
-    if isinstance(config.get("hidden_size"), int):
-        return int(config["hidden_size"])
-    return next((int(config[k]["hidden_size"]) for k in TEXT_SECTIONS
-                 if isinstance(config.get(k), dict) and isinstance(config[k].get("hidden_size"), int)), None)
+    sections = [config] + [config.get(k) for k in ("text_config", "language_config", "llm_config", "language_model")]
+    found = [s["hidden_size"] for s in sections if isinstance(s, dict) and isinstance(s.get("hidden_size"), int)]
+    return int(found[0]) if found else None
 
 
 def hidden_from_model(model_path: str) -> int:
     """The hidden size of a local model folder or a Hugging Face repo id (its config.json)."""
     path = os.path.join(model_path, "config.json")
-    if not os.path.isdir(model_path):
-        try:
+    try:
+        if not os.path.isdir(model_path):
             from huggingface_hub import hf_hub_download
 
             path = hf_hub_download(model_path, "config.json")
-        except Exception as exc:
-            raise SystemExit(f"error: cannot read config.json of {model_path!r} ({type(exc).__name__}: {exc}); "
-                             "pass --hidden") from None
+    except Exception as exc:
+        raise SystemExit(f"error: cannot read config.json of {model_path!r} ({type(exc).__name__}: {exc}); "
+                         "pass --hidden") from None
     try:
         with open(path, encoding="utf-8") as handle:
             hidden = hidden_from_config(json.load(handle))

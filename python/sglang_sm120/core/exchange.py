@@ -1,14 +1,14 @@
-"""Time-bounded exchanges between the ranks of a group over the c10d key-value store: the one agreement mechanism
-of a server's start-up, the backend's rounds and the workspace construction's steps alike.
+"""Time-bounded exchanges between a group's ranks over the c10d key-value store: the one agreement mechanism of a
+server's start-up, the backend's rounds and the workspace construction's steps alike.
 
-Why not gloo collectives: SGLang logs and swallows a plugin's exception, so one rank can come up without the
-overlay while its peers wait for it, and a gloo all-gather would block them for the group's timeout (hours). A
-store `wait` with a timeout returns, and every rank falls back to NCCL together.
+Not gloo collectives: SGLang logs and swallows a plugin's exception, so one rank can come up without the overlay
+while its peers wait for it, and a gloo all-gather would block them for the group's timeout (hours). A store `wait`
+with a timeout returns, and every rank falls back to NCCL together.
 
-`agree` runs two rounds: payloads, then verdicts ("I got every payload" or why not), and returns only if every
-verdict says yes. The verdict round waits longer (`VERDICT_GRACE_S`): a live rank publishes its verdict at most
-one payload timeout after its payload, so live ranks always see each other's verdicts and agree; only a rank
-that dies in between can leave its peers disagreeing, and the kernels' bounded waits turn that into an error.
+`agree` runs two rounds, payloads then verdicts ("I got every payload" or why not), and returns only if every
+verdict says yes. The verdict round waits `VERDICT_GRACE_S` longer: a live rank publishes its verdict at most one
+payload timeout after its payload, so live ranks always see each other's verdicts and agree; only a rank that dies
+in between can leave its peers disagreeing, and the kernels' bounded waits turn that into an error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-KEY_ROOT = "sglang_sm120"
 VERDICT_GRACE_S = 30.0
 
 _lock = threading.Lock()
@@ -27,9 +26,7 @@ _sequences: dict[tuple[str, int], itertools.count] = {}
 
 
 class ExchangeTimeout(RuntimeError):
-    def __init__(self, what: str, missing: list[int], timeout_s: float):
-        self.missing = missing
-        super().__init__(f"{what}: no answer from ranks {missing} within {timeout_s:.0f}s")
+    pass
 
 
 class AgreementFailed(RuntimeError):
@@ -37,10 +34,10 @@ class AgreementFailed(RuntimeError):
 
 
 def next_prefix(scope: str, rank: int) -> str:
-    """The key prefix of `rank`'s n-th exchange in `scope`: ranks make the same exchanges in the same order, so
-    the n-th gets the same prefix everywhere without communicating (counted per rank: threads as ranks work)."""
+    """The key prefix of `rank`'s n-th exchange in `scope`: ranks make the same exchanges in the same order, so the
+    n-th gets the same prefix everywhere without communicating (counted per rank: threads as ranks work)."""
     with _lock:
-        return f"{KEY_ROOT}/{scope}/{next(_sequences.setdefault((scope, rank), itertools.count()))}"
+        return f"sglang_sm120/{scope}/{next(_sequences.setdefault((scope, rank), itertools.count()))}"
 
 
 def exchange(store, prefix: str, rank: int, world_size: int, payload: Any, timeout_s: float) -> list[Any]:
@@ -53,8 +50,9 @@ def exchange(store, prefix: str, rank: int, world_size: int, payload: Any, timeo
     except Exception as exc:
         missing = [r for r, key in enumerate(keys) if not _present(store, key)]
         if missing:  # else raced with the last writer: every key is there after all
-            raise ExchangeTimeout(prefix, missing, timeout_s) from exc
-    return [json.loads(_text(store.get(key))) for key in keys]
+            raise ExchangeTimeout(f"{prefix}: no answer from ranks {missing} within {timeout_s:.0f}s") from exc
+    values = (store.get(key) for key in keys)
+    return [json.loads(v.decode() if isinstance(v, bytes | bytearray) else str(v)) for v in values]
 
 
 def agree(store, prefix: str, rank: int, world_size: int, payload: Any, timeout_s: float) -> list[Any]:
@@ -76,19 +74,18 @@ def agree(store, prefix: str, rank: int, world_size: int, payload: Any, timeout_
 
 
 class StoreExchange:
-    """The exchange a workspace's construction runs its collective steps over (sgl_kernel_sm120.IpcAllReduce
-    takes any object with these members): the store, each step bounded by `timeout_s`."""
+    """The collective steps of a workspace's construction (sgl_kernel_sm120.IpcAllReduce takes any object with these
+    members) over the store, each bounded by `timeout_s`."""
 
     def __init__(self, store, scope: str, rank: int, world_size: int, timeout_s: float):
         self.store, self.scope, self.rank, self.world_size, self.timeout_s = store, scope, rank, world_size, timeout_s
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, timeout_s: float | None = None) -> list[Any]:
         return exchange(self.store, next_prefix(self.scope, self.rank), self.rank, self.world_size, obj,
-                        self.timeout_s)
+                        self.timeout_s if timeout_s is None else timeout_s)
 
     def barrier(self, timeout_s: float | None = None) -> None:
-        exchange(self.store, next_prefix(self.scope, self.rank), self.rank, self.world_size, None,
-                 self.timeout_s if timeout_s is None else timeout_s)
+        self.all_gather(None, timeout_s)
 
 
 def _present(store, key: str) -> bool:
@@ -96,7 +93,3 @@ def _present(store, key: str) -> bool:
         return bool(store.check([key]))
     except Exception:
         return False
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes | bytearray) else str(value)

@@ -1,9 +1,8 @@
 """What one rank sees, as JSON: the gate's inputs and the rank's part of the routing-table key.
 
-The gate round sends these facts once, at group creation (runtime/backend.py), so every rank later holds every
-rank's part of the key without another round. P2P is probed here and not taken from SGLang: SGLang runs its P2P
-test only after deciding that more than two PCIe GPUs cannot use its custom all-reduce, i.e. never on the
-boxes this overlay is for.
+The gate round sends these once, at group creation, so every rank later holds every rank's part of the key without
+another round. P2P is probed here, not taken from SGLang: SGLang runs its P2P test only after deciding that more
+than two PCIe GPUs cannot use its custom all-reduce, i.e. never on the boxes this overlay is for.
 """
 
 from __future__ import annotations
@@ -24,15 +23,20 @@ def node_identity() -> str:
     """The same for every process of one machine (containers included), different across machines."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot_id = handle.read().strip()
+            return f"{socket.gethostname()}/{handle.read().strip()}"
     except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+        return f"{socket.gethostname()}/"
 
 
 def gpu_uuid(props) -> str:
     uuid = str(getattr(props, "uuid", ""))
     return uuid if uuid.startswith("GPU-") or not uuid else f"GPU-{uuid}"
+
+
+def _index(device) -> int:
+    import torch
+
+    return device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
 
 
 def kernel_error() -> str | None:
@@ -61,19 +65,18 @@ def p2p_row(device_index: int) -> dict[str, bool]:
 
 
 def local_facts(device, mode: str) -> dict[str, Any]:
-    """This rank's facts. P2P, the kernels and the key are looked at only where the gate can use them (mode on,
-    or an SM120 GPU): elsewhere auto mode leaves the process as it was."""
+    """This rank's facts. P2P, the kernels and the key are looked at only where the gate can use them (mode on, or
+    an SM120 GPU): elsewhere auto mode leaves the process as it was."""
     facts: dict[str, Any] = {"mode": mode, "node": node_identity(), "capability": None, "uuid": None,
                              "name": None, "p2p": None, "kernel_error": None, "key": None}
     try:
         import torch
 
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(index)
+            props = torch.cuda.get_device_properties(_index(device))
             facts.update(capability=[props.major, props.minor], uuid=gpu_uuid(props), name=str(props.name))
             if mode == "on" or facts["capability"] == [12, 0]:
-                facts.update(p2p=p2p_row(index), kernel_error=kernel_error(), key=key_facts(device))
+                facts.update(p2p=p2p_row(_index(device)), kernel_error=kernel_error(), key=key_facts(device))
     except Exception as exc:
         facts["probe_error"] = f"{type(exc).__name__}: {exc}"
         logger.warning("sglang_sm120: probing the local GPU failed: %s", facts["probe_error"])
@@ -85,11 +88,9 @@ def driver_version() -> str:
     try:
         with open("/proc/driver/nvidia/version") as handle:
             found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", handle.read())
-        if found:
-            return found.group(1)
+        return found.group(1) if found else "unknown"
     except OSError:
-        pass
-    return "unknown"
+        return "unknown"
 
 
 def library_identity() -> str:
@@ -97,42 +98,41 @@ def library_identity() -> str:
     try:
         from sgl_kernel_sm120 import _ext
 
-        st = os.stat(_ext.library_path())
-        return f"{os.path.basename(_ext.library_path())}:{st.st_size}:{int(st.st_mtime)}"
+        path = _ext.library_path()
+        stat = os.stat(path)
+        return f"{os.path.basename(path)}:{stat.st_size}:{int(stat.st_mtime)}"
     except Exception as exc:
         return f"unavailable ({type(exc).__name__})"
 
 
 def nccl_settings(environ=None) -> dict[str, str]:
-    """NCCL's settings for the key: a table measured against one NCCL configuration says nothing about another.
-    Its logging switches (NCCL_DEBUG*) change where NCCL writes, not how it moves data."""
+    """NCCL's settings, for the key: a table measured against one NCCL configuration says nothing about another.
+    NCCL_DEBUG* changes where NCCL logs, not how it moves data."""
     return {k: v for k, v in nccl.settings(environ).items() if not k.startswith("NCCL_DEBUG")}
 
 
 def key_facts(device) -> dict[str, Any]:
     """This rank's part of the routing-table key (routing/table.py LOCAL_FIELDS): its GPU and what can change a
-    measurement. The same function runs in the server and in the tune, so both compute the same key."""
+    measurement. The server and the tune both call it, so both compute the same key."""
     import torch
 
     from .version import __version__
 
-    index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    bus = None
-    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    props = torch.cuda.get_device_properties(_index(device))
+    bus = (f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0" if all(
+        hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")) else None)
     try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        version = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:
-        nccl = "unknown"
+        version = "unknown"
     return {"uuid": gpu_uuid(props), "pci_bus_id": bus, "name": str(props.name), "driver": driver_version(),
-            "cuda": str(torch.version.cuda), "torch": str(torch.__version__), "nccl": nccl,
+            "cuda": str(torch.version.cuda), "torch": str(torch.__version__), "nccl": version,
             "nccl_settings": nccl_settings(), "sglang_sm120": __version__, "kernels": library_identity()}
 
 
 def launch_facts(workspace) -> dict[str, Any]:
-    """How a built workspace launches (part of the key): the cluster sizes and SM budget its ranks agreed, PDL,
-    and the kernel switches that change them. A route measured under other launch facts runs another launch."""
+    """How a built workspace launches (part of the key): the cluster sizes and SM budget its ranks agreed, PDL, and
+    the kernel switches that change them. A route measured under other launch facts runs another launch."""
     from sgl_kernel_sm120.settings import launch_switches, read
 
     return {"clusters": sorted(int(c) for c in workspace.fused_clusters.get("clusters") or []),
@@ -154,15 +154,14 @@ class GroupFacts:
 
 def group_facts(all_facts: list[dict[str, Any]]) -> GroupFacts:
     """Every rank's facts (rank order) as the gate's inputs."""
-    uuids = [f.get("uuid") for f in all_facts]
-    p2p = None
+    def every(name):
+        return [f.get(name) for f in all_facts]
+
+    uuids, p2p = every("uuid"), None
     if all(f.get("p2p") is not None for f in all_facts) and all(uuids):
         # rank i reaches rank j iff i's GPU lists j's (by UUID); a GPU i cannot see counts as unreachable
         p2p = [[i == j or bool(f["p2p"].get(uuids[j], False)) for j in range(len(all_facts))]
                for i, f in enumerate(all_facts)]
-    return GroupFacts(
-        modes=[f.get("mode") for f in all_facts],
-        capabilities=[tuple(f["capability"]) if f.get("capability") else None for f in all_facts],
-        nnodes=len({f.get("node") for f in all_facts}), p2p=p2p,
-        kernel_errors=[f.get("kernel_error") for f in all_facts], uuids=uuids,
-        names=[f.get("name") for f in all_facts], keys=[f.get("key") for f in all_facts])
+    return GroupFacts(modes=every("mode"), capabilities=[tuple(c) if c else None for c in every("capability")],
+                      nnodes=len(set(every("node"))), p2p=p2p, kernel_errors=every("kernel_error"), uuids=uuids,
+                      names=every("name"), keys=every("key"))

@@ -1,13 +1,5 @@
-"""The capability gate: a pure function of facts gathered from every rank of a TP group.
-
-Every rank gathers the same facts (see `facts.py`) and evaluates `decide` on them, so every rank reaches the
-same decision without a further round trip. Kept free of torch and SGLang so it is unit-tested on CPU.
-
-The decision also picks the workspace's memory: "device" (each GPU's own memory, reached by its peers over
-CUDA P2P / IPC) when P2P holds between every pair, else "host" (pinned, device-mapped shared host memory,
-which needs no P2P at all: GeForce cards, whose driver refuses P2P, or a box with a pair the driver does not
-connect), unless the host-memory path was refused (`hostmem="off"`).
-"""
+"""The capability gate: a pure function of the facts every rank gathered (facts.py), so every rank reaches the same
+decision without another round trip. Free of torch and SGLang."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ from dataclasses import dataclass
 
 from sgl_kernel_sm120.policy import WORLD_SIZES
 
-from .config import HOSTMEM_CHOICES, HOSTMEM_ENV
+from .config import HOSTMEM_CHOICES, HOSTMEM_ENV, MODES
 
 SM120 = (12, 0)  # RTX PRO 6000 Blackwell / RTX 50xx. Not 12.1 (GB10 / DGX Spark: unified memory, no PCIe P2P)
 SUPPORTED_WORLD_SIZES = tuple(w for w in WORLD_SIZES if w > 1)  # 1 is the kernels' no-op
@@ -28,14 +20,7 @@ Capability = tuple[int, int] | None  # None: the rank has no CUDA device
 class GateDecision:
     enabled: bool
     reason: str
-    # Where the workspace lives when enabled: "device" (CUDA IPC over P2P) or "host" (pinned host memory,
-    # no P2P needed). Meaningless when disabled (left at "device").
-    memory: str = "device"
-
-
-def is_geforce(name: str) -> bool:
-    """GeForce cards (RTX 5090, 5080, ...) report "GeForce" in their name; their driver refuses CUDA P2P."""
-    return "geforce" in name.lower()
+    memory: str = "device"  # when enabled, the workspace's: "device" (CUDA IPC over P2P) or "host" (no P2P needed)
 
 
 def _fmt_cap(cap: Capability) -> str:
@@ -49,34 +34,22 @@ def _ranks_by_capability(capabilities: Sequence[Capability]) -> str:
     return ", ".join(f"ranks {ranks}: {cap}" for cap, ranks in sorted(by_cap.items()))
 
 
-def decide(
-    mode: str,
-    capabilities: Sequence[Capability],
-    world_size: int,
-    nnodes: int,
-    p2p: Sequence[Sequence[bool]] | None,
-    deterministic: bool,
-    kernel_errors: Sequence[str | None] | None = None,
-    modes: Sequence[str] | None = None,
-    names: Sequence[str | None] | None = None,
-    hostmem: str = "auto",
-) -> GateDecision:
-    """Should the TP group use the sm120 IPC backend?
+def decide(mode: str, capabilities: Sequence[Capability], world_size: int, nnodes: int,
+           p2p: Sequence[Sequence[bool]] | None, deterministic: bool, kernel_errors: Sequence[str | None] | None = None,
+           modes: Sequence[str] | None = None, names: Sequence[str | None] | None = None,
+           hostmem: str = "auto") -> GateDecision:
+    """Should the TP group use the sm120 IPC backend, and with which workspace memory?
 
-    mode: "auto" | "on" | "off" (this rank's); modes: every rank's mode (they must agree).
-    capabilities: (major, minor) per rank, None for a rank without a CUDA device.
-    nnodes: distinct nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's GPU (None: unprobed).
-    kernel_errors: per rank, None when sgl_kernel_sm120's kernels load there, else why not.
-    names: per rank, the GPU's marketing name (None: unknown); only used to explain a missing P2P.
-    hostmem: "auto" (a missing P2P pair selects the host-memory workspace) | "off" (it disables the backend).
+    mode: this rank's; modes: every rank's (they must agree). capabilities: (major, minor) per rank. nnodes: the
+    nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's (None: unprobed). kernel_errors: per rank, why
+    the kernels do not load there (None: they do). names: the GPUs' names, to explain a missing P2P.
 
-    "auto": every GPU exactly 12.0, world 2/4/8, one node, deterministic off, P2P probed.
-    "on": any CUDA GPU; still needs world 2/4/8 on one node (both transports are node-local) and P2P probed.
-    "off": never.
-    In "auto" and "on", P2P between every pair gives memory "device"; a pair without it gives memory "host",
-    or a disabled backend with hostmem "off". Unprobed P2P (None) disables: nothing is known about the box.
+    "off": never. "auto": every GPU exactly 12.0 and deterministic inference off; "on": any CUDA GPU. Both need
+    world 2/4/8 on one node (both workspaces are node-local), P2P probed and the kernels on every rank. P2P between
+    every pair gives memory "device"; a pair without it gives "host" (pinned, device-mapped host memory needs no P2P:
+    GeForce cards, whose driver refuses it, or a pair the driver does not connect), or no backend with hostmem "off".
     """
-    if mode not in ("auto", "on", "off"):
+    if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
     if hostmem not in HOSTMEM_CHOICES:
         raise ValueError(f"unknown hostmem {hostmem!r}; allowed: {', '.join(HOSTMEM_CHOICES)}")
@@ -90,48 +63,35 @@ def decide(
         return GateDecision(False, f"facts from {len(capabilities)} of {world_size} ranks")
     if any(cap is None for cap in capabilities):
         return GateDecision(False, f"not every rank has a CUDA GPU ({_ranks_by_capability(capabilities)})")
-    if mode == "auto":
-        if any(tuple(cap) != SM120 for cap in capabilities):
-            note = ""
-            if any(tuple(cap) == (12, 1) for cap in capabilities):
-                note = " (12.1 is GB10/DGX Spark, not an RTX PRO 6000; excluded on purpose)"
-            return GateDecision(
-                False,
-                "auto enables only when every GPU is compute capability 12.0; "
-                f"found {_ranks_by_capability(capabilities)}{note}. Use mode 'on' to force it",
-            )
-        if deterministic:
-            return GateDecision(False, "deterministic inference is on; auto leaves all-reduces to SGLang")
+    if mode == "auto" and any(tuple(cap) != SM120 for cap in capabilities):
+        note = " (12.1 is GB10/DGX Spark, not an RTX PRO 6000; excluded on purpose)" if any(
+            tuple(cap) == (12, 1) for cap in capabilities) else ""
+        return GateDecision(False, "auto enables only when every GPU is compute capability 12.0; "
+                                   f"found {_ranks_by_capability(capabilities)}{note}. Use mode 'on' to force it")
+    if mode == "auto" and deterministic:
+        return GateDecision(False, "deterministic inference is on; auto leaves all-reduces to SGLang")
     if world_size not in SUPPORTED_WORLD_SIZES:
         return GateDecision(False, f"world size {world_size} is not one of {SUPPORTED_WORLD_SIZES}")
     if nnodes != 1:
-        return GateDecision(
-            False, f"the group spans {nnodes} nodes; CUDA IPC and the host-memory workspace work within one node only"
-        )
+        return GateDecision(False, f"the group spans {nnodes} nodes; CUDA IPC and the host-memory workspace work "
+                                   "within one node only")
     if p2p is None:
         return GateDecision(False, "P2P access was not probed")
-    missing = [
-        (i, j) for i in range(world_size) for j in range(world_size) if i != j and not bool(p2p[i][j])
-    ]
+    missing = [(i, j) for i in range(world_size) for j in range(world_size) if i != j and not bool(p2p[i][j])]
     no_p2p = _explain_missing_p2p(missing, names) if missing else ""
     if missing and hostmem == "off":
-        return GateDecision(
-            False,
-            f"{no_p2p}; the pinned host-memory workspace, which needs no P2P, is refused ({HOSTMEM_ENV}=off)",
-        )
-    if kernel_errors is not None:
-        failing = {rank: err for rank, err in enumerate(kernel_errors) if err}
-        if failing:
-            first_rank, first_err = next(iter(failing.items()))
-            return GateDecision(
-                False,
-                f"sgl_kernel_sm120 kernels unavailable on ranks {sorted(failing)} (rank {first_rank}: {first_err})",
-            )
-    caps = sorted({_fmt_cap(cap) for cap in capabilities})
+        return GateDecision(False, f"{no_p2p}; the pinned host-memory workspace, which needs no P2P, is refused "
+                                   f"({HOSTMEM_ENV}=off)")
+    failing = {rank: err for rank, err in enumerate(kernel_errors or []) if err}
+    if failing:
+        first_rank, first_err = next(iter(failing.items()))
+        return GateDecision(False, f"sgl_kernel_sm120 kernels unavailable on ranks {sorted(failing)} "
+                                   f"(rank {first_rank}: {first_err})")
     if mode == "auto":
         why = f"all {world_size} GPUs are compute capability 12.0 on one node"
     else:
-        why = f"mode on (forced) on compute capability {', '.join(caps)}, one node"
+        why = f"mode on (forced) on compute capability {', '.join(sorted({_fmt_cap(c) for c in capabilities}))}, " \
+              "one node"
     if missing:
         why += (f"; {no_p2p}, so the workspace goes to pinned, device-mapped host memory, which needs no P2P "
                 f"({HOSTMEM_ENV}=off refuses it)")
@@ -146,11 +106,9 @@ def _explain_missing_p2p(missing: Sequence[tuple[int, int]], names: Sequence[str
     """Which pairs lack P2P, and why where the GPU names tell: GeForce drivers refuse P2P by policy."""
     shown = ", ".join(f"{i}->{j}" for i, j in missing[:12]) + (" ..." if len(missing) > 12 else "")
     text = f"CUDA P2P access is missing between ranks {shown}"
-    geforce = sorted({n for n in (names or []) if n and is_geforce(n)})
+    geforce = sorted({n for n in (names or []) if n and "geforce" in n.lower()})
     if geforce:
-        return (
-            f"{text}: {', '.join(geforce)} is a GeForce card, and the NVIDIA driver disables P2P on GeForce cards "
-            "by policy (no BIOS or kernel setting changes that); CUDA IPC over P2P works only on "
-            "workstation/datacenter cards such as the RTX PRO 6000 Blackwell"
-        )
+        return (f"{text}: {', '.join(geforce)} is a GeForce card, and the NVIDIA driver disables P2P on GeForce cards "
+                "by policy (no BIOS or kernel setting changes that); CUDA IPC over P2P works only on "
+                "workstation/datacenter cards such as the RTX PRO 6000 Blackwell")
     return f"{text} (check IOMMU/ACS settings; `python -m sglang_sm120.doctor` explains)"

@@ -1,12 +1,11 @@
 """What one TP group's backend routes where: its tuned table, the seeds, or NCCL for every size.
 
 `RouteBook.route(nbytes, dtype, fused)` is the dispatch decision for a call the workspace takes: None sends it to
-NCCL (SGLang's own path), else the route of ours to launch, its launch fields resolved (every number the op needs).
-A pure function of the size, the dtype and what was agreed at build, so every rank routes every call alike.
+NCCL (SGLang's own path), else the route of ours to launch with every launch field resolved. A pure function of the
+size, the dtype and what was agreed at build, so every rank routes every call alike.
 
-- TABLE: a table route serves only where the workspace runs it as measured (sgl_kernel_sm120.policy.refusal);
-  anything else goes to NCCL, never to a launch nobody measured. The table given was re-derived without the
-  candidates blamed on this box (routing/table.py), so none of those is routed either.
+- TABLE: a table route serves only where the workspace runs it as measured (sgl_kernel_sm120.policy.refusal); else
+  NCCL, never a launch nobody measured. The table was re-derived without the candidates blamed on this box.
 - SEEDS: every size to sgl_kernel_sm120.policy.seed_route, unmeasured; only when the user asks (tune off).
 - ALL_NCCL: what any failure to find a usable table ends in; the backend stays attached (its counters say why).
 """
@@ -77,12 +76,9 @@ class RouteBook:
 
     def as_dict(self, dtype: str | None, max_bytes: int) -> dict[str, Any]:
         out: dict[str, Any] = {"source": self.source, "line": self.source_line()}
-        if self.source == TABLE:
-            out.update(path=self.path, measured=self.table.measured, quick=self.table.quick,
-                       routes=self.describe(dtype, max_bytes) if dtype else "")
-            if self.blamed:
-                out["blamed"] = [dict(b) for b in self.blamed]
-        else:
-            out.update(why=self.why, routes="all sizes: NCCL" if self.source == ALL_NCCL else
-                       "all sizes within the bound: seeds")
-        return out
+        if self.source != TABLE:
+            routes = "all sizes: NCCL" if self.source == ALL_NCCL else "all sizes within the bound: seeds"
+            return {**out, "why": self.why, "routes": routes}
+        out.update(path=self.path, measured=self.table.measured, quick=self.table.quick,
+                   routes=self.describe(dtype, max_bytes) if dtype else "")
+        return {**out, "blamed": [dict(b) for b in self.blamed]} if self.blamed else out

@@ -1,17 +1,13 @@
-"""Where routing tables are kept, and how a table is written and read back.
+"""Where routing tables are kept, and how one is written and read back.
 
 Folder: `$SGLANG_SM120_CACHE`, default `~/.cache/sglang_sm120` (shared with the kernels' cluster check). File:
 `routes_tp<world>_h<hidden>_<gpus>.json`, <gpus> eight hex digits of the GPUs' UUIDs, so two servers on two sets of
-GPUs of one box, or two models, keep their own tables. Written atomically (temporary file, then rename).
+GPUs of one box, or two models, keep their own tables. Written atomically (a temporary file, then a rename).
 
-`load` says what it found: ok; missing; corrupt (not JSON, or not a table's shape); other versions (table format,
-tune procedure, or the key's driver / CUDA / torch / NCCL / NCCL settings / our version / kernel library differ);
-another key (GPUs, TP size, islands, P2P, workspace memory, launch); does not cover (hidden size, dtype). Only ok
-is used; the status and its reason name what changed.
-
-A candidate blamed for a crash or hang of a tune's process (tuning/processes.py names the one that was running)
-is kept in `blamed_tp<world>_<gpus>.json` with the key it happened under: every later tune of that key leaves it
-out and no server routes to it. Another key lifts the blame.
+`load` says what it found; only OK is used, and the reason of any other status names what changed. A candidate blamed
+for a crash or hang of a tune's process (tuning/processes.py names the one that was running) is kept in
+`blamed_tp<world>_<gpus>.json` with the key it happened under: every later tune of that key leaves it out and no
+server routes to it. Another key lifts the blame.
 """
 
 from __future__ import annotations
@@ -26,9 +22,12 @@ from typing import Any
 from sgl_kernel_sm120.settings import read as kernel_settings
 
 from . import table as tbl
+from .table import OTHER_VERSIONS
 
-OK, MISSING, CORRUPT, OTHER_VERSIONS, ANOTHER_KEY, NOT_COVERED = (
-    "ok", "missing", "corrupt", "other versions", "another key", "does not cover")
+# load's statuses, besides compare_keys' OTHER_VERSIONS (also another table format or tune procedure) and ANOTHER_KEY
+OK, MISSING = "ok", "missing"
+CORRUPT = "corrupt"  # not JSON, or not a table's shape
+NOT_COVERED = "does not cover"  # another hidden size, or a dtype or kind not measured
 BLAME_FIELDS = ("dtype", "kind", "candidate", "from_bytes", "reason")
 
 
@@ -53,14 +52,16 @@ class Loaded:
         return f"routing table {self.path} ignored: {self.status} ({self.reason})"
 
 
-def table_path(key: Mapping[str, Any], hidden: int, folder: str | None = None) -> str:
-    name = f"routes_tp{int(key['world_size'])}_h{int(hidden)}_{tbl.box_tag(key)}.json"
+def _in(folder: str | None, name: str) -> str:
     return os.path.join(cache_dir() if folder is None else folder, name)
+
+
+def table_path(key: Mapping[str, Any], hidden: int, folder: str | None = None) -> str:
+    return _in(folder, f"routes_tp{int(key['world_size'])}_h{int(hidden)}_{tbl.box_tag(key)}.json")
 
 
 def blame_path(key: Mapping[str, Any], folder: str | None = None) -> str:
-    name = f"blamed_tp{int(key['world_size'])}_{tbl.box_tag(key)}.json"
-    return os.path.join(cache_dir() if folder is None else folder, name)
+    return _in(folder, f"blamed_tp{int(key['world_size'])}_{tbl.box_tag(key)}.json")
 
 
 def _write_atomically(path: str, doc: Any) -> None:
@@ -91,18 +92,17 @@ def _read_blames(path: str) -> list[dict[str, Any]]:
             found = json.load(handle).get("blamed")
     except (OSError, ValueError, AttributeError):
         return []
-    return [b for b in found if isinstance(b, dict) and isinstance(b.get("key"), dict)] if isinstance(found,
-                                                                                                       list) else []
+    return [b for b in found if isinstance(b, dict) and isinstance(b.get("key"), dict)] if isinstance(found, list) \
+        else []
 
 
 def record_blames(key: Mapping[str, Any], culprits, when: str, folder: str | None = None) -> str:
-    """Add candidates blamed under `key` ({dtype, kind, candidate, from_bytes, reason} each); one blamed already
-    keeps the smaller from_bytes. Returns the file's path."""
+    """Add candidates blamed under `key` (BLAME_FIELDS each); one blamed already keeps the smaller from_bytes.
+    Returns the file's path."""
     path = blame_path(key, folder)
     kept = _read_blames(path)
     for culprit in culprits:
-        entry = {field: culprit[field] for field in BLAME_FIELDS}
-        entry["from_bytes"] = int(entry["from_bytes"])
+        entry = {**{field: culprit[field] for field in BLAME_FIELDS}, "from_bytes": int(culprit["from_bytes"])}
         same = [b for b in kept if not tbl.compare_keys(key, b["key"])
                 and all(b.get(f) == entry[f] for f in ("dtype", "kind", "candidate"))]
         if same:
@@ -123,20 +123,17 @@ def load_file(path: str) -> Loaded:
     """One table file, its format and tune versions checked (not its key)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+            doc = json.loads(handle.read())
     except FileNotFoundError:
         return Loaded(MISSING, path)
     except OSError as exc:
         return Loaded(CORRUPT, path, reason=f"cannot read it: {exc}")
-    try:
-        doc = json.loads(text)
     except ValueError as exc:
         return Loaded(CORRUPT, path, reason=f"bad JSON: {exc}")
-    if isinstance(doc, dict):
-        for field, mine, what in (("format", tbl.FORMAT_VERSION, "table format {}, this build reads {}"),
-                                  ("tune_version", tbl.TUNE_VERSION, "tune procedure {}, this build measures with {}")):
-            if doc.get(field) != mine:
-                return Loaded(OTHER_VERSIONS, path, reason=what.format(repr(doc.get(field)), mine))
+    for field, mine, what in (("format", tbl.FORMAT_VERSION, "table format {}, this build reads {}"),
+                              ("tune_version", tbl.TUNE_VERSION, "tune procedure {}, this build measures with {}")):
+        if isinstance(doc, dict) and doc.get(field) != mine:
+            return Loaded(OTHER_VERSIONS, path, reason=what.format(repr(doc.get(field)), mine))
     try:
         return Loaded(OK, path, tbl.RoutingTable.from_dict(doc))
     except tbl.TableError as exc:

@@ -1,33 +1,33 @@
 """The routing table: for each message size (bytes, dtype, plain or fused) the route that serves it, with the
-measured time of every candidate and of NCCL, keyed by the box and the software it was measured with.
+measured time of every candidate and of NCCL, keyed by the box and the software it was measured with. Pure: no
+torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
 
 A route is one launch of our kernels (`sgl_kernel_sm120.policy.Route`), written 'sm120/ONESHOT/push/device/b188/c4',
-or NCCL (for a fused call: NCCL, then SGLang's own add + RMSNorm), written 'nccl' and held as None here.
+or NCCL (for a fused call: NCCL, then SGLang's own add + RMSNorm), written 'nccl' and held as None.
 
 The rule (`choose`), NCCL the incumbent: a candidate of ours is eligible at a size only where it beat NCCL there by
-at least MIN_GAIN (2%), inside a run of at least SUSTAIN (2) consecutive measured sizes where it did, so no
-measured size goes to our kernels where NCCL was as fast; one of ours displaces another of ours only with the same
-sustained gain over it; a failed candidate has no time and is never routed to. A size between two measured ones
-goes to ours only where both neighbours chose that same route; below the smallest measured size, its route; above
-the largest, NCCL (`lookup` returns None). A table read back is chosen again from its measurements
-(`RoutingTable.rederived`), so a hand-edited route is not served as stored.
-
-Pure: no torch, no SGLang, no I/O (routing/cache.py reads and writes the files).
+at least MIN_GAIN, inside a run of at least SUSTAIN consecutive measured sizes where it did, so no measured size goes
+to our kernels where NCCL was as fast; one of ours displaces another of ours only with the same sustained gain over
+it; a failed candidate has no time and is never routed to. A size between two measured ones goes to ours only where
+both neighbours chose that same route; below the smallest measured size, its route; above the largest, NCCL
+(`lookup` returns None). A table read back is chosen again from its measurements (`RoutingTable.rederived`), so a
+hand-edited route is not served as stored.
 """
 
 from __future__ import annotations
 
-import bisect
+import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sgl_kernel_sm120.policy import DTYPES, Memory, Route
 
-# The file format (bump on an incompatible change of the JSON) and the measuring procedure (bump when the tuner
-# measures differently: candidates, verification, timing, rule). A table with another value of either is stale.
+# Bump FORMAT_VERSION on an incompatible change of the JSON, TUNE_VERSION when the tuner measures differently
+# (candidates, verification, timing, rule): a table with another value of either is stale.
 FORMAT_VERSION = 1
 TUNE_VERSION = 4  # 4: keyed on NCCL's settings
 
@@ -38,13 +38,13 @@ OURS = "sm120"
 MIN_GAIN = 0.02
 SUSTAIN = 2
 
-# Key fields. A difference in a software field makes a table "other versions", one in a box field "another key";
-# either way it is not used. NCCL's settings (every NCCL_* variable) are software: a NCCL configured otherwise is
-# another incumbent, and routes measured against the old one could be slower than the new one.
+# Key fields: a difference in a software field makes a table "other versions", in a box field "another key"; either
+# way it is not used. NCCL's settings are software: NCCL configured otherwise is another incumbent. "launch" is how
+# the workspace launches (core/facts.launch_facts): the same route runs another launch otherwise.
 VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "nccl_settings", "sglang_sm120", "kernels")
-# "launch": how the workspace launches (core/facts.launch_facts): the same route runs another launch otherwise.
 BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
 LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
+OTHER_VERSIONS, ANOTHER_KEY = "other versions", "another key"
 
 
 class TableError(ValueError):
@@ -76,8 +76,7 @@ def parse_route(text: str) -> Route | None:
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """The measurements at one size: median over replays of the slowest rank, in us, per candidate id; and the
-    reason of every candidate that failed there."""
+    """One measured size: per candidate id, the median over replays of the slowest rank (us), or why it failed."""
 
     rows: int
     nbytes: int
@@ -96,62 +95,37 @@ class Entry:
     route: Route | None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The rule
-
-
 def _beats(candidate: float | None, incumbent: float | None, min_gain: float) -> bool:
     return candidate is not None and incumbent is not None and candidate <= (1.0 - min_gain) * incumbent
 
 
 def _in_long_runs(flags: Sequence[bool], length: int) -> list[bool]:
     """True at the positions inside a run of at least `length` consecutive True values."""
-    out = [False] * len(flags)
-    start = None
-    for i, flag in enumerate(list(flags) + [False]):
-        if flag and start is None:
-            start = i
-        elif not flag and start is not None:
-            if i - start >= length:
-                out[start:i] = [True] * (i - start)
-            start = None
+    out: list[bool] = []
+    for flag, run in itertools.groupby(flags):
+        count = len(list(run))
+        out += [flag and count >= length] * count
     return out
 
 
-def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN,
-           sustain: int = SUSTAIN) -> list[Route | None]:
+def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int = SUSTAIN) -> list[Route | None]:
     """The route of every point (ascending sizes), by the rule in the module docstring."""
     if any(b.nbytes <= a.nbytes for a, b in zip(points, points[1:], strict=False)):
         raise ValueError("points must be in strictly ascending size order")
     ours = sorted({cid for p in points for cid in p.times if cid != NCCL})
     times = {cid: [p.times.get(cid) for p in points] for cid in ours + [NCCL]}
-    sustained = {
-        cid: _in_long_runs([_beats(t, n, min_gain) for t, n in zip(times[cid], times[NCCL], strict=True)], sustain)
-        for cid in ours
-    }
-    chosen: list[Route | None] = []
-    current = NCCL
+    sustained = {cid: _in_long_runs([_beats(t, n, min_gain) for t, n in zip(times[cid], times[NCCL], strict=True)],
+                                    sustain) for cid in ours}
+    chosen, current = [], NCCL
     for i in range(len(points)):
         contenders = [cid for cid in ours if sustained[cid][i]]
-
-        def fastest(ids, at=i):
-            return min(ids, key=lambda c: (times[c][at], c))
-
-        if not contenders:
-            current = NCCL
-        elif current == NCCL or current not in contenders:
-            current = fastest(contenders)
+        if current in contenders:  # displaced only by one sustainedly faster here and at the next size
+            contenders = [cid for cid in contenders if cid != current and i + 1 < len(points) and sustained[cid][i + 1]
+                          and all(_beats(times[cid][k], times[current][k], min_gain) for k in (i, i + 1))]
+            fallback = current
         else:
-            nxt = i + 1
-            qualified = [
-                cid for cid in contenders
-                if cid != current
-                and _beats(times[cid][i], times[current][i], min_gain)
-                and nxt < len(points) and sustained[cid][nxt]
-                and _beats(times[cid][nxt], times[current][nxt], min_gain)
-            ]
-            if qualified:
-                current = fastest(qualified)
+            fallback = NCCL
+        current = min(((times[cid][i], cid) for cid in contenders), default=(0, fallback))[1]
         chosen.append(parse_route(current))
     return chosen
 
@@ -160,21 +134,20 @@ def ranges(points: Sequence[Point], routes: Sequence[Route | None], dtype: str, 
     """Byte ranges from per-point routes: each measured size takes its own route; the sizes strictly between two
     measured ones take their route only where both chose the same route of ours, else NCCL; the sizes below the
     smallest measured one (less than the one row a tune starts at) take its route. Adjacent equal routes merge."""
-    pieces: list[Entry] = []
-    previous: tuple[Point, Route | None] | None = None
-    for point, route in zip(points, routes, strict=True):
-        low = 1 if previous is None else previous[0].nbytes + 1
-        if point.nbytes > low:
-            agreed = previous is None or (route is not None and previous[1] == route)
-            pieces.append(Entry(dtype, kind, low, point.nbytes - 1, route if agreed else None))
-        pieces.append(Entry(dtype, kind, point.nbytes, point.nbytes, route))
-        previous = (point, route)
     merged: list[Entry] = []
-    for entry in pieces:
-        if merged and merged[-1].route == entry.route and merged[-1].high + 1 == entry.low:
-            merged[-1] = dataclasses.replace(merged[-1], high=entry.high)
+
+    def add(low: int, high: int, route: Route | None) -> None:
+        if merged and merged[-1].route == route and merged[-1].high + 1 == low:
+            merged[-1] = dataclasses.replace(merged[-1], high=high)
         else:
-            merged.append(entry)
+            merged.append(Entry(dtype, kind, low, high, route))
+
+    low = 1
+    for i, (point, route) in enumerate(zip(points, routes, strict=True)):
+        if point.nbytes > low:
+            add(low, point.nbytes - 1, route if i == 0 or (route is not None and routes[i - 1] == route) else None)
+        add(point.nbytes, point.nbytes, route)
+        low = point.nbytes + 1
     return merged
 
 
@@ -194,30 +167,22 @@ def without_blamed(points: Sequence[Point], dtype: str, kind: str,
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The key
-
-
 def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[int]] | None,
              p2p: Sequence[Sequence[bool]] | None, memory: str,
              launch: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The table key of a group from every rank's local facts (rank order; fields LOCAL_FIELDS) and the group's
-    islands, P2P matrix, workspace memory and launch facts (core/facts.launch_facts of the built workspace). A
-    version that differs between ranks is kept as 'a | b'."""
-    memory = Memory(memory).value
+    """The table key of a group from every rank's local facts (rank order; LOCAL_FIELDS) and the group's islands, P2P
+    matrix, workspace memory and launch facts. A version that differs between ranks is kept as 'a | b'."""
     key: dict[str, Any] = {
         "world_size": len(local),
         "gpus": [{"uuid": f.get("uuid"), "pci_bus_id": f.get("pci_bus_id"), "name": f.get("name")} for f in local],
         "islands": [list(map(int, g)) for g in islands] if islands else None,
         "p2p": [[bool(v) for v in row] for row in p2p] if p2p is not None else None,
-        "memory": memory,
+        "memory": Memory(memory).value,
         "launch": json.loads(_canonical(dict(launch))) if launch is not None else None,
     }
     for field in VERSION_FIELDS:
-        values = []
-        for f in local:
-            if f.get(field) not in values:
-                values.append(f.get(field))
+        values = [f.get(field) for f in local]
+        values = [v for i, v in enumerate(values) if v not in values[:i]]
         key[field] = values[0] if len(values) == 1 else " | ".join(
             _canonical(v) if isinstance(v, dict) else str(v) for v in values)
     return key
@@ -237,32 +202,23 @@ def box_tag(key: Mapping[str, Any]) -> str:
 
 
 def compare_keys(expected: Mapping[str, Any], found: Mapping[str, Any]) -> tuple[str, str] | None:
-    """None when `found` (a table's key) is `expected` (this group's); else ("other versions" | "another key",
-    what differs, as 'field table-value -> this-value')."""
-    def differences(fields):
+    """None when `found` (a table's key) is `expected` (this group's); else (OTHER_VERSIONS | ANOTHER_KEY, what
+    differs, as 'field table-value -> this-value')."""
+    for status, fields in ((OTHER_VERSIONS, VERSION_FIELDS), (ANOTHER_KEY, BOX_FIELDS)):
         out = []
-        for field in fields:
+        for field in (f for f in fields if expected.get(f) != found.get(f)):
             mine, theirs = expected.get(field), found.get(field)
-            if mine == theirs:
-                continue
             if field == "gpus" and isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
-                ranks = [r for r, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b]
-                out.append(f"gpus of ranks {ranks} differ")
+                out.append(f"gpus of ranks {[r for r in range(len(mine)) if mine[r] != theirs[r]]} differ")
             else:
                 out.append(f"{field} {theirs!r} -> {mine!r}")
-        return out
-
-    versions = differences(VERSION_FIELDS)
-    if versions:
-        return "other versions", "; ".join(versions)
-    box = differences(BOX_FIELDS)
-    if box:
-        return "another key", "; ".join(box)
+        if out:
+            return status, "; ".join(out)
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The table
+def _rule() -> dict[str, Any]:
+    return {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
 
 
 @dataclasses.dataclass
@@ -276,33 +232,28 @@ class RoutingTable:
     durations: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: "measure", "total"
     incumbents: dict[str, str] = dataclasses.field(default_factory=dict)  # kind -> what the NCCL route ran
     notes: list[str] = dataclasses.field(default_factory=list)
-    rule: dict[str, Any] = dataclasses.field(default_factory=lambda: {"min_gain": MIN_GAIN, "sustain": SUSTAIN})
+    rule: dict[str, Any] = dataclasses.field(default_factory=_rule)
     tune_version: int = TUNE_VERSION
-    _index: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
-    # -- building --------------------------------------------------------------------------------------
     @classmethod
     def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
         """Choose the routes of every (dtype, kind) from its points and assemble the table."""
-        rule = kwargs.get("rule") or {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
-        entries: list[Entry] = []
-        for (dtype, kind), points in sorted(measurements.items()):
-            routes = choose(points, min_gain=rule["min_gain"], sustain=rule["sustain"])
-            entries += ranges(points, routes, dtype, kind)
+        rule = kwargs.get("rule") or _rule()
+        entries = [entry for (dtype, kind), points in sorted(measurements.items())
+                   for entry in ranges(points, choose(points, min_gain=rule["min_gain"], sustain=rule["sustain"]),
+                                       dtype, kind)]
         return cls(key=dict(key), measured=measured, workload=dict(workload), entries=entries,
                    measurements={k: list(v) for k, v in measurements.items()}, **kwargs)
 
     def rederived(self, blamed: Sequence[Mapping[str, Any]] = ()) -> RoutingTable:
-        """This table with its routes chosen again from its measurements, by its rule and this module's ranges,
-        without the candidates in `blamed` (see without_blamed)."""
+        """This table with its routes chosen again from its measurements by its rule, without the candidates in
+        `blamed` (see without_blamed)."""
         measurements = {(dtype, kind): without_blamed(points, dtype, kind, blamed)
                         for (dtype, kind), points in self.measurements.items()}
-        return RoutingTable.from_points(
-            self.key, self.measured, self.workload, measurements, quick=self.quick, durations=dict(self.durations),
-            incumbents=dict(self.incumbents), notes=list(self.notes), rule=dict(self.rule),
-            tune_version=self.tune_version)
+        kept = ("quick", "durations", "incumbents", "notes", "rule", "tune_version")
+        return RoutingTable.from_points(self.key, self.measured, self.workload, measurements,
+                                        **copy.deepcopy({field: getattr(self, field) for field in kept}))
 
-    # -- reading ---------------------------------------------------------------------------------------
     def routes_for(self, dtype: str, kind: str) -> list[Entry]:
         return [e for e in self.entries if e.dtype == dtype and e.kind == kind]
 
@@ -312,16 +263,9 @@ class RoutingTable:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": FORMAT_VERSION,
-            "tune_version": self.tune_version,
-            "key": self.key,
-            "measured": self.measured,
-            "quick": self.quick,
-            "durations": self.durations,
-            "workload": self.workload,
-            "rule": self.rule,
-            "incumbents": self.incumbents,
-            "notes": self.notes,
+            "format": FORMAT_VERSION, "tune_version": self.tune_version, "key": self.key, "measured": self.measured,
+            "quick": self.quick, "durations": self.durations, "workload": self.workload, "rule": self.rule,
+            "incumbents": self.incumbents, "notes": self.notes,
             "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": route_id(e.route)}
                         for e in self.entries],
             "measurements": [
@@ -334,14 +278,10 @@ class RoutingTable:
     def digest(self) -> str:
         return digest(self.to_dict())
 
-    def routes_digest(self) -> str:
-        """The digest of the routes alone (ranks that route alike, whatever their durations say)."""
-        return digest(self.to_dict()["entries"])
-
     @classmethod
     def from_dict(cls, doc: Any) -> RoutingTable:
-        """Parse a document written by to_dict; TableError names the first thing that is wrong. The format and
-        tune versions are checked by the caller (they make a table stale, not corrupt)."""
+        """Parse what to_dict wrote; TableError names the first thing that is wrong. The caller checks the format and
+        tune versions (they make a table stale, not corrupt)."""
         if not isinstance(doc, Mapping):
             raise TableError("the document is not a JSON object")
         for field in ("key", "measured", "workload", "entries", "measurements"):
@@ -349,45 +289,22 @@ class RoutingTable:
                 raise TableError(f"'{field}' is missing")
         if not isinstance(doc["key"], Mapping) or not isinstance(doc["workload"], Mapping):
             raise TableError("'key' and 'workload' must be objects")
-        entries: list[Entry] = []
-        for raw in _list(doc["entries"], "entries"):
-            try:
-                entry = Entry(str(raw["dtype"]), str(raw["kind"]), int(raw["low"]), int(raw["high"]),
-                              parse_route(raw["route"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TableError(f"bad entry {raw!r}: {exc}") from None
-            if entry.kind not in KINDS or entry.dtype not in DTYPES or not 1 <= entry.low <= entry.high:
-                raise TableError(f"bad entry {raw!r}")
-            entries.append(entry)
-        for dtype in DTYPES:
-            for kind in KINDS:
-                mine = sorted((e for e in entries if e.dtype == dtype and e.kind == kind), key=lambda e: e.low)
-                if any(b.low <= a.high for a, b in zip(mine, mine[1:], strict=False)):
-                    raise TableError(f"overlapping {dtype} {kind} entries")
+        entries = [_parsed("entry", raw, _entry) for raw in _list(doc["entries"], "entries")]
+        ordered = sorted(entries, key=lambda e: (e.dtype, e.kind, e.low))
+        for a, b in zip(ordered, ordered[1:], strict=False):
+            if (a.dtype, a.kind) == (b.dtype, b.kind) and b.low <= a.high:
+                raise TableError(f"overlapping {a.dtype} {a.kind} entries")
         measurements: dict[tuple[str, str], list[Point]] = {}
         for raw in _list(doc["measurements"], "measurements"):
-            try:
-                times = {str(k): float(v) for k, v in dict(raw["times"]).items()}
-                failed = {str(k): str(v) for k, v in dict(raw.get("failed") or {}).items()}
-                for cid in list(times) + list(failed):
-                    parse_route(cid)
-                point = Point(int(raw["rows"]), int(raw["bytes"]), times, failed)
-                measurements.setdefault((str(raw["dtype"]), str(raw["kind"])), []).append(point)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise TableError(f"bad measurement {raw!r}: {exc}") from None
+            where, point = _parsed("measurement", raw, _point)
+            measurements.setdefault(where, []).append(point)
         return cls(
-            key=dict(doc["key"]),
-            measured=str(doc["measured"]),
-            workload=dict(doc["workload"]),
-            entries=entries,
-            measurements=measurements,
-            quick=bool(doc.get("quick", False)),
+            key=dict(doc["key"]), measured=str(doc["measured"]), workload=dict(doc["workload"]), entries=entries,
+            measurements=measurements, quick=bool(doc.get("quick", False)),
             durations={str(k): float(v) for k, v in dict(doc.get("durations") or {}).items()},
             incumbents={str(k): str(v) for k, v in dict(doc.get("incumbents") or {}).items()},
-            notes=[str(n) for n in doc.get("notes") or []],
-            rule=dict(doc.get("rule") or {"min_gain": MIN_GAIN, "sustain": SUSTAIN}),
-            tune_version=int(doc.get("tune_version", TUNE_VERSION)),
-        )
+            notes=[str(n) for n in doc.get("notes") or []], rule=dict(doc.get("rule") or _rule()),
+            tune_version=int(doc.get("tune_version", TUNE_VERSION)))
 
     def coverage_gap(self, dtype: str, hidden: int, kinds: Iterable[str] = KINDS) -> str | None:
         """Why this table cannot route a server of this dtype and hidden size; None when it can (sizes past its
@@ -413,36 +330,41 @@ def _list(value: Any, name: str) -> list:
     return value
 
 
+def _parsed(what: str, raw: Any, parse):
+    try:
+        return parse(raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TableError(f"bad {what} {raw!r}: {exc}") from None
+
+
+def _entry(raw: Any) -> Entry:
+    entry = Entry(str(raw["dtype"]), str(raw["kind"]), int(raw["low"]), int(raw["high"]), parse_route(raw["route"]))
+    if entry.kind not in KINDS or entry.dtype not in DTYPES or not 1 <= entry.low <= entry.high:
+        raise ValueError(f"a kind of {KINDS}, a dtype of {DTYPES} and 1 <= low <= high")
+    return entry
+
+
+def _point(raw: Any) -> tuple[tuple[str, str], Point]:
+    times = {str(k): float(v) for k, v in dict(raw["times"]).items()}
+    failed = {str(k): str(v) for k, v in dict(raw.get("failed") or {}).items()}
+    for cid in [*times, *failed]:
+        parse_route(cid)
+    return (str(raw["dtype"]), str(raw["kind"])), Point(int(raw["rows"]), int(raw["bytes"]), times, failed)
+
+
 def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:
     """The route of a message of `nbytes` bytes; None when the table does not cover that size (the caller then
-    uses NCCL). Pure; O(log entries) after the first call on a table."""
-    index = table._index
-    if index is None:
-        index = {}
-        for entry in sorted(table.entries, key=lambda e: e.low):
-            lows, entries = index.setdefault((entry.dtype, entry.kind), ([], []))
-            lows.append(entry.low)
-            entries.append(entry)
-        table._index = index
-    found = index.get((dtype, "fused" if fused else "plain"))
-    if found is None:
-        return None
-    lows, entries = found
-    at = bisect.bisect_right(lows, nbytes) - 1
-    if at < 0 or nbytes > entries[at].high:
-        return None
-    return entries[at].route
+    uses NCCL). A scan of a few entries: callers memoize per size."""
+    kind = "fused" if fused else "plain"
+    return next((e.route for e in table.entries if (e.dtype, e.kind) == (dtype, kind) and e.low <= nbytes <= e.high),
+                None)
 
 
 def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = None) -> str:
     """'ONESHOT/push/device up to 43008 B, NCCL up to 1835008 B' for one dtype and kind (cut at `up_to`)."""
-    parts = []
-    for entry in sorted(table.routes_for(dtype, kind), key=lambda e: e.low):
-        if up_to is not None and entry.low > up_to:
-            break
-        high = entry.high if up_to is None else min(entry.high, up_to)
-        parts.append(f"{route_label(entry.route)} up to {high} B")
-    return ", ".join(parts) or "none"
+    entries = sorted(table.routes_for(dtype, kind), key=lambda e: e.low)
+    return ", ".join(f"{route_label(e.route)} up to {e.high if up_to is None else min(e.high, up_to)} B"
+                     for e in entries if up_to is None or e.low <= up_to) or "none"
 
 
 def route_differences(stored: RoutingTable, derived: RoutingTable) -> str:

@@ -63,6 +63,13 @@ def test_a_corrupt_file_is_ignored_saying_it_is_corrupt(tmp_path, text, why):
     assert loaded.describe().endswith(f"ignored: corrupt ({loaded.reason})")
 
 
+def test_a_file_that_is_not_text_is_corrupt(tmp_path):
+    with open(cache.table_path(key(), 7168, str(tmp_path)), "wb") as handle:
+        handle.write(b"\xff\xfe{")
+    loaded = cache.load(key(), hidden=7168, dtype="bfloat16", folder=str(tmp_path))
+    assert loaded.status == "corrupt" and "bad JSON" in loaded.reason
+
+
 def test_a_corrupt_entry_is_corrupt(tmp_path):
     doc = _table([10, 10], [5, 5]).to_dict()
     doc["entries"][0]["route"] = "sm120/FOURSHOT/push/device"

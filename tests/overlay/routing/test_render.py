@@ -23,4 +23,4 @@ def test_a_table_shows_its_routes_its_times_with_the_routed_one_in_bold_and_its_
 
 
 def test_cells_cannot_break_the_table():
-    assert render.md_table(["a"], [["x|y\nz"]]).splitlines()[-1] == "| x\\|y z |"
+    assert render._md_table(["a"], [["x|y\nz"]]).splitlines()[-1] == "| x\\|y z |"

@@ -240,3 +240,21 @@ def test_the_launch_facts_are_part_of_the_key():
     kind, what = tbl.compare_keys(four, none)
     assert kind == "another key" and what.startswith("launch ")
     assert tbl.compare_keys(four, dict(four)) is None
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"low": 0}, "1 <= low <= high"), ({"low": 9, "high": 8}, "1 <= low <= high"), ({"kind": "both"}, "a kind of"),
+    ({"dtype": "float32"}, "a dtype of"), ({"route": "gloo"}, "bad route 'gloo'"), ({"high": None}, "bad entry"),
+])
+def test_an_entry_that_breaks_the_tables_rules_is_refused(change, why):
+    doc = _table([10, 10], [5, 5]).to_dict()
+    doc["entries"][0].update(change)
+    with pytest.raises(tbl.TableError, match=why):
+        tbl.RoutingTable.from_dict(doc)
+
+
+def test_overlapping_entries_are_refused():
+    doc = _table([10, 10], [5, 5]).to_dict()
+    doc["entries"].append({**doc["entries"][0], "low": doc["entries"][0]["high"]})
+    with pytest.raises(tbl.TableError, match="overlapping bfloat16 plain entries"):
+        tbl.RoutingTable.from_dict(doc)
