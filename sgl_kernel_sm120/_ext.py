@@ -10,8 +10,7 @@ import os
 
 import torch
 
-from . import _abi
-from .env import setting
+from . import _abi, settings
 from .errors import KernelsNotBuiltError
 
 BUILD_HINT = (
@@ -20,10 +19,6 @@ BUILD_HINT = (
     "environment's torch; TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 12.0a plus the visible GPUs). "
     "(`make build` builds only for the checkout's test environments under .venvs/, which this one does not load.)"
 )
-
-# Load this library instead of the packaged one: used by the protocol negative-control tests, which build
-# the same sources with a protocol invariant broken on purpose (tests/gpu/test_negative_controls.py).
-LIBRARY_OVERRIDE_ENV = "SGL_SM120_EXT_LIBRARY"
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -60,34 +55,31 @@ def missing_reason(package_dir: str = PACKAGE_DIR) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[object | None, str]:
-    override = setting(LIBRARY_OVERRIDE_ENV)
+def _load() -> tuple[object | None, str, str]:
+    """(the ops namespace or None, why not, the library's file)."""
+    override = settings.read().library  # a negative-control build (tests/gpu/test_negative_controls.py)
     if override:
         try:
             torch.ops.load_library(override)
         except (ImportError, OSError) as exc:
-            return None, f"loading {override} ({LIBRARY_OVERRIDE_ENV}) failed: {exc}"
-        return torch.ops.sgl_kernel_sm120, ""
+            return None, f"loading {override} ({settings.VARIABLES['library']}) failed: {exc}", ""
+        return torch.ops.sgl_kernel_sm120, "", os.path.abspath(override)
     name = expected_module()
     try:
-        importlib.import_module(f"{__package__}.{name}")  # registers torch.ops.sgl_kernel_sm120
+        module = importlib.import_module(f"{__package__}.{name}")  # registers torch.ops.sgl_kernel_sm120
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.{name}":
-            return None, f"loading sgl_kernel_sm120.{name} failed: {exc}"
-        return None, missing_reason()
+            return None, f"loading sgl_kernel_sm120.{name} failed: {exc}", ""
+        return None, missing_reason(), ""
     except (ImportError, OSError) as exc:
-        return None, f"sgl_kernel_sm120.{name} exists but does not load: {exc}. {BUILD_HINT}"
-    return torch.ops.sgl_kernel_sm120, ""
+        return None, f"sgl_kernel_sm120.{name} exists but does not load: {exc}. {BUILD_HINT}", ""
+    return torch.ops.sgl_kernel_sm120, "", os.path.abspath(module.__file__)
 
 
 def library_path() -> str:
     """The file of the loaded library (the override, or the packaged module for this torch)."""
     ops()
-    override = setting(LIBRARY_OVERRIDE_ENV)
-    if override:
-        return os.path.abspath(override)
-    module = importlib.import_module(f"{__package__}.{expected_module()}")
-    return os.path.abspath(module.__file__)
+    return _load()[2]
 
 
 def kernels_available() -> bool:
@@ -102,7 +94,7 @@ def unavailable_reason() -> str | None:
 
 def ops():
     """The torch ops namespace of the extension; raises KernelsNotBuiltError saying what is missing."""
-    namespace, why = _load()
+    namespace, why, _ = _load()
     if namespace is None:
         raise KernelsNotBuiltError(why)
     return namespace
