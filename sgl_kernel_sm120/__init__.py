@@ -3,9 +3,8 @@
 Importing this package never needs the compiled extension or a GPU; calling a kernel without the
 extension raises KernelsNotBuiltError with the command that builds it. This package knows nothing of SGLang.
 
-The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`,
-`cluster_check`'s cache folder) import without torch: the overlay's routing table, its cache and its offline
-report read them on machines that have no torch.
+The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`, `settings`)
+import without torch: the overlay reads them on machines that have no torch.
 """
 
 from __future__ import annotations
@@ -27,12 +26,15 @@ _LAZY = {
     "Memory": ".policy",
     "Route": ".policy",
     "Transport": ".policy",
-    "Variant": ".policy",
+    "Schedule": ".policy",
     "WorkspaceShape": ".policy",
-    "choose_variant": ".policy",
+    "choose_schedule": ".policy",
     "describe_schedule": ".policy",
     "kernel_limits": ".policy",
     "seed_route": ".policy",
+    "resolve": ".policy",
+    "KernelSettings": ".settings",
+    "SettingError": ".settings",
 }
 
 __all__ = sorted(_LAZY)
