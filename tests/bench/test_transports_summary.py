@@ -158,7 +158,7 @@ def test_a_loopback_call_passes_each_tensor_and_setting_where_the_ops_schema_wan
                             threads=128, window=3)
         call(0)
         got = seen[op]
-        assert got["ws"] == 7 and got["inp"] is call.x and got["variant"] == 0 and got["max_blocks"] == 132
+        assert got["ws"] == 7 and got["inp"] is call.x and got["schedule"] == 0 and got["ctas"] == 132
         assert got["transport"] == TRANSPORTS["pull"] == 2 and got["window"] == 3
         if op == "all_reduce":
             assert got["out"] is call.out and got["threads"] == 128
