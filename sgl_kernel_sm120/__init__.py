@@ -11,31 +11,16 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {
-    "kernels_available": "._ext",
-    "IpcAllReduceError": ".errors",
-    "IpcAllReduceHostMemoryError": ".errors",
-    "IpcAllReduceProbeError": ".errors",
-    "IpcAllReduceTimeoutError": ".errors",
-    "KernelsNotBuiltError": ".errors",
-    "IpcAllReduce": ".ipc_allreduce",
-    "reference_add_rmsnorm": ".reference",
-    "reference_all_reduce": ".reference",
-    "reference_all_reduce_add_rmsnorm": ".reference",
-    "Link": ".policy",
-    "Memory": ".policy",
-    "Route": ".policy",
-    "Transport": ".policy",
-    "Schedule": ".policy",
-    "WorkspaceShape": ".policy",
-    "choose_schedule": ".policy",
-    "describe_schedule": ".policy",
-    "kernel_limits": ".policy",
-    "seed_route": ".policy",
-    "resolve": ".policy",
-    "KernelSettings": ".settings",
-    "SettingError": ".settings",
-}
+_LAZY = {name: module for module, names in {
+    "._ext": ["kernels_available"],
+    ".errors": ["IpcAllReduceError", "IpcAllReduceHostMemoryError", "IpcAllReduceProbeError",
+                "IpcAllReduceTimeoutError", "KernelsNotBuiltError"],
+    ".ipc_allreduce": ["IpcAllReduce"],
+    ".reference": ["reference_add_rmsnorm", "reference_all_reduce", "reference_all_reduce_add_rmsnorm"],
+    ".policy": ["Link", "Memory", "Route", "Schedule", "Transport", "WorkspaceShape", "choose_schedule",
+                "describe_schedule", "kernel_limits", "resolve", "seed_route"],
+    ".settings": ["KernelSettings", "SettingError"],
+}.items() for name in names}
 
 __all__ = sorted(_LAZY)
 

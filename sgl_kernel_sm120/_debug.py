@@ -1,15 +1,9 @@
-"""Tests and benchmarks only (the product never calls it): a whole group in THIS process.
-
-`local_group` makes one workspace per rank on one GPU, each seeing the others' slabs directly (no IPC, no exchange).
-Launched together, on W streams or as W parallel branches of one CUDA graph, the ranks' kernels run concurrently,
-which ranks in separate processes sharing a GPU never do (they time-slice): a race in a protocol can show here. Each
-rank gets a W-th of the SMs and of the cluster capacity, so the W ranks' CTAs fit the GPU at once; the results are
-the bits of separate processes.
-
-Eager calls must be issued call-major (every rank's call k before any rank's call k + 1): with CUDA's lazy module
-loading, the first launch of a kernel may wait for the whole context, so rank 0's second kernel, new to the process,
-would wait for rank 0's first, which waits for rank 1's, which the blocked host thread has not launched. Graph
-replays are safe: a graph's kernels are loaded when it is instantiated.
+"""Tests and benchmarks only: a whole group in THIS process, one workspace per rank on one GPU seeing the others'
+slabs directly. On W streams or as W branches of one CUDA graph the ranks' kernels run concurrently, which processes
+sharing a GPU never do (they time-slice), so a race in a protocol can show; each rank gets a W-th of the SMs and of
+the cluster capacity. Issue eager calls call-major (every rank's call k before any rank's call k + 1): with lazy
+module loading a kernel's first launch may wait for the whole context, and rank-major order then deadlocks until the
+timeout. Graph replays are safe: a graph's kernels load when it is instantiated.
 """
 
 from __future__ import annotations

@@ -24,14 +24,13 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def expected_module() -> str:
-    """The extension module this process needs: the one built for the running torch and CUDA."""
+    """The extension module built for the running torch and CUDA."""
     return _abi.extension_module(torch.__version__, torch.version.cuda)
 
 
 def built_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
     """Extension modules present in the package, for any torch."""
-    # Longest suffix first: ".cpython-311-x86_64-linux-gnu.so" before the bare ".so" that also matches it.
-    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)  # ".cpython-...so" before ".so"
     found = set()
     for path in glob.glob(os.path.join(package_dir, _abi.PREFIX + "*")):
         name = os.path.basename(path)

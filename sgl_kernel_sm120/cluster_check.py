@@ -1,19 +1,13 @@
 """Does cluster launch work on this GPU? Found out in a child process, cached per GPU, driver and library.
 
-The fused one-shot kernel spreads a row over a thread-block cluster (csrc/ar_kernels.cu), and public reports on
-compute capability 12.x disagree on whether cluster launch works there (docs/design.md), so the product finds out on
-the box. An illegal instruction ends the CUDA context of the process that hits it, so the check runs the real
-cluster kernel in a CHILD process (`python -m sgl_kernel_sm120.cluster_check DEVICE`) on a one-rank workspace and
-compares its output bit for bit with the grouped one-CTA kernel that computes the same bits without a cluster.
-Whatever happens there (a fault, a hang, a wrong bit) the caller reads a verdict; a failed or unknown one means no
-clusters, which costs speed and never changes a result.
-
-The verdict is cached in the settings' cache folder, keyed by the GPU's UUID, the driver and the library file, so a
-start after the first pays nothing. One GPU's check runs under that GPU's own file lock (ranks sharing a GPU run
-one check, other GPUs check theirs at the same time); the shared cache file is rewritten under a short lock of its
-own. A verdict that says nothing about the GPU (no answer within the bound, or no start) is `transient`: no
-clusters for this process, not cached. Switches (settings.py): fused_clusters off runs no check and launches no
-clusters; debug_cluster_check "trap" makes the child trap first (the negative control) and bypasses the cache.
+Public reports disagree on cluster launch on compute capability 12.x (docs/design.md), so the box answers. An
+illegal instruction ends the CUDA context that hits it, so a CHILD process (`python -m
+sgl_kernel_sm120.cluster_check DEVICE`) runs the fused one-shot's cluster kernel on a one-rank workspace and
+compares it bit for bit with the grouped one-CTA kernel. Whatever happens there the caller reads a verdict; a
+failed or unknown one means no clusters: slower, never another result. Verdicts are cached in the settings' cache
+folder under one lock per GPU (ranks sharing a GPU run one check; other GPUs check at the same time); a verdict that
+says nothing about the GPU (no answer in time, no start) is `transient` and not cached. fused_clusters off runs no
+check; debug_cluster_check "trap" makes the child trap first (the negative control) and bypasses the cache.
 """
 
 from __future__ import annotations
@@ -37,30 +31,24 @@ CHECK_SHAPES = ((1, 7168), (3, 7168), (5, 4096), (2, 2048))
 
 @dataclasses.dataclass(frozen=True)
 class ClusterVerdict:
-    ok: bool  # every cluster size the device reports capacity for ran and matched the one-CTA kernel
-    reason: str  # why not, or how it was found out
+    ok: bool  # every cluster size the device holds ran and matched the one-CTA kernel
+    reason: str
     source: str  # "checked" | "cache" | "off" | "debug"
-    transient: bool = False  # the check did not get to an answer (timeout, no start): not cached
-
-
-def _driver_version() -> str:
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            return f.readline().strip()
-    except OSError:
-        return "unknown"
-
-
-def _library_identity(path: str) -> str:
-    try:
-        st = os.stat(path)
-        return f"{path}:{st.st_size}:{int(st.st_mtime)}"
-    except OSError:
-        return f"{path}:missing"
+    transient: bool = False  # no answer (timeout, no start): not cached
 
 
 def cache_key(uuid: str, library_path: str) -> str:
-    return f"{uuid}|{_driver_version()}|{_library_identity(library_path)}"
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            driver = f.readline().strip()
+    except OSError:
+        driver = "unknown"
+    try:
+        st = os.stat(library_path)
+        library = f"{library_path}:{st.st_size}:{int(st.st_mtime)}"
+    except OSError:
+        library = f"{library_path}:missing"
+    return f"{uuid}|{driver}|{library}"
 
 
 def _read_cache(path: str) -> dict:
@@ -82,9 +70,7 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
     path = os.path.join(folder, CACHE_FILE)
     key = cache_key(uuid, library_path)
     with open(gpu_lock_path(folder, uuid), "w") as lock:
-        # Ranks sharing a GPU: one check at a time, the others read its verdict. The debug check runs under the
-        # lock too, so its trapping kernels never run in several processes on one GPU at once.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the debug check too: trapping kernels never run in two processes at once
         if debug:
             return _run_child(device_index, debug)
         cached = _read_cache(path).get(key)
@@ -103,8 +89,7 @@ def gpu_lock_path(folder: str, uuid: str) -> str:
 
 
 def _store(path: str, key: str, entry: dict) -> None:
-    """Add one verdict to the shared cache file: read, update and replace under the file's own lock, held only
-    for that, so checks of other GPUs finishing at the same time keep theirs."""
+    """Add one verdict to the shared cache file under the file's own short lock (other GPUs' checks keep theirs)."""
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         table = _read_cache(path)
@@ -139,9 +124,8 @@ def _run_child(device_index: int, debug: str) -> ClusterVerdict:
     return ClusterVerdict(False, f"the cluster check failed (exit code {done.returncode}): {tail}", source)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The child: `python -m sgl_kernel_sm120.cluster_check DEVICE [trap]`. Prints one JSON line {"ok", "reason"}.
 def _child(device_index: int, debug: str) -> dict:
+    """The child's verdict as {"ok", "reason"} (printed as one JSON line)."""
     import torch
 
     from . import _ext

@@ -1,23 +1,21 @@
 """`IpcAllReduce`: the workspace of one group and the two ops that run a route on it.
 
-Construction is collective over the group's exchange (exchange.py; a gloo group is wrapped): each step is one round
-in which every rank's outcome is gathered, and every rank raises together if any failed, leaving nothing built.
-Rounds: 1 (the arguments, their agreement across ranks and the NVLink vote; host memory: the tmpfs size check and
-the shared file's name too), construction.build's (device memory 2, host memory 2 + W), then one per round of the
-data-path probe (`probe_rounds`, none at one rank: 2 x (4 + ceil(region / chunk / W)) write rounds and 2 read
-rounds, 16 at two ranks without islands). The probe adds one barrier when it fails.
+Construction is collective over the group's exchange (exchange.py): each step is one round in which every rank's
+outcome is gathered and every rank raises together if any failed, leaving nothing built. Rounds: 1 (the arguments,
+their agreement and the NVLink vote; host memory: the tmpfs check and the shared file's name too), then
+construction.build's (device memory 2, host memory 2 + W), then one per data-path probe round (none at one rank;
+2 x (4 + ceil(region / chunk / W)) write and 2 read rounds: 16 at two ranks without islands), plus a barrier when
+the probe fails.
 
     ar = IpcAllReduce(gloo_group_or_exchange, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                       # x is not written; the seed route of its size
-    out = ar.all_reduce(x, route=Route("TWOSHOT", "pull", "device", ctas=94))
     norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6)  # fresh outputs unless given
     ar.close()
 
-The checked ops (`all_reduce`, `all_reduce_add_rmsnorm`) check a call once, in Python (`refusal`, which explains),
-then resolve and launch its route. `launch` / `launch_fused` run a route the caller checked and resolved
-(policy.resolve), with no check of their own: the C++ ops check again what memory safety needs. One workspace serves
-one stream order (csrc/ar_protocol.cuh I6); every rank makes the same calls with the same shapes and routes, which
-`supports()`, `refusal()` and the seeds make hold by being pure functions of group-identical inputs.
+The checked ops check a call once (`refusal`, which explains), then resolve and launch its route; `launch` and
+`launch_fused` run a route the caller checked and resolved (policy.resolve), checking nothing themselves: the C++
+ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh I6), and every rank
+makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical inputs, keep so.
 """
 
 from __future__ import annotations
@@ -47,16 +45,13 @@ class IpcAllReduce:
                  link: str = AUTO, memory: str = "device", timeout_s: float | None = None,
                  warn_after_s: float | None = None, on_timeout: str = "trap", transport: str = AUTO,
                  settings: switches.KernelSettings | None = None):
-        """group: a torch.distributed CPU (gloo) group, or an exchange (exchange.py). The arguments must be the same
-        on every rank. memory "device": each rank's scratch in its GPU, reached by the peers over CUDA IPC; "host":
-        every rank's in one shared file on a tmpfs (settings.shm_dir), pinned and mapped into every GPU (no P2P
-        needed; one node; no islands). link "auto" asks NVML (NVLink only if every rank has it). timeout_s,
-        warn_after_s: the waits' bounds (I7, I9; default: the settings'). on_timeout (I7): "trap" ends the CUDA
-        context of a rank whose wait timed out, so no wrong result flows on; "exit" poisons the workspace and keeps
-        the context (tests and measurements, which check synchronize()). transport: the transport of the seed
-        routes ("auto": push); a route names its own, and every transport gives the same bits. settings: the
-        package's switches (default: settings.read() here, inside the first round, so a bad switch on one rank
-        fails every rank)."""
+        """group: a torch.distributed CPU (gloo) group or an exchange; every argument the same on every rank.
+        memory "host": every rank's scratch in one shared file on a tmpfs (settings.shm_dir), pinned and mapped into
+        every GPU: no P2P needed, no islands. link "auto": NVLink if NVML finds it on every rank. timeout_s and
+        warn_after_s bound the waits (I7, I9; default: the settings'). on_timeout (I7): "trap" ends the CUDA context
+        of a rank whose wait timed out; "exit" poisons the workspace and keeps the context (tests, measurements).
+        transport: the seed routes' ("auto": push). settings default: settings.read(), inside the first round, so a
+        bad switch on one rank fails every rank."""
         self.exchange = exchange_of(group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
         self._handle, self._watchdog, self._shape = 0, None, None
@@ -141,7 +136,7 @@ class IpcAllReduce:
                                    self.islands, self.memory, self.shm_dir)
 
     def _start(self, ops, agreed: dict) -> None:
-        """The built workspace's host side: its agreed launch limits and shape, the watchdog, the log line."""
+        """The agreed launch limits and shape, the watchdog, the log line."""
         self.sm_budget = int(agreed["sm_budget"])
         self.fused_clusters = {"clusters": list(agreed["clusters"]), "reason": agreed["reason"]}
         self.limits = policy.kernel_limits()
@@ -172,10 +167,9 @@ class IpcAllReduce:
             return f"over {'/'.join(map(str, sorted(clusters, reverse=True)))}-CTA clusters ({reason})"
         return f"one CTA per row, the cluster kernel's bits without clusters (cluster launch not used: {reason})"
 
-    # What this workspace runs: pure functions of shape, dtype, contiguity and its agreed attributes.
     @property
     def shape(self) -> WorkspaceShape:
-        """What this workspace runs (agreed by its ranks; policy.refusal decides against it)."""
+        """What this workspace runs, agreed by its ranks."""
         if self._shape is None:
             raise IpcAllReduceError("IpcAllReduce is not built")
         return self._shape
@@ -186,8 +180,8 @@ class IpcAllReduce:
 
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor | None = None,
                              weight: torch.Tensor | None = None) -> bool:
-        """supports(inp) for the fused op: [rows, hidden] with a hidden size the fused kernels take; and, when given,
-        a residual like `inp` and a weight of [hidden] of its device and dtype."""
+        """supports(inp) for the fused op: [rows, hidden] of a hidden size it takes; a residual like `inp` and a weight
+        [hidden] of its device and dtype when given."""
         if inp.dim() != 2 or not self.supports(inp):
             return False
         hidden = inp.shape[-1]
@@ -199,7 +193,6 @@ class IpcAllReduce:
         return weight is None or (tuple(weight.shape) == (hidden,) and weight.dtype == inp.dtype
                                   and weight.device == inp.device)
 
-    # The checked ops
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, route: Route | None = None,
                    schedule=None, transport=None, ctas: int | None = None, threads: int | None = None,
                    window: int | None = None) -> torch.Tensor:
@@ -217,10 +210,9 @@ class IpcAllReduce:
                                route: Route | None = None, schedule=None, transport=None, ctas: int | None = None,
                                cluster: int | None = None,
                                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight. Neither input is
-        written; both outputs are fresh unless given. In the two-shot and island schedules the owner of each slice
-        adds its own `residual`: tensor parallelism replicates it on every rank. `cluster` (fused one-shot: CTAs
-        per row, 1, 2, 4 or 8) and the rest as for all_reduce."""
+        """residual_out = all_reduce(inp) + residual; norm_out = rmsnorm(residual_out) * weight; inputs never written,
+        outputs fresh unless given. Two-shot and island: each slice's owner adds its own `residual` (tensor
+        parallelism replicates it). `cluster`: the fused one-shot's CTAs per row; the rest as for all_reduce."""
         route = self._route(inp, route, schedule=schedule, transport=transport, ctas=ctas, cluster=cluster,
                             window=window)
         why = self.refusal(inp, route, fused=True, residual=residual, weight=weight, outs=(norm_out, residual_out))
@@ -258,7 +250,6 @@ class IpcAllReduce:
             return "every output must be contiguous, with the input's shape, dtype and device"
         return policy.refusal(self.shape, route, _nbytes(inp), fused=fused, limits=self.limits)
 
-    # The launches: a route checked (refusal() is None) and resolved (policy.resolve) by the caller
     def launch(self, route: Route, inp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         result = torch.empty_like(inp) if out is None else out
         target = result if _aligned(result) else torch.empty_like(inp)
@@ -283,11 +274,9 @@ class IpcAllReduce:
         return outs[0], outs[1]
 
     def close(self, *, collective: bool = True, barrier_timeout_s: float = CLOSE_BARRIER_TIMEOUT_S) -> None:
-        """Release the IPC mappings, the slab and the host records; idempotent. Collective by default (every rank
-        at the same point): wait for this rank's calls, unmap the peers' slabs, wait until every rank has unmapped
-        ours (a barrier bounded by `barrier_timeout_s`), then free our slab: CUDA leaves freeing an allocation that
-        another process still maps undefined. With collective=False, or after a kernel timeout (the context may be
-        gone and the peers dead), the same steps run without the barrier."""
+        """Free the workspace; idempotent. Collective by default: unmap the peers' slabs, wait until every rank has
+        unmapped ours (freeing what another process maps is undefined in CUDA), then free ours. collective=False,
+        or after a kernel timeout (the context may be gone, the peers dead): the same without the barrier."""
         if self.exchange is None and self._handle:
             raise IpcAllReduceError("a workspace of a local group closes with its group: _debug.close_local_group()")
         if self._watchdog is not None:
@@ -317,7 +306,6 @@ class IpcAllReduce:
         except Exception as exc:
             if not context_dead:
                 raise
-            # After a trap every CUDA call of this process fails; the driver reclaims the memory with the process.
             logger.warning("IpcAllReduce rank %d: freeing the workspace after a kernel trap failed (%s); its memory is "
                            "released when the process ends", self.rank, exc)
 
@@ -330,8 +318,7 @@ class IpcAllReduce:
         return self._watchdog.slow_wait() if self._watchdog is not None else None
 
     def synchronize(self) -> None:
-        """torch.cuda.synchronize for this device, turning a kernel timeout into IpcAllReduceTimeoutError (in trap
-        mode the synchronize fails and the record says why; in exit mode it succeeds and the record is read)."""
+        """torch.cuda.synchronize for this device; a kernel timeout raises IpcAllReduceTimeoutError."""
         try:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
@@ -348,8 +335,8 @@ class IpcAllReduce:
         return int(_ext.ops().ws_dirty_halves(self._handle))
 
     def calls_completed(self) -> int:
-        """Calls completed on this workspace, counted on the device (CUDA-graph replays included), read without
-        synchronizing: safe from a monitoring thread while the serving stream runs. May lag calls in flight."""
+        """Calls completed, counted on the device (graph replays included), read without synchronizing: safe from a
+        monitoring thread while the serving stream runs; may lag calls in flight."""
         if self._handle == 0:
             raise IpcAllReduceError("IpcAllReduce is closed")
         return int(_ext.ops().ws_calls_completed(self._handle))
@@ -382,6 +369,5 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
-    # A view at an odd offset is a local property, not a group-wide one: copy rather than decline.
-    return t if _aligned(t) else t.clone()
+    return t if _aligned(t) else t.clone()  # an odd offset is one rank's, not the group's: copy, never decline
 

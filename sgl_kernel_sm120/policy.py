@@ -1,13 +1,9 @@
-"""The dispatch policy of the kernels as data: what one launch is (`Route`), what a built workspace runs as the route
-says (`refusal`), the routes used before anything was measured (`seed_route`), a route with every launch field
-filled (`resolve`), and every threshold of the dispatch.
-
-Standard library only: the overlay's routing table and offline report import it without torch. The kernels' own
-limits are not copied here: `kernel_limits()` reads them, and the codes of the enums below, from the loaded library
-on first use, and refuses a library whose codes differ. Every function is a pure function of group-identical
-inputs, so every rank of a group answers the same: a rank launching another route than its peers would wait for
-data that never comes. The seeds are starting points for the tuner, not measurements of a PCIe SM120 box; the
-measurements behind them are in docs/design.md.
+"""The dispatch policy as data: one launch (`Route`), what a built workspace runs as a route says (`refusal`), the
+routes before anything was measured (`seed_route`), a route with its launch fields filled (`resolve`), and every
+threshold. Standard library only (the overlay imports it without torch); the kernels' own limits and enum codes
+are read from the loaded library (`kernel_limits()`), never copied. Every function is pure in group-identical
+inputs, so every rank answers the same: a rank launching another route than its peers would wait forever. The
+seeds are the tuner's starting points, not measurements of a PCIe SM120 box (docs/design.md).
 """
 
 from __future__ import annotations
@@ -348,23 +344,10 @@ def seed_route(nbytes: int, shape: WorkspaceShape, transport: Transport | str = 
     return Route(choose_schedule(nbytes, shape.world_size, shape.link, shape.num_islands), transport, shape.memory)
 
 
-def schedule_ranges(max_bytes: int, world_size: int, link: Link | str,
-                    num_islands: int = 1) -> list[tuple[int, int, Schedule]]:
-    """The seed schedule of every size from 1 to `max_bytes` bytes as (first, last, schedule) ranges."""
-    ranges: list[tuple[int, int, Schedule]] = []
-    low = 1
-    while low <= max_bytes:
-        schedule = choose_schedule(low, world_size, link, num_islands)
-        lo, hi = low, max_bytes
-        while lo < hi:  # the largest size still served by `schedule`
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if choose_schedule(mid, world_size, link, num_islands) is schedule else (lo, mid - 1)
-        ranges.append((low, lo, schedule))
-        low = lo + 1
-    return ranges
-
-
 def describe_schedule(max_bytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> str:
-    """'ONESHOT up to 16384 B, ISLAND up to 458752 B' for the given workspace."""
-    return ", ".join(f"{s.name} up to {high} B" for _, high, s in schedule_ranges(max_bytes, world_size, link,
-                                                                                   num_islands))
+    """The seed schedule of every size up to `max_bytes`: 'ONESHOT up to 16384 B, ISLAND up to 458752 B'."""
+    bound = oneshot_max_bytes(world_size, link)
+    parts = [f"ONESHOT up to {min(bound, max_bytes)} B"]
+    if max_bytes > bound:
+        parts.append(f"{choose_schedule(max_bytes, world_size, link, num_islands).name} up to {max_bytes} B")
+    return ", ".join(parts)

@@ -49,21 +49,6 @@ class KernelSettings:
     debug_shm_no_precheck: bool = False  # skip the tmpfs size check, so the allocation meets a full tmpfs
 
 
-VARIABLES = {  # field -> variable; the SGL_ ones are read under their SGLANG_ twin too
-    "timeout_s": "SGL_SM120_AR_TIMEOUT_S",
-    "warn_after_s": "SGL_SM120_AR_WARN_S",
-    "abort_after_s": "SGL_SM120_AR_ABORT_AFTER_S",
-    "pdl": "SGL_SM120_AR_PDL",
-    "fused_clusters": "SGL_SM120_FUSED_CLUSTERS",
-    "shm_dir": "SGL_SM120_SHM_DIR",
-    "library": "SGL_SM120_EXT_LIBRARY",
-    "cache_dir": "SGLANG_SM120_CACHE",
-    "debug_cluster_check": "SGL_SM120_DEBUG_CLUSTER_CHECK",
-    "debug_probe_drop": "SGL_SM120_DEBUG_PROBE_DROP",
-    "debug_shm_no_precheck": "SGL_SM120_DEBUG_SHM_NO_PRECHECK",
-}
-
-
 def spellings(name: str) -> tuple[str, ...]:
     """An SGL_ name and its SGLANG_ twin; any other name itself only (SGLang never copies SGLANG_ names back)."""
     return (name, PREFIX + name[len(LEGACY_PREFIX):]) if name.startswith(LEGACY_PREFIX) else (name,)
@@ -116,31 +101,30 @@ def _probe_drop(name: str, raw: str) -> ProbeDrop:
 
 
 _BOOL = {"1": True, "0": False}
-_PARSERS = {
-    "timeout_s": lambda n, r: _seconds(n, r, False),
-    "warn_after_s": lambda n, r: _seconds(n, r, False),
-    "abort_after_s": lambda n, r: _seconds(n, r, True),
-    "pdl": lambda n, r: _choice(n, r, _BOOL),
-    "fused_clusters": lambda n, r: _choice(n, r, {"auto": True, "off": False}),
-    "shm_dir": lambda n, r: r,
-    "library": lambda n, r: r,
-    "cache_dir": lambda n, r: r,
-    "debug_cluster_check": lambda n, r: _choice(n, r, {"trap": "trap"}),
-    "debug_probe_drop": _probe_drop,
-    "debug_shm_no_precheck": lambda n, r: _choice(n, r, _BOOL),
+_SWITCHES = {  # field: (variable, parser); an SGL_ variable is read under its SGLANG_ twin too
+    "timeout_s": ("SGL_SM120_AR_TIMEOUT_S", lambda n, r: _seconds(n, r, False)),
+    "warn_after_s": ("SGL_SM120_AR_WARN_S", lambda n, r: _seconds(n, r, False)),
+    "abort_after_s": ("SGL_SM120_AR_ABORT_AFTER_S", lambda n, r: _seconds(n, r, True)),
+    "pdl": ("SGL_SM120_AR_PDL", lambda n, r: _choice(n, r, _BOOL)),
+    "fused_clusters": ("SGL_SM120_FUSED_CLUSTERS", lambda n, r: _choice(n, r, {"auto": True, "off": False})),
+    "shm_dir": ("SGL_SM120_SHM_DIR", lambda n, r: r),
+    "library": ("SGL_SM120_EXT_LIBRARY", lambda n, r: r),
+    "cache_dir": ("SGLANG_SM120_CACHE", lambda n, r: os.path.expanduser(r)),
+    "debug_cluster_check": ("SGL_SM120_DEBUG_CLUSTER_CHECK", lambda n, r: _choice(n, r, {"trap": "trap"})),
+    "debug_probe_drop": ("SGL_SM120_DEBUG_PROBE_DROP", _probe_drop),
+    "debug_shm_no_precheck": ("SGL_SM120_DEBUG_SHM_NO_PRECHECK", lambda n, r: _choice(n, r, _BOOL)),
 }
+VARIABLES = {field: variable for field, (variable, _) in _SWITCHES.items()}
 
 
 def read(environ: Mapping[str, str] | None = None) -> KernelSettings:
     """Every switch from `environ` (default os.environ); SettingError on the first bad one."""
     env = os.environ if environ is None else environ
     values = {}
-    for field, name in VARIABLES.items():
+    for field, (name, parse) in _SWITCHES.items():
         spelled, raw = _raw(name, env)
         if raw is not None:
-            values[field] = _PARSERS[field](spelled, raw)
-    if "cache_dir" in values:
-        values["cache_dir"] = os.path.expanduser(values["cache_dir"])
+            values[field] = parse(spelled, raw)
     return KernelSettings(**values)
 
 

@@ -288,9 +288,8 @@ def test_the_one_shot_bound_is_where_the_seeds_stop_using_one_shot(world, link):
 
 
 def test_the_schedule_is_described_size_range_by_size_range():
-    ranges = policy.schedule_ranges(458752, 8, "pcie", num_islands=2)
-    assert ranges == [(1, policy.PCIE_ONESHOT_MAX_BYTES[8], Schedule.ONESHOT),
-                      (policy.PCIE_ONESHOT_MAX_BYTES[8] + 1, 458752, Schedule.ISLAND)]
-    assert policy.schedule_ranges(1 << 20, 2, "pcie") == [(1, 1 << 20, Schedule.ONESHOT)]
-    assert policy.describe_schedule(458752, 8, "pcie", 1) == \
-        f"ONESHOT up to {policy.PCIE_ONESHOT_MAX_BYTES[8]} B, TWOSHOT up to 458752 B"
+    bound = policy.PCIE_ONESHOT_MAX_BYTES[8]
+    assert policy.describe_schedule(458752, 8, "pcie", 2) == f"ONESHOT up to {bound} B, ISLAND up to 458752 B"
+    assert policy.describe_schedule(458752, 8, "pcie", 1) == f"ONESHOT up to {bound} B, TWOSHOT up to 458752 B"
+    assert policy.describe_schedule(1 << 20, 2, "pcie") == f"ONESHOT up to {1 << 20} B"
+    assert policy.describe_schedule(bound, 8, "pcie", 2) == f"ONESHOT up to {bound} B"
