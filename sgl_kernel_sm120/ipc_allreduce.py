@@ -178,15 +178,19 @@ class IpcAllReduce:
         return (inp.device == self.device and inp.dtype in SUPPORTED_DTYPES and inp.is_contiguous()
                 and 0 < inp.numel() <= self.max_numel and inp.numel() % self.limits.elems_per_pack == 0)
 
+    def admits_fused(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
+        """The fused op's shape rule without a tensor: [rows, hidden] of `dtype` within the bound, a hidden size of
+        whole packs up to the widest row the fused kernels take."""
+        return (dtype in SUPPORTED_DTYPES and 0 < rows * hidden <= self.max_numel
+                and hidden % self.limits.elems_per_pack == 0 and hidden <= self.limits.max_fused_hidden)
+
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor | None = None,
                              weight: torch.Tensor | None = None) -> bool:
-        """supports(inp) for the fused op: [rows, hidden] of a hidden size it takes; a residual like `inp` and a weight
-        [hidden] of its device and dtype when given."""
-        if inp.dim() != 2 or not self.supports(inp):
+        """supports(inp) for the fused op (admits_fused of its shape); a residual like `inp` and a weight [hidden] of
+        its device and dtype when given."""
+        if inp.dim() != 2 or not (self.supports(inp) and self.admits_fused(*inp.shape, inp.dtype)):
             return False
         hidden = inp.shape[-1]
-        if hidden % self.limits.elems_per_pack or hidden > self.limits.max_fused_hidden:
-            return False
         if residual is not None and (residual.shape != inp.shape or residual.dtype != inp.dtype
                                      or residual.device != inp.device):
             return False

@@ -47,6 +47,7 @@ class KernelSettings:
     debug_cluster_check: str = ""  # "trap": the cluster check's child traps first (its negative control)
     debug_probe_drop: ProbeDrop | None = None
     debug_shm_no_precheck: bool = False  # skip the tmpfs size check, so the allocation meets a full tmpfs
+    given: frozenset[str] = frozenset()  # the fields whose switch is set (the rest are defaults)
 
 
 def spellings(name: str) -> tuple[str, ...]:
@@ -125,7 +126,7 @@ def read(environ: Mapping[str, str] | None = None) -> KernelSettings:
         spelled, raw = _raw(name, env)
         if raw is not None:
             values[field] = parse(spelled, raw)
-    return KernelSettings(**values)
+    return KernelSettings(**values, given=frozenset(values))
 
 
 def launch_switches(settings: KernelSettings) -> dict[str, str]:

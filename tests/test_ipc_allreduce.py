@@ -203,6 +203,11 @@ def test_what_the_workspace_takes_is_a_function_of_the_tensor_and_its_fixed_attr
     assert not ws.supports_add_rmsnorm(x.flatten())  # the fused op takes [rows, hidden]
     assert not ws.supports_add_rmsnorm(torch.zeros(1, LIMITS.max_fused_hidden + 8, dtype=torch.bfloat16))
     assert not ws.supports_add_rmsnorm(x, x[:2], None) and not ws.supports_add_rmsnorm(x, None, torch.ones(8))
+    assert ws.admits_fused(3, 7168, torch.bfloat16) and ws.admits_fused(1, LIMITS.max_fused_hidden, torch.float16)
+    assert not ws.admits_fused(3, 7164, torch.bfloat16) and not ws.admits_fused(3, 64, torch.float32)
+    assert not ws.admits_fused(1, LIMITS.max_fused_hidden + 8, torch.bfloat16)
+    assert not ws.admits_fused(ws.max_numel // 64 + 1, 64, torch.bfloat16)
+    assert not ws.admits_fused(0, 64, torch.bfloat16)
 
 
 def test_the_checked_op_explains_what_it_refuses_and_a_closed_workspace_runs_nothing():

@@ -60,6 +60,12 @@ def test_every_switch_is_read_under_either_spelling(field, value, expected, lega
     assert getattr(read({name: value}), field) == expected
 
 
+def test_the_settings_say_which_switches_were_set():
+    assert read({}).given == frozenset()
+    given = read({"SGLANG_SM120_AR_TIMEOUT_S": "300", "SGL_SM120_AR_PDL": "1", "SGL_SM120_SHM_DIR": " "}).given
+    assert given == {"timeout_s", "pdl"}  # set to the default is set; empty is unset
+
+
 def test_the_cache_folder_has_one_spelling_and_a_home_folder_is_expanded():
     assert read({"SGLANG_SM120_CACHE": "~/tables"}).cache_dir == os.path.expanduser("~/tables")
 
