@@ -125,7 +125,7 @@ def test_sm120_hostmem_needs_the_host_transport(monkeypatch):
     assert "not the host transport" in impl._check_built()
     impl.ar = types.SimpleNamespace(memory="host", link=types.SimpleNamespace(value="host"))
     assert impl._check_built() is None
-    impl.mod = types.SimpleNamespace(Variant=[types.SimpleNamespace(name=n) for n in ("ONESHOT", "TWOSHOT", "ISLAND")])
+    impl.mod = types.SimpleNamespace(Schedule=[types.SimpleNamespace(name=n) for n in ("ONESHOT", "TWOSHOT", "ISLAND")])
     assert [label for label, _ in impl.variants()] == [None, "ONESHOT", "TWOSHOT"]
     kw = impl._ctor_kwargs(None)
     assert kw["memory"] == "host" and kw["islands"] is None and "link" not in kw
