@@ -34,12 +34,16 @@ from tests.gpu.test_ipc_allreduce import passed
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
 
+def _shared_files() -> set[str]:
+    return set(glob.glob("/dev/shm/sgl_sm120_*"))
+
+
 @pytest.fixture(autouse=True)
 def host_memory(monkeypatch):
     monkeypatch.setenv(scenarios.MEMORY_ENV, "host")
-    before = set(glob.glob("/dev/shm/sgl_sm120_*"))
+    before = _shared_files()
     yield
-    left = set(glob.glob("/dev/shm/sgl_sm120_*")) - before
+    left = _shared_files() - before
     assert not left, f"shared-memory names left behind: {sorted(left)}"
 
 
@@ -60,8 +64,12 @@ TWO_RANKS = {
 
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory):
+    before = _shared_files()  # the run precedes every test's own check
     with spawn_env(tmp_path_factory, **{scenarios.MEMORY_ENV: "host"}):
-        return run_scenarios(2, selected_scenarios(request, TWO_RANKS), timeout_s=600)
+        outcomes = run_scenarios(2, selected_scenarios(request, TWO_RANKS), timeout_s=600)
+    left = _shared_files() - before
+    assert not left, f"shared-memory names left behind by the two-rank scenarios: {sorted(left)}"
+    return outcomes
 
 
 @need_ranks(2)
