@@ -539,7 +539,7 @@ def _expect_probe_error(world, rank, spec, pair, what, where):
     for name, value in spelled_out("SGL_SM120_DEBUG_PROBE_DROP", spec + f"@{_memory()}").items():
         os.environ[name] = value  # the switch leaves host memory alone unless told
     try:
-        _make(world, rank, 64 * 7168)
+        _make(world, rank, 64 * 7168, timeout_s=2.0)  # the probe's polls: min(5 s, timeout_s); arrivals take ms
     except IpcAllReduceProbeError as err:
         assert len(err.pairs) == 1 and err.pairs[0][:2] == pair, err.pairs
         assert what in err.pairs[0][2] and where in err.pairs[0][2], err.pairs
