@@ -56,6 +56,14 @@ int fused_cluster_size(int rows, int packs_per_row, int ctas, const int* capacit
 // device cannot launch clusters (cudaDevAttrClusterLaunch is 0).
 cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters);
 
+// A constant list as an error message names it: "1, 2, 4, 8".
+template <size_t N>
+std::string listed(const int (&values)[N]) {
+  std::string text;
+  for (int v : values) text += (text.empty() ? "" : ", ") + std::to_string(v);
+  return text;
+}
+
 // The grids the launches use, host-callable so that tests/launch_grid_check.cu can hold sgl_kernel_sm120/policy.py's
 // copies (plain_grid, fused_grid) to them. Every input is group-identical, so every rank launches the same grid.
 constexpr int round_up_warp(long long n) { return static_cast<int>((n + 31) / 32 * 32); }

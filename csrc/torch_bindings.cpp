@@ -28,7 +28,9 @@ Workspace* as_workspace(int64_t handle) {
 
 void check_ok(const std::string& err) { TORCH_CHECK(err.empty(), "sgl_kernel_sm120: ", err); }
 
-void check_world(int64_t world) { TORCH_CHECK(is_world_size(world), "sgl_kernel_sm120: world must be 1, 2, 4 or 8"); }
+void check_world(int64_t world) {
+  TORCH_CHECK(is_world_size(world), "sgl_kernel_sm120: world must be one of ", listed(kWorldSizes), ", got ", world);
+}
 
 // Per-cluster-size lists cross the op boundary in the order of kClusterSizes.
 constexpr size_t kNumClusterSizes = sizeof(kClusterSizes) / sizeof(kClusterSizes[0]);
@@ -380,7 +382,7 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   const c10::cuda::CUDAGuard guard(ws->device);
   bool known_cluster = cluster == 0 || cluster == 1;
   for (int c : kClusterSizes) known_cluster = known_cluster || cluster == c;
-  TORCH_CHECK(known_cluster, "cluster must be 0 (the kernels' rule), 1 or a cluster size (2, 4, 8)");
+  TORCH_CHECK(known_cluster, "cluster must be 0 (the kernels' rule), 1 or one of ", listed(kClusterSizes));
   // threads 0: the fused kernels size their own CTAs
   const LaunchShape shape = launch_shape(ws, 0, ctas, pdl, static_cast<int>(cluster), transport, window);
   const cudaError_t err = launch_all_reduce_add_rmsnorm(

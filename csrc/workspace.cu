@@ -238,7 +238,7 @@ std::string init_control(Workspace* ws, char* ctrl) {
 
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   *out = nullptr;
-  if (!is_world_size(cfg.world)) return "world size must be one of kWorldSizes (1, 2, 4, 8)";
+  if (!is_world_size(cfg.world)) return "world size must be one of " + listed(kWorldSizes);
   if (cfg.rank < 0 || cfg.rank >= cfg.world) return "rank out of range";
   if (cfg.max_numel <= 0 || cfg.max_numel % kElemsPerPack != 0) return "max_numel must be a positive multiple of 8";
   if (cfg.oneshot_max_numel <= 0 || cfg.oneshot_max_numel % kElemsPerPack != 0 || cfg.oneshot_max_numel > cfg.max_numel)
