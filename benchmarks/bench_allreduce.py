@@ -553,7 +553,7 @@ class Bench(run.Run):
                            f"{doc['crossover_bytes']}")
         for t in doc["targets"]:
             io.table_print(format_target(t))
-        if self.no_p2p:
+        if doc.get("nccl_setup"):
             io.table_print(nccl_mode.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
             io.table_print("skipped:")

@@ -10,7 +10,7 @@ graph replays run none. Timed here, per call, median of repeats:
   `_forward_with_allreduce_fusion` at the norm (which asks the gate again and runs the fused launch).
 The workspace is the real `IpcAllReduce` object, built without a GPU (its fields set as a construction on a
 PCIe box of 8 ranks would) and with the compiled ops replaced by Python no-ops, so what is timed is the
-overlay's and the kernel package's Python, not a kernel. The tensors are CPU tensors: the workspace's device is
+overlay's and the kernel package's Python, not a kernel: the checks, the route lookup, the output allocation. The tensors are CPU tensors: the workspace's device is
 set to the CPU so that its device check passes. SGLang's group lookup is served by a stand-in `get_parallel`.
 The result is merged into --out under --label, with the commit and the machine.
 """
@@ -40,51 +40,46 @@ def _stand_in_ops():
     return types.SimpleNamespace(all_reduce=noop, all_reduce_add_rmsnorm=noop)
 
 
-def _stand_in_parallel(group):
-    """SGLang's runtime context answers the overlay's group lookups with `group`."""
-    import sglang.srt.runtime_context as ctx
+def build(patch=setattr):
+    """(plain call, fused boundary) closures over the overlay's real hooks and a CPU workspace. `patch(obj, name,
+    value)` stands in the compiled ops and SGLang's group lookup (a test passes monkeypatch.setattr to undo it)."""
 
-    parallel = types.SimpleNamespace(tp_group=group, attn_tp_group=group, moe_tp_group=group, moe_ep_group=group)
-    ctx.get_parallel = lambda: parallel
-
-
-def build():
-    """(plain call, fused boundary) closures over the overlay's real hooks and a CPU workspace."""
     from sgl_kernel_sm120 import _ext, policy
     from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce
+    from sgl_kernel_sm120.settings import read
     from sglang_sm120.core.config import OverlaySettings
     from sglang_sm120.core.gate import GateDecision
     from sglang_sm120.hooks import distributed, fusion
     from sglang_sm120.routing.book import RouteBook
-    from sglang_sm120.runtime.communicator import Sm120Communicator
-    from sglang_sm120.runtime.registry import set_group_communicator
+    from sglang_sm120.runtime.backend import TPBackend
+    from sglang_sm120.runtime.registry import set_group_backend
 
     limits = policy.kernel_limits()  # from the built library, before its ops are stood in
     ops = _stand_in_ops()
-    _ext.ops = lambda: ops
+    patch(_ext, "ops", lambda: ops)
     cpu = torch.device("cpu")
+    # The fields a construction on a PCIe box of 8 ranks sets, on the CPU (nothing here reaches a GPU).
     ws = IpcAllReduce.__new__(IpcAllReduce)
-    ws._set_fields(0, WORLD, cpu, 64 * HIDDEN, torch.bfloat16, "device", 300.0, 5.0, "trap", "auto")
-    ws.islands, ws.num_islands, ws.link, ws._handle, ws.limits = None, 1, policy.Link.PCIE, 1, limits
+    ws.rank, ws.world_size, ws.device, ws.max_numel, ws.dtype = 0, WORLD, cpu, 64 * HIDDEN, torch.bfloat16
+    ws.settings, ws.use_pdl, ws._handle, ws.limits = read(), True, 1, limits
+    ws.timeout_s, ws.warn_after_s = 300.0, 5.0
+    ws.fused_clusters = {"clusters": [2, 4, 8], "reason": "stand-in"}
     ws._shape = policy.WorkspaceShape(WORLD, "device", "pcie", 1, 1 << 62, (2, 4, 8), 188)
-    # This commit's supports() also asks inp.is_cuda, which a CPU tensor fails; the device check it makes next
-    # covers it (the workspace's device is a CUDA device in a server), so the stand-in drops that one term.
-    IpcAllReduce.supports = lambda self, inp: (
-        self._handle != 0 and inp.device == self.device and inp.dtype in (torch.bfloat16, torch.float16)
-        and inp.is_contiguous() and 0 < inp.numel() <= self.max_numel
-        and inp.numel() % self.limits.elems_per_pack == 0)
 
-    comm = Sm120Communicator(name="tp:0", ranks=list(range(WORLD)), rank_in_group=0, world_size=WORLD,
-                             cpu_group=None, device=cpu, settings=OverlaySettings(mode="on"), deterministic=False)
-    comm.decision = GateDecision(True, "bench")
-    comm.workspace, comm.hidden_size, comm.dtype = ws, HIDDEN, torch.bfloat16
-    comm.max_bytes, comm.max_fused_tokens, comm.fusion_groups_ok = 64 * HIDDEN * 2, 64, True
-    comm.routes = RouteBook.seeds(ws.shape, limits)
+    backend = TPBackend(name="tp:0", ranks=list(range(WORLD)), rank_in_group=0, world_size=WORLD, device=cpu,
+                        settings=OverlaySettings(mode="on"), deterministic=False)
+    backend.decision = GateDecision(True, "bench")
+    backend.workspace, backend.hidden_size, backend.dtype = ws, HIDDEN, torch.bfloat16
+    backend.max_bytes, backend.max_fused_tokens = 64 * HIDDEN * 2, 64
+    backend.routes = RouteBook.seeds(ws.shape, limits)
+    backend.fused_tokens = frozenset(range(1, 65))
 
     group = types.SimpleNamespace(unique_name="tp:0", world_size=WORLD)
-    set_group_communicator(group, comm)
-    comm._group_ref = lambda: group
-    _stand_in_parallel(group)
+    set_group_backend(group, backend)
+    backend._group = lambda: group
+    parallel = types.SimpleNamespace(tp_group=group, attn_tp_group=group, moe_tp_group=group, moe_ep_group=group)
+    # SGLang's group lookup (0.5.23's runtime context, as either release is found) answers with `group`
+    patch(distributed, "_groups", types.SimpleNamespace(get_parallel=lambda: parallel))
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was taken: the overlay declined the call")

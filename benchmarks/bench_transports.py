@@ -1,5 +1,5 @@
-"""One-GPU microbenchmark of the kernels' own work for every transport x schedule, the successor of
-bench_polling for the transports, and the launch sweep that one GPU call sets the kernels' defaults from.
+"""One-GPU microbenchmark of the kernels' own work for every transport x schedule, and the launch sweep that one
+GPU call sets the kernels' defaults from.
 
     python -m benchmarks.bench_transports [--out benchmarks/results] [--iters 30] [--calls 20]
     python -m benchmarks.bench_transports --table benchmarks/results/transports_h200_loopback.json  (README's table)
@@ -11,7 +11,7 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   is timed is the kernel's own work (stores, loads, sums, norm, the staged passes' and pull's flag traffic).
   Measured in CUDA graphs of `calls` x (fill, call), minus a graph of `calls` fills alone, per call. Each
   (W, rows) gets its own workspace sized for exactly that call: the fill writes whole slabs, and a slab sized for
-  64 rows made the fill 43 us per call at W = 8 against 1-10 us for the call (2026-12-02), drowning the
+  64 rows made the fill 43 us per call at W = 8 against 1-10 us for the call on an H200, drowning the
   difference. Each record keeps its fill time (`fill_us`) to show the margin.
   Each record names its launch: `blocks` (the CTA cap), `threads` (plain kernels' CTA size), `cluster` (fused
   one-shot: CTAs per row asked for, "rule" for the kernels' own choice) and `cluster_used` (what ran), `window`
@@ -26,8 +26,8 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
   one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
   this rank does not own come from stand-in owners).
-- concurrent: one process runs the whole group (IpcAllReduce.local_group, each rank on a W-th of the SMs) as W
-  parallel branches of one CUDA graph, so the ranks really exchange (in one GPU's memory) and wait for one
+- concurrent: one process runs the whole group (sgl_kernel_sm120._debug.local_group, each rank on a W-th of the
+  SMs) as W parallel branches of one CUDA graph, so the ranks really exchange (in one GPU's memory) and wait for one
   another: ONESHOT, TWOSHOT and (W >= 4, two islands) ISLAND. Per call: the graph's replay time / calls.
 Median over `iters` replays. Each stage's wall time is printed and kept (`stage_seconds`): about 500 loopback
 launches and 210 concurrent ones, a few tens of ms each, well under 4 minutes on an H200. Past SWEEP_TIME_LIMIT_S
@@ -221,16 +221,17 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict, int]:
 
 
 def _concurrent(args, dev, stages: dict) -> list[dict]:
-    from sgl_kernel_sm120 import IpcAllReduce, Variant
-    from sgl_kernel_sm120.ipc_allreduce import close_local_group
+    from sgl_kernel_sm120 import Schedule
+    from sgl_kernel_sm120._debug import close_local_group, local_group
 
     records = []
     for world in WORLDS:
         began = time.monotonic()
         islands = [list(range(world // 2)), list(range(world // 2, world))] if world >= 4 else None
-        comms = IpcAllReduce.local_group(dev, world, max(ROWS) * HIDDEN, islands=islands, timeout_s=10.0)
+        comms = local_group(dev, world, max(ROWS) * HIDDEN, islands=islands, timeout_s=10.0)
         streams = [torch.cuda.Stream() for _ in range(world)]
-        variants = [Variant.ONESHOT] + ([Variant.TWOSHOT] if world > 2 else []) + ([Variant.ISLAND] if islands else [])
+        variants = ([Schedule.ONESHOT] + ([Schedule.TWOSHOT] if world > 2 else [])
+                    + ([Schedule.ISLAND] if islands else []))
         try:
             for rows, variant, transport, op in itertools.product(ROWS, variants, TRANSPORTS, OPS):
                 xs = [torch.ones(rows, HIDDEN, dtype=torch.bfloat16, device=dev) for _ in range(world)]
@@ -240,9 +241,9 @@ def _concurrent(args, dev, stages: dict) -> list[dict]:
 
                 def call(r, comms=comms, xs=xs, res=res, w=w, variant=variant, transport=transport, op=op, outs=outs):
                     if op == "all_reduce":
-                        outs[r] = comms[r].all_reduce(xs[r], variant=variant, transport=transport)
+                        outs[r] = comms[r].all_reduce(xs[r], schedule=variant, transport=transport)
                     else:
-                        outs[r] = comms[r].all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, variant=variant,
+                        outs[r] = comms[r].all_reduce_add_rmsnorm(xs[r], res, w, 1e-6, schedule=variant,
                                                                   transport=transport)[1]
 
                 graph = concurrent.capture_concurrent(streams, call, args.calls)

@@ -1,6 +1,6 @@
 """Does the quick tune a server runs at its start pick the launch a sweep of every launch finds fastest? One GPU,
-the ranks as concurrent workspaces of one process (IpcAllReduce.local_group, each rank on a W-th of the SMs): the
-setting the one-process tune measures in, so the tuner and the sweep see the same kernels on the same budget.
+the ranks as concurrent workspaces of one process (sgl_kernel_sm120._debug.local_group, each rank on a W-th of the
+SMs): the setting the one-process tune measures in, so the tuner and the sweep see the same kernels on the same budget.
 
     python -m benchmarks.bench_tuner_pick [--out benchmarks/results] [--worlds 2 4 8] [--iters 30] [--calls 20]
 
@@ -9,7 +9,7 @@ Per world W:
    quick, hidden 7168, bf16, rows up to max(ROWS), ROWS among the measured rows). NCCL cannot run in one process; its
    time is set far above ours (debug_nccl_us), so every size routes to one of our launches, by the tuner's own rule
    (its hysteresis included): the pick under test. The table is kept in the JSON (`tables`);
-2. the sweep: every launch the kernels take at each of ROWS, plain and fused (`sweep_routes`: variants x transports
+2. the sweep: every launch the kernels take at each of ROWS, plain and fused (`sweep_routes`: schedules x transports
    x CTA caps x the plain CTA sizes x the fused one-shot's clusters x staged push's windows, one launch per distinct
    grid; a superset of the quick tune's candidates, which tests/bench/test_tuner_pick.py checks), each as W
    concurrent graph branches of `calls` calls, the median over `iters` replays;
@@ -41,8 +41,8 @@ from sgl_kernel_sm120.policy import (
     KernelLimits,
     Memory,
     Route,
+    Schedule,
     Transport,
-    Variant,
     WorkspaceShape,
     cta_cap,
     plain_threads,
@@ -88,8 +88,8 @@ def launch_key(route: Route, kind: str, rows: int, shape: WorkspaceShape, limits
     window = None
     if route.transport is Transport.STAGED:
         window = min(route.window or shape.world_size - 1, shape.world_size - 1)
-    head = (kind, route.variant.name, route.transport.value)
-    if kind == "fused" and route.variant is Variant.ONESHOT and route.cluster is None:
+    head = (kind, route.schedule.name, route.transport.value)
+    if kind == "fused" and route.schedule is Schedule.ONESHOT and route.cluster is None:
         return (*head, "rule", ctas, window)
     threads = (route.threads or plain_threads(nbytes, route.transport, ctas=ctas, limits=limits)
                if kind == "plain" else None)
@@ -101,21 +101,21 @@ def sweep_routes(kind: str, rows: int, shape: WorkspaceShape, limits: KernelLimi
     routes that launch the same grid, the largest CTA cap, as the tuner keeps), each naming its whole launch."""
     nbytes = rows * HIDDEN * ELEMENT_BYTES
     fused = kind == "fused"
-    variants = [Variant.ONESHOT] + ([Variant.TWOSHOT] if shape.world_size > 2 else [])
+    schedules = [Schedule.ONESHOT] + ([Schedule.TWOSHOT] if shape.world_size > 2 else [])
     if shape.num_islands >= 2:
-        variants.append(Variant.ISLAND)
+        schedules.append(Schedule.ISLAND)
     transports = list(Transport) if shape.memory is Memory.DEVICE else [Transport.PUSH]
     chosen: dict[tuple, Route] = {}
-    for variant, transport, ctas in itertools.product(variants, transports, sweep_caps(shape)):
+    for schedule, transport, ctas in itertools.product(schedules, transports, sweep_caps(shape)):
         windows: Sequence[int | None] = sweep_windows(shape.world_size) if transport is Transport.STAGED else [None]
         if fused:
             clusters: Sequence[int | None] = (
-                [c for c in ROW_SPLITS if c == 1 or c in shape.clusters] if variant is Variant.ONESHOT else [None])
+                [c for c in ROW_SPLITS if c == 1 or c in shape.clusters] if schedule is Schedule.ONESHOT else [None])
             shapes = [dict(cluster=c) for c in clusters if c is None or c <= ctas]
         else:
             shapes = [dict(threads=t) for t in SWEEP_THREADS if t <= limits.plain_max_threads]
         for launch, window in itertools.product(shapes, windows):
-            route = Route(variant, transport, shape.memory, ctas, window=window, **launch)
+            route = Route(schedule, transport, shape.memory, ctas, window=window, **launch)
             if refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
                 chosen[launch_key(route, kind, rows, shape, limits)] = route  # ascending caps: the largest stays
     return list(chosen.values())
@@ -168,16 +168,16 @@ class Group:
     def open(self) -> list:
         import torch
 
-        from sgl_kernel_sm120 import IpcAllReduce
+        from sgl_kernel_sm120._debug import local_group
 
         if self.comms is None:
-            self.comms = IpcAllReduce.local_group(self.device, self.world, max(ROWS) * HIDDEN, torch.bfloat16,
-                                                  link="auto", timeout_s=10.0, on_timeout="exit")
+            self.comms = local_group(self.device, self.world, max(ROWS) * HIDDEN, torch.bfloat16, link="auto",
+                                     timeout_s=10.0, on_timeout="exit")
             self.streams = [torch.cuda.Stream() for _ in range(self.world)]
         return self.comms
 
     def close(self) -> None:
-        from sgl_kernel_sm120.ipc_allreduce import close_local_group
+        from sgl_kernel_sm120._debug import close_local_group
 
         comms, self.comms = self.comms, None
         if comms is not None:

@@ -702,7 +702,7 @@ class Bench(run.Run):
                   f"step {e['step_ms_nccl']:.2f} -> {e['step_ms_ours']:.2f} ms ({e['step_speedup']:.2f}x); "
                   f"accept_len {e['accept_len']:.2f} ({e['accept_len_source']}): {e['tok_s_nccl']:.1f} -> "
                   f"{e['tok_s_ours']:.1f} tok/s (no speculation: {e['tok_s_nospec']:g} tok/s)")
-        if self.no_p2p:
+        if doc.get("nccl_setup"):
             io.table_print(nccl_mode.nccl_setup_line(doc["nccl_setup"]))
         if doc["skipped"]:
             io.table_print("skipped:")

@@ -47,7 +47,7 @@ def _fake_kernel_module():
 
     mod = types.ModuleType("sgl_kernel_sm120")
 
-    class Variant(enum.IntEnum):
+    class Schedule(enum.IntEnum):
         ONESHOT = 0
         TWOSHOT = 1
         ISLAND = 2
@@ -70,24 +70,23 @@ def _fake_kernel_module():
         def supports_add_rmsnorm(self, inp):
             return self.supports(inp) and inp.dim() == 2
 
-        def seed_route(self, nbytes):
-            return types.SimpleNamespace(variant=Variant.ONESHOT)
+        shape = None
 
-        def _check(self, variant):
+        def _check(self, schedule):
             if self.closed:
                 raise RuntimeError("closed")
-            if variant is not None and Variant(variant) is Variant.ISLAND and not self.islands:
-                raise ValueError("Variant.ISLAND needs a workspace created with islands")
-            if variant is not None and Variant(variant) is Variant.ISLAND and self.memory == "host":
-                raise ValueError("Variant.ISLAND is not available with memory='host'")
+            if schedule is not None and Schedule(schedule) is Schedule.ISLAND and not self.islands:
+                raise ValueError("Schedule.ISLAND needs a workspace created with islands")
+            if schedule is not None and Schedule(schedule) is Schedule.ISLAND and self.memory == "host":
+                raise ValueError("Schedule.ISLAND is not available with memory='host'")
 
         def _sum(self, inp):
             s = inp.float().clone()
             dist.all_reduce(s, group=self.group)
             return s
 
-        def all_reduce(self, inp, out=None, *, variant=None):
-            self._check(variant)
+        def all_reduce(self, inp, out=None, *, schedule=None):
+            self._check(schedule)
             res = self._sum(inp).to(inp.dtype)
             if out is None:
                 return res
@@ -95,8 +94,8 @@ def _fake_kernel_module():
             return out
 
         def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None, *,
-                                   variant=None):
-            self._check(variant)
+                                   schedule=None):
+            self._check(schedule)
             r = (self._sum(inp) + residual.float()).to(inp.dtype)
             n = reference_add_rmsnorm(r, None, weight, eps)[0]
             if norm_out is not None:
@@ -110,8 +109,9 @@ def _fake_kernel_module():
         def close(self):
             self.closed = True
 
-    mod.Variant = Variant
+    mod.Schedule = Schedule
     mod.IpcAllReduce = IpcAllReduce
+    mod.seed_route = lambda nbytes, shape: types.SimpleNamespace(schedule=Schedule.ONESHOT)
     return mod
 
 

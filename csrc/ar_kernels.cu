@@ -30,13 +30,8 @@ struct CallArgs {
   int window;  // staged push: passes in flight before their pacing waits (transports/staged_push.cuh S3), >= 1
 };
 
-// Fused kernels: a CTA per row. A row of up to 1024 packs (hidden <= 8192) gets one pack per thread of up to
-// 1024 threads in one-shot, held in registers between the sum and the norm. Wider rows, and the hierarchical
-// kernels, use 512-thread CTAs, where a thread has 128 registers rather than 64 (the waits at 8 ranks need
-// them, see OneShotSlots::reduce_pack): up to kMaxPacksPerThread packs per thread, held when at most
-// kHeldPacks, otherwise re-read from residual_out for the norm. Every fused kernel builds without spills
-// (tests/test_build.py checks the cubins).
-constexpr int kWideThreads = 512;
+// Fused kernels (CTA sizes in ar_launch.h): a wide row's packs are held in registers from the sum to the norm when
+// a thread has at most kHeldPacks of them, else re-read from residual_out. No fused kernel spills (tests/test_build.py).
 constexpr int kHeldPacks = 2;
 // Staged push: the packs a thread keeps in registers across its passes (S4) when it has no more than this many; with
 // more it reads them from the input in every pass. Bounded so that no kernel spills (tests/test_build.py, ptxas 12.8
@@ -163,23 +158,6 @@ __global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_kernel
   finish_call(ws, seq);
 }
 
-// The polling this file had before I10, kept only for the polling microbenchmark (push, bf16, 8 ranks).
-template <typename T, int kWorld>
-__global__ void __launch_bounds__(kPlainMaxThreads, 1) oneshot_all_reduce_serial_poll_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  const CallStart start = begin_call(ws, first < a.num_packs ? a.inp + first : nullptr);
-  if (start.poisoned) return;  // I12
-  const unsigned long long seq = start.seq;
-  const OneShotSlots<kWorld> slots(ws, parity_of(seq));
-
-  for (long long g = first; g < a.num_packs; g += stride) slots.push_pack(ws, g, remap_half_pack(a.inp[g]));
-  for (long long g = first; g < a.num_packs; g += stride) {
-    a.out[g] = round_pack<T>(slots.template reduce<T, true>(ws, seq, g, remap_half_pack(a.inp[g])));
-  }
-  finish_call(ws, seq);
-}
-
 // The RMSNorm of row `row` of a fused kernel whose thread holds packs j = threadIdx.x + k * blockDim.x: final(k, g)
 // returns pack g's residual_out, stored there by this thread (in final or before it). kHoldRow: the row's packs
 // and weights stay in registers from the sum of squares to the scaling; otherwise the scaling reads residual_out
@@ -225,9 +203,8 @@ __device__ __forceinline__ void norm_row(const CallArgs& a, int row, float* s_re
 // and the rounded residual and the weight stay in registers for the norm. Wider rows run 512 threads with
 // kPacks = kMaxPacksPerThread: each pack's operands are loaded when it is reduced, and the norm pass reads the
 // residual back from residual_out (this thread's own store, so it sees it) and the weight again.
-template <typename T, int kWorld, int kPacks, int kT, bool kSerialPoll = false>
-__global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
-  static_assert(!kSerialPoll || kT == kTransportPush, "the old serial polling exists for push only");
+template <typename T, int kWorld, int kPacks, int kT>
+__global__ void __launch_bounds__(kPacks == 1 ? kFusedMaxThreads : kWideThreads, 1) oneshot_add_rmsnorm_kernel(const __grid_constant__ WorkspaceView ws, const __grid_constant__ CallArgs a) {
   constexpr bool kHoldRow = kPacks == 1;
   constexpr int kUnroll = kHoldRow ? kPacks : 1;
   // Push holds all 8 ranks' packs at once within the 1024-thread kernel's 64 registers; the staged passes and the
@@ -283,12 +260,7 @@ __global__ void __launch_bounds__(kPacks == 1 ? 1024 : kWideThreads, 1) oneshot_
     norm_row<T, kPacks, kHoldRow>(a, row, s_red, [&](int k, long long g) {
       const int h = kHoldRow ? k : 0;
       if (!kHoldRow) own[0] = remap_half_pack(a.inp[g]);
-      Acc8 acc;
-      if constexpr (kSerialPoll) {
-        acc = path.slots.template reduce<T, true>(ws, seq, g, own[h]);
-      } else {
-        acc = path.template reduce<T, kBatch>(ws, g, own[h]);
-      }
+      Acc8 acc = path.template reduce<T, kBatch>(ws, g, own[h]);
       accumulate<T>(acc, kHoldRow ? res[h] : a.residual[g]);  // unheld: loaded after the wait
       const uint4 r = round_pack<T>(acc);  // residual_out, rounded once
       a.out[g] = r;
@@ -435,7 +407,7 @@ __global__ void __launch_bounds__(kWideThreads, 1) oneshot_add_rmsnorm_cluster_k
 // OneShotSlots::reduce_pack): a thread has 64 registers here, and all 8 at once would leave none to spare; for the
 // same reason the residual and the weight are loaded after the wait.
 template <typename T, int kWorld, int kGroups, int kT>
-__global__ void __launch_bounds__(1024, 1) oneshot_add_rmsnorm_grouped_kernel(const __grid_constant__ WorkspaceView ws,
+__global__ void __launch_bounds__(kFusedMaxThreads, 1) oneshot_add_rmsnorm_grouped_kernel(const __grid_constant__ WorkspaceView ws,
                                                                               const __grid_constant__ CallArgs a) {
   constexpr int kBatch = kWorld > 4 ? 4 : kWorld;
   __shared__ float s_sums[2][32];  // [turn parity][warp]
@@ -818,8 +790,6 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), int blocks, int threads
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-int round_up_32(long long n) { return static_cast<int>(((n + 31) / 32) * 32); }
-
 // The transport as a compile-time constant: f(std::integral_constant<int, kT>) for shape.transport.
 template <typename F>
 cudaError_t with_transport(int transport, F f) {
@@ -844,22 +814,14 @@ cudaError_t with_world(int world, F f) {
 }
 
 template <typename T>
-cudaError_t launch_plain(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
+cudaError_t launch_plain(const WorkspaceView& ws, Schedule schedule, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
-  const int threads = static_cast<int>(std::min<long long>(std::min(shape.threads, kPlainMaxThreads), round_up_32(a.num_packs)));
-  const long long wanted = (a.num_packs + threads - 1) / threads;
-  const int blocks = static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, shape.max_blocks)));
-  if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: push, bf16, 8 ranks (only that is built)
-    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-      if (ws.world == 8 && shape.transport == kTransportPush)
-        return launch_kernel(oneshot_all_reduce_serial_poll_kernel<T, 8>, blocks, threads, shape, stream, ws, a);
-    }
-    return cudaErrorInvalidValue;
-  }
+  const Grid grid = plain_grid(a.num_packs, shape.threads, shape.ctas);
+  const int blocks = grid.blocks, threads = grid.threads;
   return with_transport(shape.transport, [&](auto transport) -> cudaError_t {
     constexpr int kT = decltype(transport)::value;
-    if (variant != Variant::kOneShot) {
-      const bool islands = variant == Variant::kIsland;
+    if (schedule != Schedule::kOneShot) {
+      const bool islands = schedule == Schedule::kIsland;
       return with_world((islands ? ws.islands : ws.flat).island_size, [&](auto island) -> cudaError_t {
         constexpr int kIsland = decltype(island)::value;
         if constexpr (kT == kTransportPull) {
@@ -922,16 +884,16 @@ cudaError_t launch_cluster_kernel(const WorkspaceView& ws, const CallArgs& a, in
   attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = shape.pdl ? 2 : 1;
-  const int budget = std::min(shape.cluster_capacity[kCluster], shape.max_blocks / kCluster);
-  if (budget < 1) return cudaErrorInvalidConfiguration;
-  config.gridDim = dim3(std::min(a.rows, budget) * kCluster);
+  const int blocks = fused_cluster_grid(a.rows, kCluster, shape.ctas, shape.cluster_capacity[kCluster]);
+  if (blocks < 1) return cudaErrorInvalidConfiguration;
+  config.gridDim = dim3(blocks);
   return cudaLaunchKernelEx(&config, oneshot_add_rmsnorm_cluster_kernel<T, kWorld, kCluster, kT>, ws, a);
 }
 
 template <typename T, int kCluster>
 cudaError_t launch_cluster(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape,
                            cudaStream_t stream) {
-  const int threads = round_up_32(packs_per_part(a.packs_per_row, kCluster));
+  const int threads = round_up_warp(packs_per_part(a.packs_per_row, kCluster));
   return with_transport(shape.transport, [&](auto transport) {
     return with_world(ws.world, [&](auto world) {
       return launch_cluster_kernel<T, decltype(world)::value, kCluster, decltype(transport)::value>(ws, a, threads,
@@ -943,9 +905,9 @@ cudaError_t launch_cluster(const WorkspaceView& ws, const CallArgs& a, const Lau
 // The cluster kernel's bits without a cluster: one CTA per row (see oneshot_add_rmsnorm_grouped_kernel).
 template <typename T, int kGroups>
 cudaError_t launch_grouped(const WorkspaceView& ws, const CallArgs& a, const LaunchShape& shape, cudaStream_t stream) {
-  const int threads = kGroups * round_up_32(packs_per_part(a.packs_per_row, kGroups));
-  if (threads > 1024) return cudaErrorInvalidValue;
-  const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
+  const int threads = kGroups * round_up_warp(packs_per_part(a.packs_per_row, kGroups));
+  if (threads > kFusedMaxThreads) return cudaErrorInvalidValue;
+  const int blocks = fused_row_grid(a.rows, shape.ctas);
   return with_transport(shape.transport, [&](auto transport) {
     return with_world(ws.world, [&](auto world) {
       return launch_kernel(oneshot_add_rmsnorm_grouped_kernel<T, decltype(world)::value, kGroups,
@@ -985,20 +947,15 @@ cudaError_t cluster_capacity_of(int world, bool fp16, int threads, int* clusters
 
 // The fused one-shot's CTAs per row, a pure function of group-identical values (so every rank launches the same
 // grid shape): the largest of 8, 4, 2 whose clusters all run in one wave, every row's cluster within the call's
-// CTA cap (rows x c <= max_blocks) and, where the cluster kernel launches (capacity[c] > 0, I8), rows <= the
-// clusters of c CTAs the group holds at once, and each CTA gets at least 2 warps of packs; otherwise one CTA per
-// row. Rows wider than 1024 packs (hidden 8192) keep the one-CTA kernels. Past either bound rows loop over the
-// clusters and the split loses. The transport enters through the cap: staged push runs on few CTAs.
-// From the loopback sweeps on one H200 (bf16 [rows, 7168]; benchmarks/results/polling_h200_loopback.json and
-// ../shared/data/transports_h200_loopback_cbca0c2.json): 8 CTAs were fastest wherever 8 fit (30-32% below one
-// CTA per row at 8 ranks for 1-16 rows), 4 within 5% of 8 at 2 and 4 ranks; at 8 ranks and 16 rows the 8-CTA
-// clusters looped (7.5 us against 3.5 us for 4, the capacity then queried at 512-thread CTAs: fewer than 16 such
-// clusters fit); under staged push's 8-CTA cap 2 CTAs were best at 3 rows (8-17% below one) and one CTA at 16;
-// 2 CTAs at 64 rows on the whole grid were within 2.4% of one.
-int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* capacity) {
+// CTA cap (rows x c <= ctas) and, where the cluster kernel launches (capacity[c] > 0, I8), rows <= the clusters of
+// c CTAs the group holds at once, and each CTA gets at least 2 warps of packs; otherwise one CTA per row. Rows
+// wider than kMaxClusterRowPacks keep the one-CTA kernels. Past either bound rows loop over the clusters and the
+// split loses. The transport enters through the cap: staged push may run on few CTAs. The sweeps behind the rule
+// are in docs/design.md.
+int fused_cluster_size(int rows, int packs_per_row, int ctas, const int* capacity) {
   if (packs_per_row > kMaxClusterRowPacks) return 1;
   for (int c = 8; c >= 2; c /= 2) {
-    const bool one_wave = static_cast<long long>(rows) * c <= max_blocks &&
+    const bool one_wave = static_cast<long long>(rows) * c <= ctas &&
                           (capacity == nullptr || capacity[c] <= 0 || rows <= capacity[c]);
     if (one_wave && packs_per_row >= c * 64) return c;
   }
@@ -1007,7 +964,7 @@ int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* c
 
 // The largest CTA of a cluster launch of `cluster` CTAs: a row of at most kMaxClusterRowPacks packs split that many
 // ways, a pack per thread (512, 256, 128 threads for 2, 4, 8).
-constexpr int cluster_block_threads(int cluster) { return ((kMaxClusterRowPacks / cluster + 31) / 32) * 32; }
+constexpr int cluster_block_threads(int cluster) { return round_up_warp(kMaxClusterRowPacks / cluster); }
 
 // I8 for the cluster kernel, per cluster size: the clusters of the largest CTAs that size launches
 // (cluster_block_threads; smaller ones fit as well) that `device` holds at once, for both element types (the
@@ -1036,11 +993,11 @@ cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clus
 namespace {
 
 template <typename T>
-cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArgs& a, const LaunchShape& shape,
+cudaError_t launch_fused(const WorkspaceView& ws, Schedule schedule, const CallArgs& a, const LaunchShape& shape,
                          cudaStream_t stream) {
-  if (variant == Variant::kOneShot) {
+  if (schedule == Schedule::kOneShot) {
     const int cluster = shape.cluster > 0 ? shape.cluster
-                                          : fused_cluster_size(a.rows, a.packs_per_row, shape.max_blocks,
+                                          : fused_cluster_size(a.rows, a.packs_per_row, shape.ctas,
                                                                shape.cluster_capacity);
     if (cluster > 1 && a.packs_per_row > kMaxClusterRowPacks) return cudaErrorInvalidValue;  // a pack per thread
     // Where the group agreed that clusters of this size work (shape.cluster_mask), the cluster kernel; else the
@@ -1054,46 +1011,34 @@ cudaError_t launch_fused(const WorkspaceView& ws, Variant variant, const CallArg
       default: return cudaErrorInvalidValue;
     }
   }
-  const int blocks = std::max(1, std::min(a.rows, shape.max_blocks));
-  if (a.packs_per_row > kMaxPacksPerThread * kWideThreads) return cudaErrorInvalidValue;  // the Python side
-  // sends hidden > kMaxFusedHidden to the fallback
-  const int wide_threads = std::min(kWideThreads, round_up_32(a.packs_per_row));
+  const int blocks = fused_row_grid(a.rows, shape.ctas);
+  if (a.packs_per_row > kMaxPacksPerThread * kWideThreads) return cudaErrorInvalidValue;  // the op refuses it first
+  const int wide_threads = std::min(kWideThreads, round_up_warp(a.packs_per_row));
   const int wide_packs = (a.packs_per_row + wide_threads - 1) / wide_threads;
-  if (variant == Variant::kOneShot || variant == Variant::kOneShotSerialPoll) {
-    if (a.packs_per_row <= 1024) {
-      const int threads = round_up_32(a.packs_per_row);
-      if (variant == Variant::kOneShotSerialPoll) {  // polling benchmark only: bf16, 8 ranks (only that is built)
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-          if (ws.world == 8 && shape.transport == kTransportPush)
-            return launch_kernel(oneshot_add_rmsnorm_kernel<T, 8, 1, kTransportPush, true>, blocks, threads, shape,
-                                 stream, ws, a);
-        }
-        return cudaErrorInvalidValue;
-      }
-      return launch_oneshot_fused<T, 1>(ws, a, blocks, threads, shape, stream);
-    }
-    if (variant == Variant::kOneShotSerialPoll) return cudaErrorInvalidValue;
+  if (schedule == Schedule::kOneShot) {
+    if (a.packs_per_row <= kFusedMaxThreads)
+      return launch_oneshot_fused<T, 1>(ws, a, blocks, round_up_warp(a.packs_per_row), shape, stream);
     return launch_oneshot_fused<T, kMaxPacksPerThread>(ws, a, blocks, wide_threads, shape, stream);
   }
-  const bool islands = variant == Variant::kIsland;
+  const bool islands = schedule == Schedule::kIsland;
   if (wide_packs <= kHeldPacks) return launch_hier_fused<T, kHeldPacks>(ws, islands, a, blocks, wide_threads, shape, stream);
   return launch_hier_fused<T, kMaxPacksPerThread>(ws, islands, a, blocks, wide_threads, shape, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp, void* out,
+cudaError_t launch_all_reduce(const WorkspaceView& ws, Schedule schedule, ElemType type, const void* inp, void* out,
                               long long numel, const LaunchShape& shape, cudaStream_t stream) {
   CallArgs a{};
   a.inp = static_cast<const uint4*>(inp);
   a.out = static_cast<uint4*>(out);
   a.num_packs = numel / kElemsPerPack;
   a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
-  if (type == ElemType::kBFloat16) return launch_plain<__nv_bfloat16>(ws, variant, a, shape, stream);
-  return launch_plain<__half>(ws, variant, a, shape, stream);
+  if (type == ElemType::kBFloat16) return launch_plain<__nv_bfloat16>(ws, schedule, a, shape, stream);
+  return launch_plain<__half>(ws, schedule, a, shape, stream);
 }
 
-cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp,
+cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Schedule schedule, ElemType type, const void* inp,
                                           const void* residual, const void* weight, void* norm_out,
                                           void* residual_out, int rows, int hidden, float eps,
                                           const LaunchShape& shape, cudaStream_t stream) {
@@ -1109,8 +1054,8 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant varia
   a.window = shape.window > 0 ? shape.window : kDefaultStagedWindow;
   a.eps = eps;
   a.inv_hidden = 1.0f / static_cast<float>(hidden);
-  if (type == ElemType::kBFloat16) return launch_fused<__nv_bfloat16>(ws, variant, a, shape, stream);
-  return launch_fused<__half>(ws, variant, a, shape, stream);
+  if (type == ElemType::kBFloat16) return launch_fused<__nv_bfloat16>(ws, schedule, a, shape, stream);
+  return launch_fused<__half>(ws, schedule, a, shape, stream);
 }
 
 }  // namespace sgl_sm120

@@ -11,53 +11,95 @@
 
 namespace sgl_sm120 {
 
-// Values are part of the Python API (sgl_kernel_sm120/variants.py): keep them in step.
-enum class Variant : int { kOneShot = 0, kTwoShot = 1, kIsland = 2, kOneShotSerialPoll = 3 };
-// kOneShotSerialPoll: one-shot with the polling used before I10 (ar_protocol.cuh), bf16 at 8 ranks only, for
-// the polling microbenchmark on a loopback workspace; the bindings refuse it on a real workspace.
+// The schedule of a call. sgl_kernel_sm120/policy.py Schedule mirrors the codes (append-only; kernel_limits()
+// reports them and the Python side refuses a library whose codes differ).
+enum class Schedule : int { kOneShot = 0, kTwoShot = 1, kIsland = 2 };
 enum class ElemType : int { kBFloat16 = 0, kFloat16 = 1 };
 
-// How a call launches. Every field is the same on every rank of the group (the group agrees max_blocks, the
+// How a call launches. Every field is the same on every rank of the group (the group agrees the CTA budget, the
 // cluster mask and the capacities at construction, Workspace::limits), so every rank launches the same grid.
 struct LaunchShape {
-  int threads;     // plain kernels: threads per CTA
-  int max_blocks;  // at most this many CTAs (<= the smallest SM count of the group, I8)
+  int threads;  // plain kernels: threads per CTA (the fused kernels size their own)
+  int ctas;     // the CTA cap: at most this many CTAs (<= the smallest SM count of the group, I8)
   bool pdl;        // launch with programmatic stream serialization
   int cluster = 0;  // fused one-shot: CTAs per row (1, 2, 4, 8); 0 = fused_cluster_size's choice
   int cluster_mask = 0;  // bit c set: clusters of c CTAs may be launched; else the grouped one-CTA kernel runs
   int transport = kTransportPush;  // ar_types.h Transport: how the call's data travels
-  int cluster_capacity[9] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
+  int cluster_capacity[kMaxCluster + 1] = {};  // [c]: clusters of c CTAs every GPU of the group holds at once (I8)
   int window = 0;  // staged push: passes in flight before their pacing waits, 1 .. W-1; 0 = kDefaultStagedWindow
 };
 
 // The staged passes' window when a call gives none (transports/staged_push.cuh S3): every pass in flight (the
-// kernels clamp it to a phase's passes). On 1x H200, loopback, 2026-12-03 (benchmarks/results/
-// transports_h200_loopback.json, `sweep`), W - 1 passes were the fastest window or within 3% of it at W = 2, 4 and
-// 8 and rows 1, 3 and 16, plain and fused, where one pass at a time was up to 1.5x slower. A PCIe box may want
-// the pacing back: the tuner times one pass at a time too.
+// kernels clamp it to a phase's passes), the fastest measured window (docs/design.md); the tuner also times one
+// pass at a time, for the fabrics where the pacing pays.
 constexpr int kDefaultStagedWindow = kMaxWorld - 1;
-
-// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values, the call's
-// CTA cap and the group's cluster capacities (capacity[c] for c = 2, 4, 8; 0 or nullptr: no cluster launch, no bound).
-int fused_cluster_size(int rows, int packs_per_row, int max_blocks, const int* capacity);
-// A row split over a cluster holds at most this many packs, one per thread (hidden 8192).
-constexpr int kMaxClusterRowPacks = 1024;
-
-// I8 for the cluster kernel on `device`: clusters of `cluster` CTAs (2, 4, 8) it holds at once; 0 where the device
-// cannot launch clusters (cudaDevAttrClusterLaunch is 0).
-cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters);
 
 // Plain kernels run at most this many threads per CTA, so a thread has 128 registers (the 8-rank waits hold
 // 8 packs at once, ar_protocol.cuh I10).
 constexpr int kPlainMaxThreads = 512;
-// The fused kernels give a row one CTA: at most 16 packs per thread of 512 threads (ar_kernels.cu).
+// The fused kernels give a row one CTA (or one cluster). A row of at most kFusedMaxThreads packs gets one pack per
+// thread (64 registers a thread); wider rows, and the hierarchical kernels, run kWideThreads-thread CTAs (128
+// registers) with up to kMaxPacksPerThread packs per thread.
+constexpr int kFusedMaxThreads = 1024;
+constexpr int kWideThreads = 512;
 constexpr int kMaxPacksPerThread = 16;
-constexpr int kMaxFusedHidden = kMaxPacksPerThread * 512 * kElemsPerPack;
+constexpr int kMaxFusedHidden = kMaxPacksPerThread * kWideThreads * kElemsPerPack;
+// A row split over a cluster holds at most this many packs, one per thread (hidden 8192).
+constexpr int kMaxClusterRowPacks = kFusedMaxThreads;
 
-cudaError_t launch_all_reduce(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp, void* out,
+// CTAs per row of the fused one-shot kernel (ar_kernels.cu): a pure function of group-identical values, the call's
+// CTA cap and the group's cluster capacities (capacity[c] for c in kClusterSizes; 0 or nullptr: no cluster launch,
+// no bound).
+int fused_cluster_size(int rows, int packs_per_row, int ctas, const int* capacity);
+
+// I8 for the cluster kernel on `device`: clusters of `cluster` CTAs (kClusterSizes) it holds at once; 0 where the
+// device cannot launch clusters (cudaDevAttrClusterLaunch is 0).
+cudaError_t query_cluster_capacity(int device, int world, int cluster, int* clusters);
+
+// A constant list as an error message names it: "1, 2, 4, 8".
+template <size_t N>
+std::string listed(const int (&values)[N]) {
+  std::string text;
+  for (int v : values) text += (text.empty() ? "" : ", ") + std::to_string(v);
+  return text;
+}
+
+// The grids the launches use, host-callable so that tests/launch_grid_check.cu can hold sgl_kernel_sm120/policy.py's
+// copies (plain_grid, fused_grid) to them. Every input is group-identical, so every rank launches the same grid.
+constexpr int round_up_warp(long long n) { return static_cast<int>((n + 31) / 32 * 32); }
+
+struct Grid {
+  int blocks;
+  int threads;
+};
+
+// A plain call: a CTA no wider than kPlainMaxThreads nor than the packs rounded up to a warp, one CTA per that many
+// packs, at most `ctas` of them (threads loop over the rest).
+constexpr Grid plain_grid(long long num_packs, int threads, int ctas) {
+  const int t = static_cast<int>(threads < kPlainMaxThreads ? threads : kPlainMaxThreads);
+  const int width = round_up_warp(num_packs) < t ? round_up_warp(num_packs) : t;
+  const long long wanted = (num_packs + width - 1) / width;
+  const long long blocks = wanted < ctas ? wanted : ctas;
+  return {static_cast<int>(blocks < 1 ? 1 : blocks), width};
+}
+
+// A fused call with a CTA per row (rows loop past `ctas`).
+constexpr int fused_row_grid(int rows, int ctas) {
+  const int blocks = rows < ctas ? rows : ctas;
+  return blocks < 1 ? 1 : blocks;
+}
+
+// A fused one-shot call with each row over a cluster of `cluster` CTAs: one cluster per row, as many as fit the CTA
+// cap and as every GPU of the group holds at once (`capacity`, I8); rows loop past that. 0: not one cluster fits.
+constexpr int fused_cluster_grid(int rows, int cluster, int ctas, int capacity) {
+  const int fit = ctas / cluster < capacity ? ctas / cluster : capacity;
+  return fit < 1 ? 0 : (rows < fit ? rows : fit) * cluster;
+}
+
+cudaError_t launch_all_reduce(const WorkspaceView& ws, Schedule schedule, ElemType type, const void* inp, void* out,
                               long long numel, const LaunchShape& shape, cudaStream_t stream);
 
-cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Variant variant, ElemType type, const void* inp,
+cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Schedule schedule, ElemType type, const void* inp,
                                           const void* residual, const void* weight, void* norm_out,
                                           void* residual_out, int rows, int hidden, float eps,
                                           const LaunchShape& shape, cudaStream_t stream);
@@ -74,14 +116,14 @@ enum class Memory : int { kDevice = 0, kHost = 1 };
 struct LaunchLimits {
   int sm_budget = 0;
   int cluster_mask = 0;
-  int cluster_capacity[9] = {};
+  int cluster_capacity[kMaxCluster + 1] = {};
 };
 
 struct Workspace {
   int device = -1;
   int sm_count = 0;
   long long max_numel = 0;
-  int cluster_capacity[9] = {};  // this GPU's answer of query_cluster_capacity, per cluster size
+  int cluster_capacity[kMaxCluster + 1] = {};  // this GPU's answer of query_cluster_capacity, per cluster size
   LaunchLimits limits;
   long long slab_bytes = 0;
   char* local = nullptr;  // kDevice: this rank's slab (Ctrl + scratch); kHost: only the Ctrl (device memory)
@@ -158,10 +200,9 @@ std::string probe_round_name(const WorkspaceView& view, int round);
 std::string workspace_probe(Workspace* ws, long long timeout_ns, int round, int drop_peer, int* outcomes);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);
-std::string workspace_sequence(const Workspace* ws, unsigned long long* seq);
 // The negative control of the cluster check (sgl_kernel_sm120/cluster_check.py): launches a kernel that traps.
 std::string launch_debug_trap(cudaStream_t stream);
-// The same counter without a device synchronize: safe while kernels run (see workspace.cu).
+// Calls completed (the device's call counter), read without a device synchronize: safe while kernels run.
 std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq);
 
 }  // namespace sgl_sm120

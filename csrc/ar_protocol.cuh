@@ -37,9 +37,8 @@
 //              (every 256 polls, below) and gives up too, so the call ends within microseconds with garbage in
 //              its outputs, and I12 makes every later call a no-op. The CUDA context stays usable; the host
 //              raises IpcAllReduceTimeoutError from the record (synchronize(), and every later call). With
-//              several processes time-slicing one GPU, a trap was seen not to reach every process
-//              (benchmarks/results/trap_delivery_h200_w8.json):
-//              exit mode is what tests and the tuner use there.
+//              several processes time-slicing one GPU a trap may not reach every process (docs/design.md), so
+//              tests and the tuner use exit mode there.
 //  I8  A pack is produced and consumed by the same (CTA index, thread index) on every rank, and all CTAs of
 //      a launch are co-resident (grid <= SM count; cluster launches also <= the clusters the GPU can hold at
 //      once), so no CTA waits on a peer CTA that cannot be scheduled.
@@ -55,9 +54,7 @@
 //      a later call's pushes of this rank except a system-scope fence. So every thread fences (system scope)
 //      after its last emptying store and before the call ends; I5's argument then holds again: a peer writes
 //      into a slot only after it has seen our push of the following call, which we issue after the fence.
-//      (One release fence by one thread after a CTA barrier was tried instead. It was built, but the
-//      GPU run that was to judge it hung for another reason, in the host-memory workspace's construction, so
-//      the per-thread fence that earlier runs passed with stays until a run compares the two.)
+//      (One release fence by one thread after a CTA barrier would be cheaper; no GPU run has judged it yet.)
 //  I12 A poisoned workspace (I7, exit mode) does nothing: every kernel reads Ctrl::poisoned right after
 //      pdl_wait (all threads, before any barrier, so the early return is uniform over the CTA and the cluster:
 //      the flag is only written inside a call, and calls are stream-ordered, I6) and returns without a push,
@@ -143,8 +140,8 @@ __device__ __forceinline__ uint4 empty_pack() { return make_uint4(kEmptyWord, kE
 // give up (view.trap_on_timeout). static: this header is included by more than one translation unit.
 // Every thread waiting for the same peer expires within the same few polls, so several get here at once: the one
 // that claims the report writes it. In trap mode the others must not trap before it has (a trap ends the whole
-// context, and the host would then find no record: an unnamed "unspecified launch failure", seen on the H200
-// about once in six runs of the skip-a-call test), so they wait for the flag, bounded (10 ms), then trap.
+// context, and the host would then find no record, only an unnamed "unspecified launch failure"), so they wait for
+// the flag, bounded (10 ms), then trap.
 __device__ __forceinline__ void report_timeout(const WorkspaceView& ws, int peer, int phase, unsigned long long seq,
                                                unsigned long long waited) {
   volatile ErrorRecord* rec = ws.error;
@@ -401,8 +398,8 @@ struct CallStart {
 
 // I12: the start of every kernel. Waits for the previous grid (PDL), then issues together the poisoned flag's load,
 // the seq slot's (I5) and a prefetch of the thread's first input pack (`first_input`, nullptr where it has none),
-// before the caller branches on the flag: the flag's load used to stand alone in front of the others, a whole
-// round trip to memory before the first push. Every thread reads the same flag, before any barrier.
+// before the caller branches on the flag, so the first push waits for one round trip to memory, not two. Every
+// thread reads the same flag, before any barrier.
 __device__ __forceinline__ CallStart begin_call(const WorkspaceView& ws, const void* first_input) {
   pdl_wait_and_release();
   CallStart start;

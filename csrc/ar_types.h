@@ -6,8 +6,18 @@
 
 namespace sgl_sm120 {
 
-
+// The world sizes the kernels are instantiated for (1: a no-op), and the cluster sizes the fused one-shot launches
+// (sgl_kernel_sm120/policy.py WORLD_SIZES, CLUSTER_SIZES; tests/test_policy.py holds them to these).
+constexpr int kWorldSizes[] = {1, 2, 4, 8};
+constexpr int kClusterSizes[] = {2, 4, 8};
 constexpr int kMaxWorld = 8;
+constexpr int kMaxCluster = 8;  // per-cluster-size arrays are indexed by the size
+constexpr bool is_world_size(long long world) {
+  for (int w : kWorldSizes)
+    if (w == world) return true;
+  return false;
+}
+
 constexpr int kPackBytes = 16;      // one vector store: 8 x 16-bit elements
 constexpr int kElemsPerPack = 8;
 constexpr long long kCtrlBytes = 4096;  // head of the slab: Ctrl, never IPC-written by peers
@@ -15,7 +25,7 @@ constexpr uint32_t kEmptyHalf = 0x8000u;
 constexpr uint32_t kEmptyWord = 0x80008000u;
 // Hierarchical schedules hand packs to owners in blocks of this many consecutive packs (512 B): a warp's 32
 // lanes then store one contiguous 512 B piece per destination, the size at which a PCIe write is efficient,
-// instead of 16 B pieces at a stride (the owner used to alternate pack by pack).
+// rather than 16 B pieces at a stride.
 constexpr int kOwnerBlockPacks = 32;
 constexpr int kOwnerBlockShift = 5;
 
@@ -33,7 +43,7 @@ struct Ctrl {
 };
 static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 
-// How the data of a call travels (sgl_kernel_sm120/variants.py Transport mirrors it; values are append-only):
+// How the data of a call travels (sgl_kernel_sm120/policy.py Transport mirrors the codes; append-only):
 // push: every rank stores its packs into its peers' scratch at once (csrc/ar_kernels.cu, ar_protocol.cuh I1-I13);
 // staged: the same stores in W-1 permutation passes, one destination per pass, paced by flags
 // (transports/staged_push.cuh); pull: every rank stores into its own slab and the peers load from it, readiness
@@ -84,7 +94,7 @@ struct HostRecords {
 
 // Outcome of the data-path probe (probe.cu) for one peer, as the receiving rank saw it: in a write round what
 // arrived from that peer, in a read round what this rank's loads from that peer returned. Worse is larger (a
-// round keeps the worst of its places); sgl_kernel_sm120/ipc_allreduce.py names each.
+// round keeps the worst of its places); sgl_kernel_sm120/data_path_probe.py names each.
 enum ProbeOutcome : int {
   kProbeOk = 1,
   kProbeMissing = 2,

@@ -1,7 +1,8 @@
-// torch ops of sgl_kernel_sm120: a workspace is an opaque int64 handle owned by the Python class
-// IpcAllReduce, which does the collective steps (handle exchange, joint error checks) over its process group.
-// Argument checks that decide correctness (dtype, contiguity, sizes) are repeated here so a direct call of
-// an op cannot write out of bounds; the Python side checks first and explains.
+// torch ops of sgl_kernel_sm120: a workspace is an opaque int64 handle owned by the Python class IpcAllReduce,
+// which does the collective steps (handle exchange, joint error checks) over its group's exchange.
+// The checks that decide memory safety (dtype, contiguity, sizes, alignment, a usable workspace) are made here
+// whoever calls, so a direct call of an op can never write out of bounds; the Python side checks first and
+// explains.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -27,12 +28,19 @@ Workspace* as_workspace(int64_t handle) {
 
 void check_ok(const std::string& err) { TORCH_CHECK(err.empty(), "sgl_kernel_sm120: ", err); }
 
+void check_world(int64_t world) {
+  TORCH_CHECK(is_world_size(world), "sgl_kernel_sm120: world must be one of ", listed(kWorldSizes), ", got ", world);
+}
+
+// Per-cluster-size lists cross the op boundary in the order of kClusterSizes.
+constexpr size_t kNumClusterSizes = sizeof(kClusterSizes) / sizeof(kClusterSizes[0]);
+
 Topology make_topology(const std::vector<int64_t>& island_ranks, const std::vector<int64_t>& twin_ranks,
                        int64_t my_island, int64_t my_index) {
   Topology t{};
   t.island_size = static_cast<int>(island_ranks.size());
   t.num_islands = static_cast<int>(twin_ranks.size());
-  TORCH_CHECK(t.island_size <= kMaxWorld && t.num_islands <= kMaxWorld, "topology larger than 8 ranks");
+  TORCH_CHECK(t.island_size <= kMaxWorld && t.num_islands <= kMaxWorld, "topology larger than kMaxWorld ranks");
   t.my_island = static_cast<int>(my_island);
   t.my_index = static_cast<int>(my_index);
   for (int i = 0; i < t.island_size; ++i) t.island_ranks[i] = static_cast<int>(island_ranks[i]);
@@ -69,7 +77,7 @@ int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel
   return reinterpret_cast<int64_t>(ws);
 }
 
-// Benchmarks only (benchmarks/bench_polling.py): see workspace_create_loopback.
+// Benchmarks only (benchmarks/bench_transports.py): see workspace_create_loopback.
 int64_t ws_create_loopback(int64_t device, int64_t world, int64_t max_numel) {
   Workspace* ws = nullptr;
   check_ok(workspace_create_loopback(static_cast<int>(device), static_cast<int>(world), max_numel, &ws));
@@ -88,8 +96,7 @@ void ws_register_shared(int64_t handle) { check_ok(workspace_register_shared(as_
 
 // Tests and benchmarks: link the workspaces of ranks 0..W-1 created in this process (see workspace_link_local).
 void ws_link_local(std::vector<int64_t> handles) {
-  TORCH_CHECK(handles.size() == 1 || handles.size() == 2 || handles.size() == 4 || handles.size() == 8,
-              "a local group has 1, 2, 4 or 8 workspaces");
+  check_world(static_cast<int64_t>(handles.size()));
   std::vector<Workspace*> group;
   for (int64_t h : handles) group.push_back(as_workspace(h));
   check_ok(workspace_link_local(group.data(), static_cast<int>(group.size())));
@@ -97,18 +104,19 @@ void ws_link_local(std::vector<int64_t> handles) {
 
 // Bytes of the shared host-memory buffer (every rank's slab) for these arguments: pure arithmetic, no GPU needed.
 int64_t host_shared_bytes_for(int64_t world, int64_t max_numel, int64_t oneshot_max_numel) {
-  TORCH_CHECK(world == 1 || world == 2 || world == 4 || world == 8, "world must be 1, 2, 4 or 8");
+  check_world(world);
   TORCH_CHECK(max_numel > 0 && max_numel % kElemsPerPack == 0 && oneshot_max_numel > 0 &&
                   oneshot_max_numel % kElemsPerPack == 0 && oneshot_max_numel <= max_numel,
-              "max_numel and oneshot_max_numel must be positive multiples of 8, oneshot_max_numel <= max_numel");
+              "max_numel and oneshot_max_numel must be positive multiples of ", kElemsPerPack,
+              ", oneshot_max_numel <= max_numel");
   return host_shared_bytes(static_cast<int>(world), max_numel, oneshot_max_numel);
 }
 
-// query_cluster_capacity for sizes [2, 4, 8] without a workspace (the doctor).
+// query_cluster_capacity for kClusterSizes without a workspace (the doctor).
 std::vector<int64_t> cluster_capacity_for(int64_t device, int64_t world) {
-  TORCH_CHECK(world == 1 || world == 2 || world == 4 || world == 8, "world must be 1, 2, 4 or 8");
+  check_world(world);
   std::vector<int64_t> out;
-  for (int c = 2; c <= 8; c *= 2) {
+  for (int c : kClusterSizes) {
     int clusters = 0;
     const cudaError_t err = query_cluster_capacity(static_cast<int>(device), static_cast<int>(world), c, &clusters);
     TORCH_CHECK(err == cudaSuccess, "querying cluster capacity: ", cudaGetErrorString(err));
@@ -123,24 +131,25 @@ std::vector<int64_t> ws_host_numa(int64_t handle) {
   return {ws->numa_node, ws->numa_bound ? 1 : 0};
 }
 
-// This GPU's cluster capacities for cluster sizes [2, 4, 8] (0: cannot launch clusters of that size).
+// This GPU's cluster capacities per cluster size (0: cannot launch clusters of that size).
 std::vector<int64_t> ws_cluster_capacity(int64_t handle) {
   const Workspace* ws = as_workspace(handle);
-  return {ws->cluster_capacity[2], ws->cluster_capacity[4], ws->cluster_capacity[8]};
+  std::vector<int64_t> out;
+  for (int c : kClusterSizes) out.push_back(ws->cluster_capacity[c]);
+  return out;
 }
 
-// Installs the group-agreed launch limits (the same on every rank): the SM budget and, per cluster size [2, 4, 8],
-// how many clusters may run at once (0: that size is not launched; the grouped kernel computes its bits).
+// Installs the group-agreed launch limits (the same on every rank): the SM budget and, per cluster size, how many
+// clusters may run at once (0: that size is not launched; the grouped kernel computes its bits).
 void ws_set_launch_limits(int64_t handle, int64_t sm_budget, std::vector<int64_t> cluster_capacity) {
   Workspace* ws = as_workspace(handle);
   TORCH_CHECK(sm_budget >= 1 && sm_budget <= ws->view.num_counters,
               "sm_budget must be in [1, this GPU's SM count (", ws->view.num_counters, ")]");
-  TORCH_CHECK(cluster_capacity.size() == 3, "cluster_capacity lists sizes 2, 4 and 8");
+  TORCH_CHECK(cluster_capacity.size() == kNumClusterSizes, "cluster_capacity lists one capacity per cluster size");
   LaunchLimits limits;
   limits.sm_budget = static_cast<int>(sm_budget);
-  const int sizes[3] = {2, 4, 8};
-  for (int i = 0; i < 3; ++i) {
-    const int c = sizes[i];
+  for (size_t i = 0; i < kNumClusterSizes; ++i) {
+    const int c = kClusterSizes[i];
     TORCH_CHECK(cluster_capacity[i] >= 0 && cluster_capacity[i] <= ws->cluster_capacity[c],
                 "cluster capacity for ", c, " CTAs must be in [0, this GPU's ", ws->cluster_capacity[c], "]");
     limits.cluster_capacity[c] = static_cast<int>(cluster_capacity[i]);
@@ -149,23 +158,24 @@ void ws_set_launch_limits(int64_t handle, int64_t sm_budget, std::vector<int64_t
   ws->limits = limits;
 }
 
-// [sm_budget, capacity for 2, 4, 8 CTAs] as installed.
+// [sm_budget, then the capacity per cluster size] as installed.
 std::vector<int64_t> ws_launch_limits(int64_t handle) {
   const LaunchLimits& l = as_workspace(handle)->limits;
-  return {l.sm_budget, l.cluster_capacity[2], l.cluster_capacity[4], l.cluster_capacity[8]};
+  std::vector<int64_t> out{l.sm_budget};
+  for (int c : kClusterSizes) out.push_back(l.cluster_capacity[c]);
+  return out;
 }
 
-int64_t ws_memory(int64_t handle) { return static_cast<int64_t>(as_workspace(handle)->memory); }
-
-// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for logs, tests and the
-// benchmark: max_blocks is the call's CTA cap, cluster_capacity the agreed capacities for clusters of [2, 4, 8]
-// (ws_launch_limits; empty: none launched as clusters, no bound).
-int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t max_blocks, std::vector<int64_t> cluster_capacity) {
-  TORCH_CHECK(cluster_capacity.empty() || cluster_capacity.size() == 3, "cluster_capacity lists sizes 2, 4 and 8");
-  int capacity[9] = {};
-  for (size_t i = 0; i < cluster_capacity.size(); ++i) capacity[2 << i] = static_cast<int>(cluster_capacity[i]);
-  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack),
-                            static_cast<int>(max_blocks), capacity);
+// The fused one-shot kernel's CTAs per row for a call shape (the rule in ar_kernels.cu), for tests and the
+// benchmark: `ctas` is the call's CTA cap, cluster_capacity the agreed capacity per cluster size (ws_launch_limits;
+// empty: none launched as clusters, no bound).
+int64_t fused_cluster_for(int64_t rows, int64_t hidden, int64_t ctas, std::vector<int64_t> cluster_capacity) {
+  TORCH_CHECK(cluster_capacity.empty() || cluster_capacity.size() == kNumClusterSizes,
+              "cluster_capacity lists one capacity per cluster size");
+  int capacity[kMaxCluster + 1] = {};
+  for (size_t i = 0; i < cluster_capacity.size(); ++i) capacity[kClusterSizes[i]] = static_cast<int>(cluster_capacity[i]);
+  return fused_cluster_size(static_cast<int>(rows), static_cast<int>(hidden / kElemsPerPack), static_cast<int>(ctas),
+                            capacity);
 }
 
 // The kernels' limits and the codes of their enums, by name, as one JSON object of integers: the Python policy
@@ -180,9 +190,9 @@ std::string kernel_limits() {
       {"pack_bytes", kPackBytes},
       {"elems_per_pack", kElemsPerPack},
       {"owner_block_packs", kOwnerBlockPacks},
-      {"variant_oneshot", static_cast<int>(Variant::kOneShot)},
-      {"variant_twoshot", static_cast<int>(Variant::kTwoShot)},
-      {"variant_island", static_cast<int>(Variant::kIsland)},
+      {"schedule_oneshot", static_cast<int>(Schedule::kOneShot)},
+      {"schedule_twoshot", static_cast<int>(Schedule::kTwoShot)},
+      {"schedule_island", static_cast<int>(Schedule::kIsland)},
       {"transport_push", kTransportPush},
       {"transport_staged", kTransportStaged},
       {"transport_pull", kTransportPull},
@@ -262,12 +272,6 @@ int64_t ws_dirty_halves(int64_t handle) {
   return n;
 }
 
-int64_t ws_sequence(int64_t handle) {
-  unsigned long long s = 0;
-  check_ok(workspace_sequence(as_workspace(handle), &s));
-  return static_cast<int64_t>(s);
-}
-
 // Calls completed, read without synchronizing the device (graph replays included): for live counters.
 int64_t ws_calls_completed(int64_t handle) {
   unsigned long long s = 0;
@@ -290,71 +294,82 @@ void check_io(const Workspace* ws, const at::Tensor& t, const at::Tensor& like, 
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
-Variant variant_of(const Workspace* ws, int64_t v) {
-  TORCH_CHECK(v >= 0 && v <= 3, "unknown variant ", v);
-  const Variant variant = static_cast<Variant>(v);
-  TORCH_CHECK(variant != Variant::kOneShotSerialPoll || ws->loopback,
-              "variant 3 (the old serial polling) is for the loopback benchmark workspace only");
-  TORCH_CHECK(variant != Variant::kIsland || ws->view.islands.num_islands >= 2,
-              "the island variant needs a workspace created with islands");
-  return variant;
+Schedule schedule_of(const Workspace* ws, int64_t code) {
+  TORCH_CHECK(code >= 0 && code <= static_cast<int64_t>(Schedule::kIsland), "unknown schedule ", code);
+  const Schedule schedule = static_cast<Schedule>(code);
+  TORCH_CHECK(schedule != Schedule::kIsland || ws->view.islands.num_islands >= 2,
+              "the island schedule needs a workspace created with islands");
+  return schedule;
+}
+
+// A workspace a call may run on: open, and no wait of it has timed out (I7, I12: a poisoned workspace would do
+// nothing and leave the outputs as they were; after a trap the CUDA context is gone).
+Workspace* usable_workspace(int64_t handle) {
+  Workspace* ws = as_workspace(handle);
+  const volatile ErrorRecord& rec = ws->host_records->error;
+  TORCH_CHECK(rec.flag == 0, "sgl_kernel_sm120: this workspace timed out (rank ", rec.rank, " waited in call #",
+              rec.seq, " for rank ", rec.peer, ") and runs nothing more");
+  return ws;
 }
 
 // Every call fits the workspace: the bound it was built for, and for one-shot the slots' own bound (smaller in host
 // memory at 4 and 8 ranks, see scratch_sizes).
-void check_fits(const Workspace* ws, int64_t numel, Variant v) {
+void check_fits(const Workspace* ws, int64_t numel, Schedule schedule) {
   TORCH_CHECK(numel <= ws->max_numel, "tensor larger than the workspace (", numel, " > ", ws->max_numel, " elements)");
-  TORCH_CHECK(v != Variant::kOneShot && v != Variant::kOneShotSerialPoll ? true : numel * 2 <= ws->view.oneshot_slot_bytes,
-              "one-shot takes at most ", ws->view.oneshot_slot_bytes / 2, " elements in this workspace, got ", numel);
+  TORCH_CHECK(schedule != Schedule::kOneShot || numel * 2 <= ws->view.oneshot_slot_bytes, "one-shot takes at most ",
+              ws->view.oneshot_slot_bytes / 2, " elements in this workspace, got ", numel);
 }
 
 // The call's launch shape from the group-agreed limits (identical on every rank, so is the grid).
-LaunchShape launch_shape(const Workspace* ws, int threads, int64_t max_blocks, bool pdl, int cluster, int64_t transport,
+LaunchShape launch_shape(const Workspace* ws, int threads, int64_t ctas, bool pdl, int cluster, int64_t transport,
                          int64_t window) {
   TORCH_CHECK(transport == kTransportPush || transport == kTransportStaged || transport == kTransportPull,
               "unknown transport ", transport, " (0 push, 1 staged, 2 pull)");
   TORCH_CHECK(window == 0 || (window >= 1 && window <= ws->view.world - 1),
               "window must be 0 (the kernels' default) or 1 .. world - 1 = ", ws->view.world - 1, ", got ", window);
-  LaunchShape shape{threads, static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_blocks, ws->limits.sm_budget))),
-                    pdl, cluster};
+  TORCH_CHECK(ctas >= 1, "ctas must be at least 1 (a resolved route's CTA cap), got ", ctas);
+  LaunchShape shape{threads, static_cast<int>(std::min<int64_t>(ctas, ws->limits.sm_budget)), pdl, cluster};
   shape.transport = static_cast<int>(transport);
   shape.cluster_mask = ws->limits.cluster_mask;
-  for (int c = 0; c < 9; ++c) shape.cluster_capacity[c] = ws->limits.cluster_capacity[c];
+  for (int c : kClusterSizes) shape.cluster_capacity[c] = ws->limits.cluster_capacity[c];
   shape.window = static_cast<int>(window);
   return shape;
 }
 
-void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t variant, int64_t threads,
-                int64_t max_blocks, bool pdl, int64_t transport, int64_t window) {
-  Workspace* ws = as_workspace(handle);
+void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t schedule, int64_t threads,
+                int64_t ctas, bool pdl, int64_t transport, int64_t window) {
+  Workspace* ws = usable_workspace(handle);
   const ElemType type = elem_type_of(inp);
   check_io(ws, inp, inp, "inp");
   check_io(ws, out, inp, "out");
   TORCH_CHECK(out.numel() == inp.numel(), "out must have inp's size");
-  TORCH_CHECK(inp.numel() % kElemsPerPack == 0 && inp.numel() > 0, "numel must be a positive multiple of 8");
-  TORCH_CHECK(threads >= 32 && threads <= kPlainMaxThreads && threads % 32 == 0, "threads must be a multiple of 32 <= ", kPlainMaxThreads);
-  const Variant v = variant_of(ws, variant);
-  check_fits(ws, inp.numel(), v);
+  TORCH_CHECK(inp.numel() % kElemsPerPack == 0 && inp.numel() > 0, "numel must be a positive multiple of ",
+              kElemsPerPack);
+  TORCH_CHECK(threads >= 32 && threads <= kPlainMaxThreads && threads % 32 == 0,
+              "threads must be whole warps, at most ", kPlainMaxThreads);
+  const Schedule s = schedule_of(ws, schedule);
+  check_fits(ws, inp.numel(), s);
   const c10::cuda::CUDAGuard guard(ws->device);
-  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), max_blocks, pdl, 0, transport, window);
-  const cudaError_t err = launch_all_reduce(ws->view, v, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
+  const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), ctas, pdl, 0, transport, window);
+  const cudaError_t err = launch_all_reduce(ws->view, s, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
                                             c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
 }
 
 void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Tensor& residual,
                             const at::Tensor& weight, double eps, at::Tensor& norm_out, at::Tensor& residual_out,
-                            int64_t variant, int64_t max_blocks, bool pdl, int64_t cluster, int64_t transport,
+                            int64_t schedule, int64_t ctas, bool pdl, int64_t cluster, int64_t transport,
                             int64_t window) {
-  Workspace* ws = as_workspace(handle);
+  Workspace* ws = usable_workspace(handle);
   const ElemType type = elem_type_of(inp);
   TORCH_CHECK(inp.dim() == 2, "inp must be [tokens, hidden]");
   const int64_t rows = inp.size(0);
   const int64_t hidden = inp.size(1);
-  TORCH_CHECK(rows > 0 && hidden > 0 && hidden % kElemsPerPack == 0, "hidden must be a positive multiple of 8");
+  TORCH_CHECK(rows > 0 && hidden > 0 && hidden % kElemsPerPack == 0, "hidden must be a positive multiple of ",
+              kElemsPerPack);
   TORCH_CHECK(hidden <= kMaxFusedHidden, "hidden must be at most ", kMaxFusedHidden, " for the fused op");
-  const Variant v = variant_of(ws, variant);
-  check_fits(ws, inp.numel(), v);
+  const Schedule s = schedule_of(ws, schedule);
+  check_fits(ws, inp.numel(), s);
   check_io(ws, inp, inp, "inp");
   check_io(ws, residual, inp, "residual");
   check_io(ws, weight, inp, "weight");
@@ -365,11 +380,13 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
               "residual, norm_out and residual_out must have inp's shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, "weight must be [hidden]");
   const c10::cuda::CUDAGuard guard(ws->device);
-  TORCH_CHECK(cluster == 0 || cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
-              "cluster must be 0 (automatic), 1, 2, 4 or 8");
-  const LaunchShape shape = launch_shape(ws, 1024, max_blocks, pdl, static_cast<int>(cluster), transport, window);
+  bool known_cluster = cluster == 0 || cluster == 1;
+  for (int c : kClusterSizes) known_cluster = known_cluster || cluster == c;
+  TORCH_CHECK(known_cluster, "cluster must be 0 (the kernels' rule), 1 or one of ", listed(kClusterSizes));
+  // threads 0: the fused kernels size their own CTAs
+  const LaunchShape shape = launch_shape(ws, 0, ctas, pdl, static_cast<int>(cluster), transport, window);
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
-      ws->view, v, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+      ws->view, s, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
       static_cast<float>(eps), shape, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce_add_rmsnorm launch: ", cudaGetErrorString(err));
@@ -401,8 +418,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_create_loopback(int device, int world, int max_numel) -> int", &ws_create_loopback);
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
   m.def("ws_unlink_shared(int ws) -> ()", &ws_unlink_shared);
-  m.def("ws_memory(int ws) -> int", &ws_memory);
-  m.def("fused_cluster_for(int rows, int hidden, int max_blocks, int[] cluster_capacity=[]) -> int",
+  m.def("fused_cluster_for(int rows, int hidden, int ctas, int[] cluster_capacity=[]) -> int",
         &fused_cluster_for);
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
@@ -412,17 +428,16 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
   m.def("ws_slow_record_address(int ws) -> int", &ws_slow_record_address);
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
-  m.def("ws_sequence(int ws) -> int", &ws_sequence);
   m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);
   m.def("kernel_limits() -> str", &kernel_limits);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
   m.def(
-      "all_reduce(int ws, Tensor inp, Tensor(a!) out, int variant, int threads, int max_blocks, bool pdl, "
+      "all_reduce(int ws, Tensor inp, Tensor(a!) out, int schedule, int threads, int ctas, bool pdl, "
       "int transport, int window=0) -> ()",
       &all_reduce);
   m.def(
       "all_reduce_add_rmsnorm(int ws, Tensor inp, Tensor residual, Tensor weight, float eps, "
-      "Tensor(a!) norm_out, Tensor(b!) residual_out, int variant, int max_blocks, bool pdl, int cluster, "
+      "Tensor(a!) norm_out, Tensor(b!) residual_out, int schedule, int ctas, bool pdl, int cluster, "
       "int transport, int window=0) -> ()",
       &all_reduce_add_rmsnorm);
 }

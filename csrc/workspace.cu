@@ -1,5 +1,5 @@
 // The workspace: allocation in device memory (CUDA IPC between ranks) or in shared pinned host memory (no
-// P2P), handle export/import, the one-time fill with "empty" (I1), a loopback variant for benchmarks, and debug
+// P2P), handle export/import, the one-time fill with "empty" (I1), a loopback workspace for benchmarks, and debug
 // views of the scratch for tests.
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -116,15 +116,14 @@ std::string mebibytes(long long bytes) {
   return text;
 }
 
-// What to do when the shared folder is too small (sgl_kernel_sm120/ipc_allreduce.py SHM_ADVICE says the same: its
+// What to do when the shared folder is too small (sgl_kernel_sm120/construction.py SHM_ADVICE says the same: its
 // size check runs first, this is the allocation's own error).
 constexpr const char* kShmAdvice =
     "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or "
     "point SGL_SM120_SHM_DIR at a larger tmpfs";
 
-// The NUMA node of the device's PCI function, from sysfs; -1 when unknown. Plain read(2) and strtol, no
-// iostreams: on the H200 machine (2026-12-02) `std::ifstream >> int` here died of SIGSEGV inside the library's
-// locale code (std::codecvt), killing rank 0 in every host-memory construction.
+// The NUMA node of the device's PCI function, from sysfs; -1 when unknown. Plain read(2) and strtol, no iostreams:
+// `std::ifstream >> int` here was seen to die of SIGSEGV inside the library's locale code (std::codecvt).
 int numa_node_of(int device) {
   char bus[32] = {};
   if (cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) return -1;
@@ -239,7 +238,7 @@ std::string init_control(Workspace* ws, char* ctrl) {
 
 std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   *out = nullptr;
-  if (cfg.world != 1 && cfg.world != 2 && cfg.world != 4 && cfg.world != 8) return "world size must be 1, 2, 4 or 8";
+  if (!is_world_size(cfg.world)) return "world size must be one of " + listed(kWorldSizes);
   if (cfg.rank < 0 || cfg.rank >= cfg.world) return "rank out of range";
   if (cfg.max_numel <= 0 || cfg.max_numel % kElemsPerPack != 0) return "max_numel must be a positive multiple of 8";
   if (cfg.oneshot_max_numel <= 0 || cfg.oneshot_max_numel % kElemsPerPack != 0 || cfg.oneshot_max_numel > cfg.max_numel)
@@ -251,8 +250,8 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   SGL_RETURN_IF_CUDA("cudaDeviceGetAttribute(SM count)",
                      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, cfg.device));
   // A device that cannot say how many clusters it holds gets none: the grouped kernel computes the same bits.
-  int capacity[9] = {};
-  for (int c = 2; c <= 8; c *= 2) {
+  int capacity[kMaxCluster + 1] = {};
+  for (int c : kClusterSizes) {
     if (query_cluster_capacity(cfg.device, cfg.world, c, &capacity[c]) != cudaSuccess) {
       capacity[c] = 0;
       (void)cudaGetLastError();  // not sticky: clear it so that the next call does not report it
@@ -262,7 +261,7 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   ws->device = cfg.device;
   ws->memory = cfg.memory;
   ws->sm_count = sm_count;
-  for (int c = 0; c < 9; ++c) ws->cluster_capacity[c] = capacity[c];
+  for (int c : kClusterSizes) ws->cluster_capacity[c] = capacity[c];
   const ScratchSizes z = scratch_sizes(cfg);
   ws->slab_bytes = z.slab;  // kHost: each rank's slab keeps the (unused) Ctrl head too, so region_of() is the same
 
@@ -355,7 +354,7 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
   if (!err.empty()) return err;
   ws->loopback = true;
   // A benchmark of the kernels' own work: it trusts the device's cluster capacity (no cluster check, no group).
-  for (int c = 2; c <= 8; c *= 2) {
+  for (int c : kClusterSizes) {
     ws->limits.cluster_capacity[c] = ws->cluster_capacity[c];
     if (ws->cluster_capacity[c] > 0) ws->limits.cluster_mask |= 1 << c;
   }
@@ -487,13 +486,6 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
   cudaFree(d_count);
   if (err != cudaSuccess) return cuda_failure("counting dirty scratch", err);
   *count = static_cast<long long>(host);
-  return "";
-}
-
-std::string workspace_sequence(const Workspace* ws, unsigned long long* seq) {
-  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
-  SGL_RETURN_IF_CUDA("cudaDeviceSynchronize", cudaDeviceSynchronize());
-  SGL_RETURN_IF_CUDA("cudaMemcpy(seq)", cudaMemcpy(seq, &ws->view.ctrl->seq[0], sizeof(*seq), cudaMemcpyDeviceToHost));
   return "";
 }
 

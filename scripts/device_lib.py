@@ -150,11 +150,10 @@ def install(archs: str, root: Path = ROOT) -> int:
     for path in placed:
         shutil.copy2(carry / path.name, path)
     sys.path.insert(0, str(root))  # the kernel package's pure parts (no torch, no library loaded)
-    from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-    from sgl_kernel_sm120.env import spellings
+    from sgl_kernel_sm120.settings import VARIABLES, spellings
 
     # the library override under every spelling (SGLang 0.5.23 copies SGL_* to SGLANG_*)
-    env = {k: v for k, v in os.environ.items() if k not in spellings(LIBRARY_OVERRIDE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in spellings(VARIABLES["library"])}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     probe = (f"from {PACKAGE} import _ext, policy; policy.kernel_limits(); print(_ext.library_path())")
     loads = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=root)

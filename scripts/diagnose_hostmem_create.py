@@ -1,6 +1,6 @@
-"""Rank 0's half of a host-memory workspace construction, alone in this process (GPU run of 2026-12-02: rank 0
-died of SIGSEGV inside ws_create, creating the shared file, in every kernel test in host memory; Python's
-faulthandler shows only the op call). Run under cuda-gdb for the native stack:
+"""Rank 0's half of a host-memory workspace construction, alone in this process: where ws_create dies natively
+while creating the shared file, Python's faulthandler shows only the op call. Run under cuda-gdb for the native
+stack:
 
     cuda-gdb -q -batch -ex run -ex bt --args python3 scripts/diagnose_hostmem_create.py [max_numel]
 
@@ -16,21 +16,23 @@ import sys
 import torch
 
 from sgl_kernel_sm120 import _ext
-from sgl_kernel_sm120.construction import DEFAULT_SHM_DIR, placement
+from sgl_kernel_sm120.construction import placement
 from sgl_kernel_sm120.policy import Memory
+from sgl_kernel_sm120.settings import read
 
 
 def main() -> int:
     max_numel = int(sys.argv[1]) if len(sys.argv) > 1 else 257 * 7168
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     torch.cuda.set_device(0)
+    shm_dir = read().shm_dir
     ops = _ext.ops()
     need = int(ops.host_shared_bytes_for(world, max_numel, max_numel))
-    print(f"creating a {world}-rank host workspace of {max_numel} elements: {need} B in {DEFAULT_SHM_DIR}", flush=True)
+    print(f"creating a {world}-rank host workspace of {max_numel} elements: {need} B in {shm_dir}", flush=True)
     name = f"sgl_sm120_diag_{os.getpid()}_{secrets.token_hex(4)}"
     flat = placement([list(range(world))], 0)
     handle = ops.ws_create(0, 0, world, max_numel, max_numel, 30.0, 10.0, False, *flat, [], [], 0, 0,
-                           Memory.HOST.code, DEFAULT_SHM_DIR, name, True)
+                           Memory.HOST.code, shm_dir, name, True)
     print("ws_create returned; numa:", list(ops.ws_host_numa(handle)), flush=True)
     ops.ws_unlink_shared(handle)
     ops.ws_destroy(handle)

@@ -40,14 +40,14 @@ def _rank(rank: int, world: int, port: int, timeout_s: float, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from sgl_kernel_sm120 import IpcAllReduce, Variant
+    from sgl_kernel_sm120 import IpcAllReduce, Schedule
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ar = IpcAllReduce(dist.group.WORLD, torch.cuda.current_device(), 64 * 7168, timeout_s=timeout_s,
                       on_timeout="trap")
     x = torch.ones(3, 7168, dtype=torch.bfloat16, device="cuda")
-    ar.all_reduce(x, variant=Variant.ONESHOT)
+    ar.all_reduce(x, schedule=Schedule.ONESHOT)
     ar.synchronize()
     dist.barrier()
     start = time.monotonic()
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, port: int, timeout_s: float, queue) -> None:
         time.sleep(timeout_s + 60.0)  # stay alive (its slab stays mapped) while the others time out
         return
     queue.put((rank, "launched", 0.0, ""))
-    ar.all_reduce(x, variant=Variant.ONESHOT)
+    ar.all_reduce(x, schedule=Schedule.ONESHOT)
     try:
         torch.cuda.synchronize()
         queue.put((rank, "returned", time.monotonic() - start, "synchronize returned without an error"))

@@ -6,7 +6,7 @@
 #   TEST_SELECT=EXPR: a pytest -k expression ANDed with each pytest stage's own selection, to split a long stage
 #   over device calls (e.g. TEST_SELECT="late_peer or probe" ... kernel). PYTEST_ADDOPTS="-k ..." cannot do
 #   this: a stage's own -k comes later on the command line and wins.
-#   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem polling trapdiag junit
+#   stages: build kernel bench verify oversubscribed negative overlay probe nop2p hostmem trapdiag junit
 #   transports: tests/gpu/test_transports.py (push / staged / pull, processes sharing the GPU and one process running
 #   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
 #   tuner-pick: benchmarks/bench_tuner_pick.py (the one-process quick tune's pick against a sweep of every launch, at
@@ -26,7 +26,6 @@
 #   server_test_<gpu>_shared_<release>.json, server logs in the tarball (logs/server/<release>/); run it without
 #   the negative builds beside it (NEGATIVE_BUILDS=0): they compete for the CPUs with the servers' compiles
 #   hostmem: the kernel tests with the workspace in host memory (tests/gpu/test_hostmem_allreduce.py)
-#   polling: the one-GPU 8-rank polling microbenchmark (benchmarks/bench_polling.py)
 #   sglang-shared: the SGLang-level GPU tests on each SGLang release in turn (SGL_RELEASES, default
 #   "0.5.23 0.5.13.post1"), ranks sharing the GPU(s) with SGLang's groups on gloo (tests/gpu/sglang_harness.py):
 #   integration, probe fallback, breakable graph (0.5.23), bench_verify --shared-gpu --via-sglang. Needs the
@@ -181,7 +180,6 @@ for stage in $stages; do
       step verify-gpu-test $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_bench_verify_gpu.py ;;
     hostmem) step hostmem-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_hostmem_allreduce.py \
               --junitxml="$WORK/results/junit-hostmem.xml" ;;
-    polling) step bench-polling $PY -m benchmarks.bench_polling --out "$WORK/results" ;;
     tune) if [ "$NGPU" -lt 2 ]; then tune_args=(--tp 2 --share-gpu --debug-nccl-us 1000000); tune_name=shared
           else tune_args=(); tune_name=tp$NGPU; fi
           SGLANG_SM120_CACHE="$WORK/tune-cache" step tune $PY -m sglang_sm120.tune --hidden 7168 --quick \

@@ -8,7 +8,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from sgl_kernel_sm120 import IpcAllReduce, Variant
+from sgl_kernel_sm120 import IpcAllReduce, Schedule
 
 
 def graph_time_us(fn, calls=20, replays=50, warmup=5):
@@ -53,10 +53,10 @@ for pdl in (True, False):
             res = torch.randn_like(x)
             w = torch.randn(7168, dtype=torch.bfloat16, device="cuda")
             row = {}
-            for v in (Variant.ONESHOT, Variant.TWOSHOT):
-                row[f"ar-{v.name}"] = graph_time_us(functools.partial(ar.all_reduce, x, variant=v, threads=threads))
+            for v in (Schedule.ONESHOT, Schedule.TWOSHOT):
+                row[f"ar-{v.name}"] = graph_time_us(functools.partial(ar.all_reduce, x, schedule=v, threads=threads))
                 if threads == 256:
-                    fused = functools.partial(ar.all_reduce_add_rmsnorm, x, res, w, 1e-6, variant=v)
+                    fused = functools.partial(ar.all_reduce_add_rmsnorm, x, res, w, 1e-6, schedule=v)
                     row[f"fused-{v.name}"] = graph_time_us(fused)
             if threads == 256 and pdl:
                 row["nccl"] = graph_time_us(functools.partial(dist.all_reduce, x))

@@ -3,37 +3,24 @@
 Importing this package never needs the compiled extension or a GPU; calling a kernel without the
 extension raises KernelsNotBuiltError with the command that builds it. This package knows nothing of SGLang.
 
-The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`,
-`cluster_check`'s cache folder) import without torch: the overlay's routing table, its cache and its offline
-report read them on machines that have no torch.
+The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`, `settings`)
+import without torch: the overlay reads them on machines that have no torch.
 """
 
 from __future__ import annotations
 
 import importlib
 
-_LAZY = {
-    "kernels_available": "._ext",
-    "IpcAllReduceError": ".errors",
-    "IpcAllReduceHostMemoryError": ".errors",
-    "IpcAllReduceProbeError": ".errors",
-    "IpcAllReduceTimeoutError": ".errors",
-    "KernelsNotBuiltError": ".errors",
-    "IpcAllReduce": ".ipc_allreduce",
-    "reference_add_rmsnorm": ".reference",
-    "reference_all_reduce": ".reference",
-    "reference_all_reduce_add_rmsnorm": ".reference",
-    "Link": ".policy",
-    "Memory": ".policy",
-    "Route": ".policy",
-    "Transport": ".policy",
-    "Variant": ".policy",
-    "WorkspaceShape": ".policy",
-    "choose_variant": ".policy",
-    "describe_schedule": ".policy",
-    "kernel_limits": ".policy",
-    "seed_route": ".policy",
-}
+_LAZY = {name: module for module, names in {
+    "._ext": ["kernels_available"],
+    ".errors": ["IpcAllReduceError", "IpcAllReduceHostMemoryError", "IpcAllReduceProbeError",
+                "IpcAllReduceTimeoutError", "KernelsNotBuiltError"],
+    ".ipc_allreduce": ["IpcAllReduce"],
+    ".reference": ["reference_add_rmsnorm", "reference_all_reduce", "reference_all_reduce_add_rmsnorm"],
+    ".policy": ["Link", "Memory", "Route", "Schedule", "Transport", "WorkspaceShape", "choose_schedule",
+                "describe_schedule", "kernel_limits", "resolve", "seed_route"],
+    ".settings": ["KernelSettings", "SettingError"],
+}.items() for name in names}
 
 __all__ = sorted(_LAZY)
 

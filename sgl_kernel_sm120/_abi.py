@@ -1,10 +1,8 @@
 """Names of the compiled extension, one per (torch, CUDA) pair it was built against.
 
-torch extensions have no stable ABI across torch releases: a library built against torch 2.14.1 fails to load
-under torch 2.11 (undefined symbols). Naming the library after the torch it was built for lets environments
-that share one source checkout keep their own build side by side (`make test` never overwrites the library a
-user's environment loads), and lets the loader say "built for torch X, this is torch Y" instead of a linker
-error. Pure Python with no imports beyond the standard library: setup.py loads this file by path.
+torch extensions have no stable ABI across torch releases, so environments sharing one checkout keep their own
+build side by side, and the loader says "built for torch X, this is torch Y" instead of a linker error. Standard
+library only: setup.py loads this file by path.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ import os
 
 import torch
 
-from . import _abi
-from .env import setting
+from . import _abi, settings
 from .errors import KernelsNotBuiltError
 
 BUILD_HINT = (
@@ -21,22 +20,17 @@ BUILD_HINT = (
     "(`make build` builds only for the checkout's test environments under .venvs/, which this one does not load.)"
 )
 
-# Load this library instead of the packaged one: used by the protocol negative-control tests, which build
-# the same sources with a protocol invariant broken on purpose (tests/gpu/test_negative_controls.py).
-LIBRARY_OVERRIDE_ENV = "SGL_SM120_EXT_LIBRARY"
-
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def expected_module() -> str:
-    """The extension module this process needs: the one built for the running torch and CUDA."""
+    """The extension module built for the running torch and CUDA."""
     return _abi.extension_module(torch.__version__, torch.version.cuda)
 
 
 def built_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
     """Extension modules present in the package, for any torch."""
-    # Longest suffix first: ".cpython-311-x86_64-linux-gnu.so" before the bare ".so" that also matches it.
-    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)  # ".cpython-...so" before ".so"
     found = set()
     for path in glob.glob(os.path.join(package_dir, _abi.PREFIX + "*")):
         name = os.path.basename(path)
@@ -60,34 +54,31 @@ def missing_reason(package_dir: str = PACKAGE_DIR) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _load() -> tuple[object | None, str]:
-    override = setting(LIBRARY_OVERRIDE_ENV)
+def _load() -> tuple[object | None, str, str]:
+    """(the ops namespace or None, why not, the library's file)."""
+    override = settings.read().library  # a negative-control build (tests/gpu/test_negative_controls.py)
     if override:
         try:
             torch.ops.load_library(override)
         except (ImportError, OSError) as exc:
-            return None, f"loading {override} ({LIBRARY_OVERRIDE_ENV}) failed: {exc}"
-        return torch.ops.sgl_kernel_sm120, ""
+            return None, f"loading {override} ({settings.VARIABLES['library']}) failed: {exc}", ""
+        return torch.ops.sgl_kernel_sm120, "", os.path.abspath(override)
     name = expected_module()
     try:
-        importlib.import_module(f"{__package__}.{name}")  # registers torch.ops.sgl_kernel_sm120
+        module = importlib.import_module(f"{__package__}.{name}")  # registers torch.ops.sgl_kernel_sm120
     except ModuleNotFoundError as exc:
         if exc.name != f"{__package__}.{name}":
-            return None, f"loading sgl_kernel_sm120.{name} failed: {exc}"
-        return None, missing_reason()
+            return None, f"loading sgl_kernel_sm120.{name} failed: {exc}", ""
+        return None, missing_reason(), ""
     except (ImportError, OSError) as exc:
-        return None, f"sgl_kernel_sm120.{name} exists but does not load: {exc}. {BUILD_HINT}"
-    return torch.ops.sgl_kernel_sm120, ""
+        return None, f"sgl_kernel_sm120.{name} exists but does not load: {exc}. {BUILD_HINT}", ""
+    return torch.ops.sgl_kernel_sm120, "", os.path.abspath(module.__file__)
 
 
 def library_path() -> str:
     """The file of the loaded library (the override, or the packaged module for this torch)."""
     ops()
-    override = setting(LIBRARY_OVERRIDE_ENV)
-    if override:
-        return os.path.abspath(override)
-    module = importlib.import_module(f"{__package__}.{expected_module()}")
-    return os.path.abspath(module.__file__)
+    return _load()[2]
 
 
 def kernels_available() -> bool:
@@ -102,7 +93,7 @@ def unavailable_reason() -> str | None:
 
 def ops():
     """The torch ops namespace of the extension; raises KernelsNotBuiltError saying what is missing."""
-    namespace, why = _load()
+    namespace, why, _ = _load()
     if namespace is None:
         raise KernelsNotBuiltError(why)
     return namespace

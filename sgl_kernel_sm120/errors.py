@@ -22,8 +22,7 @@ class IpcAllReduceProbeError(IpcAllReduceError):
             f"CUDA P2P data path probe failed for {len(self.pairs)} pair(s): {shown}{more}. The driver allows P2P "
             "between these GPUs, but the data does not arrive intact: typical causes are PCIe ACS redirection on a "
             "switch or root port, or an IOMMU in translated mode (use iommu=pt); `python -m sglang_sm120.doctor` "
-            "checks both"
-        )
+            "checks both")
 
 
 class IpcAllReduceHostMemoryError(IpcAllReduceError):
@@ -32,23 +31,14 @@ class IpcAllReduceHostMemoryError(IpcAllReduceError):
 
 
 class IpcAllReduceTimeoutError(IpcAllReduceError):
-    """A spin-wait in the kernel ran past its bound: a peer never arrived.
-
-    The kernel records who waited for whom in host-mapped memory. In trap mode (the default) it then traps, so the
-    CUDA context of the waiting process is unusable afterwards; in exit mode the workspace is poisoned and every
-    later call raises this error again (csrc/ar_protocol.cuh, I7 and I12).
-    """
+    """A spin-wait in the kernel ran past its bound: a peer never arrived. In trap mode the waiting process's CUDA
+    context is gone; in exit mode the workspace is poisoned and every later call raises this again (I7, I12)."""
 
     def __init__(self, rank: int, peer: int, phase: str, seq: int, waited_s: float, *, context_lost: bool = True):
         self.rank, self.peer, self.phase, self.seq, self.waited_s = rank, peer, phase, seq, waited_s
         self.context_lost = context_lost
-        after = (
-            "The CUDA context of this process is no longer usable."
-            if context_lost
-            else "The workspace is unusable (its later calls do nothing and raise this error); the CUDA context is not."
-        )
-        super().__init__(
-            f"sgl_kernel_sm120 all-reduce timed out on rank {rank}: call #{seq} waited {waited_s:.2f} s in the "
-            f"{phase} phase for rank {peer}, which never arrived (a dead or desynchronised peer: every rank "
-            f"must make the same sequence of calls on a workspace). {after}"
-        )
+        after = ("The CUDA context of this process is no longer usable." if context_lost else "The workspace is "
+                 "unusable (its later calls do nothing and raise this error); the CUDA context is not.")
+        super().__init__(f"sgl_kernel_sm120 all-reduce timed out on rank {rank}: call #{seq} waited {waited_s:.2f} s "
+                         f"in the {phase} phase for rank {peer}, which never arrived (a dead or desynchronised peer: "
+                         f"every rank must make the same sequence of calls on a workspace). {after}")

@@ -1,9 +1,5 @@
-"""Link-type probe for `link="auto"`: NVLink when every rank's GPU has active NVLinks, else PCIe.
-
-Only a hint for the variant choice (a wrong answer costs speed, never correctness). Callers that probed the
-topology themselves (the SGLang overlay does) pass the link explicitly. Any failure answers PCIe, the label
-that claims less.
-"""
+"""Does this GPU have an active NVLink (for `link="auto"`)? A hint for the seed schedules only: a wrong answer costs
+speed, never correctness, and any failure answers no (PCIe, the label that claims less)."""
 
 from __future__ import annotations
 

@@ -11,14 +11,18 @@ from collections.abc import Sequence
 import torch
 
 
-def reference_all_reduce(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of every rank's input (index = rank), fp32 in rank order, rounded once to the input dtype."""
+def _fp32_sum(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     if not inputs:
         raise ValueError("need at least one input")
     acc = inputs[0].float()
     for t in inputs[1:]:
         acc = acc + t.float()
-    return acc.to(inputs[0].dtype)
+    return acc
+
+
+def reference_all_reduce(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of every rank's input (index = rank), fp32 in rank order, rounded once to the input dtype."""
+    return _fp32_sum(inputs).to(inputs[0].dtype)
 
 
 def reference_add_rmsnorm(
@@ -36,7 +40,4 @@ def reference_all_reduce_add_rmsnorm(
     inputs: Sequence[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused op's reference: all-reduce in fp32, then add + RMSNorm, each rounding once."""
-    acc = inputs[0].float()
-    for t in inputs[1:]:
-        acc = acc + t.float()
-    return reference_add_rmsnorm(acc, residual, weight, eps)
+    return reference_add_rmsnorm(_fp32_sum(inputs), residual, weight, eps)

@@ -1,4 +1,10 @@
-"""Interim: the kernel package's switches read in one place (replaced by the kernel package's own settings module)."""
+"""Every switch of the kernel package, read once into a frozen `KernelSettings` (`read()`).
+
+SGLang 0.5.23 copies every SGL_* variable to its SGLANG_* twin and tells the user to use that name, so a switch is
+read under both spellings; one switch set to two different values is an error naming both, never a guess. A bad
+value is a `SettingError` of one line: the variable, its value and what is allowed. Standard library only: the
+overlay reads these before torch is imported.
+"""
 
 from __future__ import annotations
 
@@ -6,60 +12,125 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from .env import setting
+LEGACY_PREFIX, PREFIX = "SGL_", "SGLANG_"
+DEBUG_PROBE_DROP_READS = "read"  # the probe-drop switch's round that means every read round
+PROBE_DROP_MEMORIES = ("device", "host", "any")
 
 
 class SettingError(ValueError):
-    """A bad value of a setting; its text is one line naming the variable, the value and what is allowed."""
+    """A switch holds a value it does not take (or its two spellings disagree)."""
 
 
-CACHE_ENV = "SGLANG_SM120_CACHE"
-TIMEOUT_ENV, WARN_ENV, ABORT_ENV = "SGL_SM120_AR_TIMEOUT_S", "SGL_SM120_AR_WARN_S", "SGL_SM120_AR_ABORT_AFTER_S"
-PDL_ENV, CLUSTERS_ENV, SHM_DIR_ENV = "SGL_SM120_AR_PDL", "SGL_SM120_FUSED_CLUSTERS", "SGL_SM120_SHM_DIR"
+@dataclasses.dataclass(frozen=True)
+class ProbeDrop:
+    """The data-path probe's negative control (SGL_SM120_DEBUG_PROBE_DROP=SRC:DST[:ROUND|:read][@MEMORY]): rank
+    `src` skips its probe writes to `dst` and corrupts its loads from it, in every round (`round` None), in one round,
+    or in the read rounds only ("read"), in workspaces of `memory` ("device", "host" or "any")."""
+
+    src: int
+    dst: int
+    round: int | str | None = None
+    memory: str = "device"
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
-    timeout_s: float = 300.0
-    timeout_given: bool = False
-    warn_s: float = 5.0
-    abort_after_s: float = 30.0
-    pdl: bool = True
-    fused_clusters: str = "auto"
-    shm_dir: str = "/dev/shm"
-    cache_dir: str = ""
+    timeout_s: float = 300.0  # a spin-wait past this ends in the timeout record (I7); minutes: a late peer is not dead
+    warn_after_s: float = 5.0  # a wait past this is logged once per call (I9)
+    abort_after_s: float = 30.0  # trap mode: abort a process whose trap has not arrived this long after (0: never)
+    pdl: bool = True  # launch with programmatic dependent launch
+    fused_clusters: bool = True  # check cluster launch on the box and use it; False: never launch clusters
+    shm_dir: str = "/dev/shm"  # the tmpfs of the host-memory workspace's shared file
+    library: str = ""  # load this kernel library instead of the packaged one (the negative-control builds)
+    # the cluster-check verdicts and the routing tables
+    cache_dir: str = dataclasses.field(default_factory=lambda: os.path.expanduser("~/.cache/sglang_sm120"))
+    debug_cluster_check: str = ""  # "trap": the cluster check's child traps first (its negative control)
+    debug_probe_drop: ProbeDrop | None = None
+    debug_shm_no_precheck: bool = False  # skip the tmpfs size check, so the allocation meets a full tmpfs
+    given: frozenset[str] = frozenset()  # the fields whose switch is set (the rest are defaults)
 
 
-def _seconds(name, default, env, zero_ok=False):
-    raw = setting(name, "", env).strip()
-    if raw == "":
-        return default
+def spellings(name: str) -> tuple[str, ...]:
+    """An SGL_ name and its SGLANG_ twin; any other name itself only (SGLang never copies SGLANG_ names back)."""
+    return (name, PREFIX + name[len(LEGACY_PREFIX):]) if name.startswith(LEGACY_PREFIX) else (name,)
+
+
+def spelled_out(name: str, value: str) -> dict[str, str]:
+    """The switch at `value` under every spelling: what setting it for a child process must write."""
+    return dict.fromkeys(spellings(name), value)
+
+
+def _raw(name: str, env: Mapping[str, str]) -> tuple[str, str | None]:
+    """(the spelling found, its value) or (name, None) when unset or empty."""
+    found = {spelled: env[spelled] for spelled in spellings(name) if spelled in env}
+    if len(set(found.values())) > 1:
+        shown = " and ".join(f"{spelled}={value!r}" for spelled, value in found.items())
+        raise SettingError(f"{shown} are one switch set to two values: unset one of them")
+    spelled, value = next(iter(found.items()), (name, ""))
+    return spelled, value.strip() or None
+
+
+def _seconds(name: str, raw: str, zero: bool) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (value >= 0 if zero_ok else value > 0) or value != value:
-        raise SettingError(f"{name}={raw!r} is out of range; allowed: seconds {'>= 0' if zero_ok else 'above 0'}")
+        value = float("nan")
+    if not (0 <= value if zero else 0 < value) or not value < 1e9:  # also refuses nan and inf
+        raise SettingError(f"{name}={raw!r}: a number of seconds " + (">= 0 (0: off)" if zero else "> 0"))
     return value
 
 
-def read(environ: Mapping[str, str] | None = None) -> KernelSettings:
-    env = os.environ if environ is None else environ
+def _choice(name: str, raw: str, choices: dict[str, object]) -> object:
+    key = raw.lower()
+    if key not in choices:
+        raise SettingError(f"{name}={raw!r}: one of {', '.join(choices)}")
+    return choices[key]
+
+
+def _probe_drop(name: str, raw: str) -> ProbeDrop:
+    spec, _, memory = raw.partition("@")
+    parts = spec.split(":")
     try:
-        clusters = setting(CLUSTERS_ENV, "auto", env).strip().lower() or "auto"
-        if clusters not in ("auto", "off"):
-            raise SettingError(f"{CLUSTERS_ENV}={clusters!r} is not valid; allowed: auto, off")
-        return KernelSettings(
-            timeout_s=_seconds(TIMEOUT_ENV, 300.0, env), timeout_given=bool(setting(TIMEOUT_ENV, "", env).strip()),
-            warn_s=_seconds(WARN_ENV, 5.0, env), abort_after_s=_seconds(ABORT_ENV, 30.0, env, zero_ok=True),
-            pdl=setting(PDL_ENV, "1", env) != "0", fused_clusters=clusters,
-            shm_dir=setting(SHM_DIR_ENV, "", env).strip() or "/dev/shm",
-            cache_dir=setting(CACHE_ENV, "", env) or os.path.join(os.path.expanduser("~"), ".cache", "sglang_sm120"))
-    except SettingError:
-        raise
-    except ValueError as exc:
-        raise SettingError(str(exc)) from None
+        if len(parts) not in (2, 3) or (memory or "device") not in PROBE_DROP_MEMORIES:
+            raise ValueError
+        when = parts[2] if len(parts) == 3 else None
+        return ProbeDrop(int(parts[0]), int(parts[1]),
+                         when if when in (None, DEBUG_PROBE_DROP_READS) else int(when), memory or "device")
+    except ValueError:
+        raise SettingError(f"{name}={raw!r}: SRC:DST, SRC:DST:ROUND or SRC:DST:{DEBUG_PROBE_DROP_READS} (rank and "
+                           "round numbers), optionally followed by @device (the default), @host or @any") from None
 
 
-def launch_switches(settings: KernelSettings) -> dict:
-    return {CLUSTERS_ENV: settings.fused_clusters, PDL_ENV: "1" if settings.pdl else "0"}
+_BOOL = {"1": True, "0": False}
+_SWITCHES = {  # field: (variable, parser); an SGL_ variable is read under its SGLANG_ twin too
+    "timeout_s": ("SGL_SM120_AR_TIMEOUT_S", lambda n, r: _seconds(n, r, False)),
+    "warn_after_s": ("SGL_SM120_AR_WARN_S", lambda n, r: _seconds(n, r, False)),
+    "abort_after_s": ("SGL_SM120_AR_ABORT_AFTER_S", lambda n, r: _seconds(n, r, True)),
+    "pdl": ("SGL_SM120_AR_PDL", lambda n, r: _choice(n, r, _BOOL)),
+    "fused_clusters": ("SGL_SM120_FUSED_CLUSTERS", lambda n, r: _choice(n, r, {"auto": True, "off": False})),
+    "shm_dir": ("SGL_SM120_SHM_DIR", lambda n, r: r),
+    "library": ("SGL_SM120_EXT_LIBRARY", lambda n, r: r),
+    "cache_dir": ("SGLANG_SM120_CACHE", lambda n, r: os.path.expanduser(r)),
+    "debug_cluster_check": ("SGL_SM120_DEBUG_CLUSTER_CHECK", lambda n, r: _choice(n, r, {"trap": "trap"})),
+    "debug_probe_drop": ("SGL_SM120_DEBUG_PROBE_DROP", _probe_drop),
+    "debug_shm_no_precheck": ("SGL_SM120_DEBUG_SHM_NO_PRECHECK", lambda n, r: _choice(n, r, _BOOL)),
+}
+VARIABLES = {field: variable for field, (variable, _) in _SWITCHES.items()}
+
+
+def read(environ: Mapping[str, str] | None = None) -> KernelSettings:
+    """Every switch from `environ` (default os.environ); SettingError on the first bad one."""
+    env = os.environ if environ is None else environ
+    values = {}
+    for field, (name, parse) in _SWITCHES.items():
+        spelled, raw = _raw(name, env)
+        if raw is not None:
+            values[field] = parse(spelled, raw)
+    return KernelSettings(**values, given=frozenset(values))
+
+
+def launch_switches(settings: KernelSettings) -> dict[str, str]:
+    """The switches that change how a workspace launches its kernels, as the variables would spell them (the
+    routing table's key: a route measured under other switches ran another launch)."""
+    return {VARIABLES["pdl"]: "1" if settings.pdl else "0",
+            VARIABLES["fused_clusters"]: "auto" if settings.fused_clusters else "off"}

@@ -1,12 +1,11 @@
 """A workspace's wait records and the thread that watches them.
 
-The kernels bound every spin-wait (csrc/ar_protocol.cuh): a wait past its warning bound is reported in
-host-mapped memory and is not an error (I9: a peer still compiling can be that late); a wait past its timeout
-records rank, call, phase and missing peer, then traps (the CUDA context ends) or poisons the workspace (I7).
-Both records are read here with plain CPU loads, which work after a trap. The watchdog thread logs a slow wait
-once per call and a timeout as soon as it is recorded, so the server log names the missing peer even when the
-CUDA error surfaces somewhere else first; in trap mode it ends a process whose trap never arrived
-(ABORT_AFTER_ENV), as PyTorch's NCCL watchdog does on a collective timeout.
+The kernels bound every spin-wait (csrc/ar_protocol.cuh): a wait past its warning bound is reported in host-mapped
+memory and is no error (I9: a peer still compiling can be that late); a wait past its timeout records rank, call,
+phase and missing peer, then traps or poisons the workspace (I7). Both records are read with plain CPU loads, which
+work after a trap. The thread logs a slow wait once per call and a timeout as soon as it is recorded, so the log
+names the missing peer even when the CUDA error surfaces elsewhere first; in trap mode it aborts a process whose
+trap never arrived (seen with several processes on one GPU), as PyTorch's NCCL watchdog does.
 """
 
 from __future__ import annotations
@@ -18,67 +17,29 @@ import threading
 import time
 from collections.abc import Callable
 
-from .env import setting
 from .errors import IpcAllReduceTimeoutError
+from .settings import VARIABLES
 
 logger = logging.getLogger(__name__)
 
-# A late peer is not a dead one (I9): in a server's first forward one rank can be tens of seconds behind its peers
-# while Triton/DeepGEMM/torch.compile compile lazily on a cold cache. So the bound that ends a wait is minutes,
-# and a wait past the warning bound is logged (naming call, phase, peer) without failing anything.
-TIMEOUT_ENV = "SGL_SM120_AR_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
-WARN_ENV = "SGL_SM120_AR_WARN_S"
-DEFAULT_WARN_S = 5.0
-# What a timed-out wait does (I7): "trap" ends the CUDA context, "exit" poisons the workspace.
-ON_TIMEOUT_MODES = ("trap", "exit")
-# Trap mode's backstop: a trap was seen not to reach every process when several share one GPU
-# (benchmarks/results/trap_delivery_h200_w8.json). If a kernel recorded a timeout this long ago and the CUDA
-# context still answers (the trap never arrived), the process is aborted rather than left hanging in a
-# synchronize. 0 switches the backstop off.
-ABORT_AFTER_ENV = "SGL_SM120_AR_ABORT_AFTER_S"
-DEFAULT_ABORT_AFTER_S = 30.0
+ON_TIMEOUT_MODES = ("trap", "exit")  # I7: "trap" ends the CUDA context, "exit" poisons the workspace
 PHASES = {1: "one-shot", 2: "reduce-scatter", 3: "cross-island", 4: "all-gather"}  # csrc/ar_types.h enum Phase
 POLL_S = 0.1
 
 
-class ErrorRecord(ctypes.Structure):
-    # Mirrors struct ErrorRecord in csrc/ar_types.h.
-    _fields_ = [
-        ("flag", ctypes.c_int),
-        ("rank", ctypes.c_int),
-        ("peer", ctypes.c_int),
-        ("phase", ctypes.c_int),
-        ("seq", ctypes.c_longlong),
-        ("waited_ns", ctypes.c_longlong),
-    ]
+class ErrorRecord(ctypes.Structure):  # struct ErrorRecord in csrc/ar_types.h
+    _fields_ = [("flag", ctypes.c_int), ("rank", ctypes.c_int), ("peer", ctypes.c_int), ("phase", ctypes.c_int),
+                ("seq", ctypes.c_longlong), ("waited_ns", ctypes.c_longlong)]
 
 
-class SlowRecord(ctypes.Structure):
-    # Mirrors struct SlowRecord in csrc/ar_types.h.
-    _fields_ = [
-        ("call_plus_one", ctypes.c_longlong),
-        ("rank", ctypes.c_int),
-        ("peer", ctypes.c_int),
-        ("phase", ctypes.c_int),
-        ("pad", ctypes.c_int),
-        ("waited_ns", ctypes.c_longlong),
-    ]
-
-
-def seconds_from_env(name: str, default: float, environ=None) -> float:
-    raw = setting(name, "", environ)
-    if raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+class SlowRecord(ctypes.Structure):  # struct SlowRecord in csrc/ar_types.h
+    _fields_ = [("call_plus_one", ctypes.c_longlong), ("rank", ctypes.c_int), ("peer", ctypes.c_int),
+                ("phase", ctypes.c_int), ("pad", ctypes.c_int), ("waited_ns", ctypes.c_longlong)]
 
 
 class Watchdog:
     """The records of one workspace and the thread that watches them. `context_alive()` answers whether the CUDA
-    context still runs calls (it fails once a trap has ended it)."""
+    context still runs calls (it raises once a trap has ended it)."""
 
     def __init__(self, rank: int, error: ErrorRecord, slow: SlowRecord, *, timeout_s: float, on_timeout: str,
                  abort_after_s: float, context_alive: Callable[[], bool]):
@@ -119,13 +80,11 @@ class Watchdog:
                                         rec.waited_ns / 1e9, context_lost=self.on_timeout == "trap")
 
     def slow_wait(self) -> tuple[int, int, str, float] | None:
-        """The latest slow wait a kernel reported (I9) as (call, peer, phase, seconds waited), or None. The record
-        is re-read until it is the same before and after (the kernel writes `call_plus_one` last)."""
+        """The latest slow wait reported (I9) as (call, peer, phase, seconds waited), or None. Re-read until the same
+        before and after (the kernel writes `call_plus_one` last)."""
         rec = self._slow
-        if rec is None:
-            return None
         for _ in range(3):
-            first = rec.call_plus_one
+            first = rec.call_plus_one if rec is not None else 0
             if first == 0:
                 return None
             found = (first - 1, rec.peer, PHASES.get(rec.phase, str(rec.phase)), rec.waited_ns / 1e9)
@@ -149,13 +108,12 @@ class Watchdog:
                     "sgl_kernel_sm120 all-reduce on rank %d: call #%d has waited %.1f s in the %s phase for rank %d "
                     "(a peer still compiling or loading can be this late; the call fails with "
                     "IpcAllReduceTimeoutError only after %.0f s, %s)",
-                    self.rank, call, waited, phase, peer, self.timeout_s, TIMEOUT_ENV,
-                )
+                    self.rank, call, waited, phase, peer, self.timeout_s, VARIABLES["timeout_s"])
 
     def _abort_if_trap_never_arrives(self, err: IpcAllReduceTimeoutError) -> None:
-        """The kernel trapped right after writing the record, so the CUDA context should fail at once. If it still
-        answers abort_after_s later, the trap did not reach this process (seen with several processes time-slicing
-        one GPU) and whatever waits on the GPU would wait forever: end the process rather than hang."""
+        """The kernel trapped right after writing the record, so the context should fail at once. If it still
+        answers abort_after_s later, the trap missed this process and whatever waits on the GPU would wait
+        forever: end the process rather than hang."""
         deadline = time.monotonic() + self.abort_after_s
         while not self._stop.wait(0.5):
             try:
@@ -164,11 +122,10 @@ class Watchdog:
             except Exception:  # the trap has ended the context
                 return
             if time.monotonic() > deadline:
-                logger.critical(
-                    "%s The kernel trapped %.0f s ago but the CUDA error has not reached this process (%s); aborting "
-                    "it so that nothing waits on it forever (%s=0 keeps it alive).",
-                    err, self.abort_after_s, "seen when several processes share one GPU", ABORT_AFTER_ENV,
-                )
+                logger.critical("%s The kernel trapped %.0f s ago but the CUDA error has not reached this process "
+                                "(seen when several processes share one GPU); aborting it so that nothing waits on it "
+                                "forever (%s=0 keeps it alive).", err, self.abort_after_s,
+                                VARIABLES["abort_after_s"])
                 for handler in logging.getLogger().handlers + logger.handlers:
                     handler.flush()
                 os.abort()

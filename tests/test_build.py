@@ -76,9 +76,9 @@ def _built_library() -> str:
     SGL_SM120_EXT_LIBRARY), else the in-tree one named for the running torch (a `pip install -e .`)."""
     import torch  # noqa: F401  (loads libtorch before the extension)
 
-    from sgl_kernel_sm120 import _ext
+    from sgl_kernel_sm120 import _ext, settings
 
-    override = os.environ.get(_ext.LIBRARY_OVERRIDE_ENV)
+    override = settings.read().library
     if override:
         if not _ext.kernels_available():
             _missing(f"{_ext.unavailable_reason()} (run `make build`)")

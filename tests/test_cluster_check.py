@@ -12,6 +12,7 @@ import pytest
 
 from sgl_kernel_sm120 import cluster_check
 from sgl_kernel_sm120.cluster_check import ClusterVerdict
+from sgl_kernel_sm120.settings import KernelSettings
 
 
 @pytest.fixture
@@ -30,19 +31,17 @@ def children(monkeypatch):
 
 def test_switched_off_runs_no_check(tmp_path, children):
     runs, _ = children
-    env = {cluster_check.SWITCH_ENV: "off", cluster_check.CACHE_ENV: str(tmp_path)}
-    verdict = cluster_check.verdict_for(0, "GPU-a", "/lib.so", env)
+    verdict = cluster_check.verdict_for(0, "GPU-a", "/lib.so", KernelSettings(fused_clusters=False,
+                                                                              cache_dir=str(tmp_path)))
     assert not verdict.ok and verdict.source == "off" and "SGL_SM120_FUSED_CLUSTERS=off" in verdict.reason
     assert runs == []
-    with pytest.raises(ValueError, match="auto or off"):
-        cluster_check.verdict_for(0, "GPU-a", "/lib.so", {cluster_check.SWITCH_ENV: "maybe"})
 
 
 def test_verdict_is_cached_per_gpu_and_library(tmp_path, children):
     runs, answer = children
     library = tmp_path / "lib.so"
     library.write_bytes(b"x")
-    env = {cluster_check.CACHE_ENV: str(tmp_path / "cache")}
+    env = KernelSettings(cache_dir=str(tmp_path / "cache"))
     first = cluster_check.verdict_for(0, "GPU-a", str(library), env)
     again = cluster_check.verdict_for(0, "GPU-a", str(library), env)
     assert first.ok and first.source == "checked" and again.ok and again.source == "cache"
@@ -58,7 +57,7 @@ def test_verdict_is_cached_per_gpu_and_library(tmp_path, children):
 
 def test_debug_switch_bypasses_the_cache(tmp_path, children):
     runs, answer = children
-    env = {cluster_check.CACHE_ENV: str(tmp_path), cluster_check.DEBUG_ENV: "trap"}
+    env = KernelSettings(cache_dir=str(tmp_path), debug_cluster_check="trap")
     answer["verdict"] = ClusterVerdict(False, "the cluster check failed (exit code 1): launch failure", "debug")
     assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
     assert runs == [(0, "trap")]
@@ -97,7 +96,7 @@ def test_a_child_that_hangs_is_no_clusters(monkeypatch):
 
 def test_a_check_that_timed_out_is_not_cached_and_runs_again(tmp_path, children):
     runs, answer = children
-    env = {cluster_check.CACHE_ENV: str(tmp_path)}
+    env = KernelSettings(cache_dir=str(tmp_path))
     answer["verdict"] = ClusterVerdict(False, "the cluster check did not finish within 120 s", "checked",
                                        transient=True)
     assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
@@ -128,7 +127,7 @@ def test_two_gpus_check_at_once_and_both_verdicts_are_kept(tmp_path, monkeypatch
         return ClusterVerdict(True, f"gpu {device_index} ok", "checked")
 
     monkeypatch.setattr(cluster_check, "_run_child", slow)
-    env = {cluster_check.CACHE_ENV: str(tmp_path)}
+    env = KernelSettings(cache_dir=str(tmp_path))
     threads = [threading.Thread(target=cluster_check.verdict_for, args=(i, f"GPU-{i}", "/lib.so", env))
                for i in (0, 1)]
     for t in threads:

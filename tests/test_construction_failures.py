@@ -1,7 +1,8 @@
 """A step of the workspace's construction that fails on one rank only ends the same way on every rank, at once:
 the ranks are separate processes on a gloo group (as SGLang's), the library is a stand-in that fails where a
 scenario says. A rank that left construction between two collectives would leave its peers waiting in the next
-one for the group's timeout (hours in SGLang; GROUP_TIMEOUT_S here, which a pass never comes near)."""
+one for the group's timeout (hours in SGLang; GROUP_TIMEOUT_S here, which a pass never comes near). The same
+properties over an exchange whose ranks are threads: tests/test_ipc_allreduce.py."""
 
 from __future__ import annotations
 
@@ -12,65 +13,19 @@ import socket
 import tempfile
 
 import pytest
-import torch
 import torch.distributed as dist
+
+from tests.fake_ops import FakeOps
 
 WORLD = 2
 GROUP_TIMEOUT_S = 20
 
 
-class FakeOps:
-    """The library's workspace ops as construction and the probe call them; `fails`: the op that raises here."""
-
-    def __init__(self, fails: str | None, probe_outcome: int = 1):
-        self.fails, self.probe_outcome = fails, probe_outcome
-
-    def _maybe_fail(self, op):
-        if op == self.fails:
-            raise RuntimeError(f"{op}: stand-in failure")
-
-    def ws_create(self, *args):
-        self._maybe_fail("ws_create")
-        return 1
-
-    def ws_ipc_handle(self, handle):
-        self._maybe_fail("ws_ipc_handle")
-        return torch.zeros(64, dtype=torch.uint8)
-
-    def ws_open_peers(self, handle, handles):
-        self._maybe_fail("ws_open_peers")
-
-    def ws_destroy(self, handle):
-        pass
-
-    def host_shared_bytes_for(self, world, max_numel, oneshot_max_numel):
-        return 4096
-
-    def ws_register_shared(self, handle):
-        self._maybe_fail("ws_register_shared")
-
-    def ws_unlink_shared(self, handle):
-        self._maybe_fail("ws_unlink_shared")
-
-    def ws_probe_rounds(self, handle):
-        return 1
-
-    def ws_probe_round_reads(self, handle, round_index):
-        return False
-
-    def ws_probe(self, handle, timeout_s, round_index, drop):
-        return [self.probe_outcome] * WORLD
-
-    def ws_probe_round_name(self, handle, round_index):
-        return "R1"
-
-    def ws_close_peers(self, handle):
-        self._maybe_fail("ws_close_peers")
-
-
 def _rank(rank: int, port: int, scenario: str, failing_rank: int, queue) -> None:
     from sgl_kernel_sm120 import construction, data_path_probe
+    from sgl_kernel_sm120.exchange import exchange_of
     from sgl_kernel_sm120.policy import Memory
+    from sgl_kernel_sm120.settings import KernelSettings
 
     warnings = []
 
@@ -82,25 +37,24 @@ def _rank(rank: int, port: int, scenario: str, failing_rank: int, queue) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     op = {"ipc_handle": "ws_ipc_handle", "unlink": "ws_unlink_shared", "close_peers": "ws_close_peers"}[scenario]
-    ops = FakeOps(op if rank == failing_rank else None, probe_outcome=2 if scenario == "close_peers" else 1)
+    ops = FakeOps(op if rank == failing_rank else None, probe_outcome=2 if scenario == "close_peers" else 1,
+                  world=WORLD)
+    exchange = exchange_of(dist.group.WORLD)
     memory = Memory.HOST if scenario == "unlink" else Memory.DEVICE
     config = construction.Config(0, rank, WORLD, 1024, 1024, 5.0, 1.0, False, None, memory,
                                  shm_dir=tempfile.gettempdir())
     try:
         if scenario == "close_peers":
-            data_path_probe.run(ops, 1, dist.group.WORLD, rank, WORLD, "device", 5.0)
-            outcome = "returned"
-        elif memory is Memory.HOST:
-            construction.create_host(ops, dist.group.WORLD, config)
-            outcome = "returned"
+            data_path_probe.run(ops, 1, exchange, "device", 5.0)
         else:
-            construction.create_device(ops, dist.group.WORLD, config)
-            outcome = "returned"
+            name = "sgl_sm120_test" if memory is Memory.HOST else ""
+            construction.build(ops, exchange, config, KernelSettings(), name)
+        outcome = "returned"
     except Exception as exc:  # reported to the test
         outcome = f"{type(exc).__name__}: {exc}"
     finally:
         dist.destroy_process_group()
-    queue.put((rank, outcome, warnings))
+    queue.put((rank, outcome, warnings, sorted(ops.live)))
 
 
 def _run(scenario: str, failing_rank: int) -> list:
@@ -125,15 +79,16 @@ def _run(scenario: str, failing_rank: int) -> list:
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_an_ipc_handle_that_fails_on_one_rank_fails_the_allocation_on_every_rank(failing_rank):
     answers = _run("ipc_handle", failing_rank)
-    for rank, outcome, _ in answers:
+    for rank, outcome, _, live in answers:
         assert outcome.startswith("IpcAllReduceError: IpcAllReduce workspace allocation failed"), (rank, outcome)
+        assert live == [], f"rank {rank} left a workspace built: {live}"
         assert f"rank {failing_rank}: RuntimeError: ws_ipc_handle: stand-in failure" in outcome, (rank, outcome)
         assert "timed out" not in outcome.lower() and "timeout" not in outcome.lower(), (rank, outcome)
 
 
 def test_removing_the_shared_files_name_failing_is_a_warning_not_a_split():
     answers = _run("unlink", 0)
-    assert [outcome for _, outcome, _ in answers] == ["returned", "returned"], answers
+    assert [outcome for _, outcome, _, _ in answers] == ["returned", "returned"], answers
     rank0_warnings = answers[0][2]
     assert any("removing the host-memory workspace's file" in w and "remove the file by hand" in w
                for w in rank0_warnings), rank0_warnings
@@ -142,6 +97,6 @@ def test_removing_the_shared_files_name_failing_is_a_warning_not_a_split():
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_failed_probe_is_the_probes_error_on_every_rank_also_when_unmapping_fails(failing_rank):
     answers = _run("close_peers", failing_rank)
-    for rank, outcome, _ in answers:
+    for rank, outcome, _, _ in answers:
         assert outcome.startswith("IpcAllReduceProbeError: CUDA P2P data path probe failed"), (rank, outcome)
     assert any("unmapping the peers after the failed probe" in w for w in answers[failing_rank][2]), answers

@@ -1,5 +1,6 @@
-"""The dispatch policy as data (sgl_kernel_sm120/policy.py): the kernel limits as the built library reports them
-and as the policy uses them, routes and their ids, what a workspace runs, the seeds."""
+"""The dispatch policy as data (sgl_kernel_sm120/policy.py): routes and their ids, what a workspace runs, the seeds,
+resolution, the grids; and the library's limits, enum codes and grid rules against the policy's (those tests need
+the built library; the others run on a KernelLimits literal)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,25 @@ import sys
 import pytest
 
 from sgl_kernel_sm120 import _ext, policy
-from sgl_kernel_sm120.policy import Link, Memory, Route, Transport, Variant, WorkspaceShape
+from sgl_kernel_sm120.policy import Link, Memory, Route, Schedule, Transport, WorkspaceShape, choose_schedule
+from tests.fake_ops import LIMITS_JSON
+from tests.host_check import build_host_check
+from tests.test_build import _built_library
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LIMITS = policy.kernel_limits()
+LIMITS = policy.parse_kernel_limits(json.dumps(LIMITS_JSON))
 
 
-def _header_constants() -> dict[str, int]:
-    """The integer constants of csrc/ar_types.h and csrc/ar_launch.h, evaluated in the order they are written."""
-    values: dict[str, int] = {}
+def _header_constants() -> dict[str, int | tuple[int, ...]]:
+    """The integer constants (and constant arrays) of csrc/ar_types.h and csrc/ar_launch.h, evaluated in the order
+    they are written."""
+    values: dict[str, int | tuple[int, ...]] = {}
     for name in ("ar_types.h", "ar_launch.h"):
         with open(os.path.join(REPO, "csrc", name)) as handle:
-            for const, expr in re.findall(r"constexpr (?:int|long long) (k\w+) =\s*([^;]+);", handle.read()):
+            text = handle.read()
+            for const, items in re.findall(r"constexpr int (k\w+)\[\] = \{([^}]*)\};", text):
+                values[const] = tuple(int(v) for v in items.split(","))
+            for const, expr in re.findall(r"constexpr (?:int|long long) (k\w+) =\s*([^;]+);", text):
                 expr = re.sub(r"static_cast<long long>\((\w+)\)", r"\1", expr)
                 values[const] = int(eval(expr, {}, dict(values)))  # noqa: S307 - our own header's arithmetic
     return values
@@ -32,6 +40,7 @@ def _header_constants() -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------- kernel limits
 def test_the_library_reports_the_constants_of_the_sources_it_was_built_from():
+    _built_library()
     raw = json.loads(_ext.ops().kernel_limits())
     header = _header_constants()
     assert raw["plain_max_threads"] == header["kPlainMaxThreads"]
@@ -40,14 +49,17 @@ def test_the_library_reports_the_constants_of_the_sources_it_was_built_from():
     assert raw["max_world"] == header["kMaxWorld"] and raw["max_ctas"] == header["kMaxCounters"]
     assert raw["pack_bytes"] == header["kPackBytes"] and raw["elems_per_pack"] == header["kElemsPerPack"]
     assert raw["owner_block_packs"] == header["kOwnerBlockPacks"]
-    assert LIMITS == policy.parse_kernel_limits(json.dumps(raw))
+    assert policy.kernel_limits() == policy.parse_kernel_limits(json.dumps(raw)) == LIMITS  # this file's literal
+    assert (policy.WORLD_SIZES, policy.CLUSTER_SIZES) == (header["kWorldSizes"], header["kClusterSizes"])
+    assert max(policy.WORLD_SIZES) == header["kMaxWorld"] and max(policy.CLUSTER_SIZES) == header["kMaxCluster"]
 
 
 def test_the_enums_mirror_the_librarys_codes():
-    """A mismatch would launch another variant, transport or memory than the one asked for."""
+    """A mismatch would launch another schedule, transport or memory than the one asked for."""
+    _built_library()
     raw = json.loads(_ext.ops().kernel_limits())
-    assert {v.name.lower(): int(v) for v in Variant} == {
-        k[len("variant_"):]: v for k, v in raw.items() if k.startswith("variant_")}
+    assert {s.name.lower(): int(s) for s in Schedule} == {
+        k[len("schedule_"):]: v for k, v in raw.items() if k.startswith("schedule_")}
     assert {t.value: t.code for t in Transport} == {
         k[len("transport_"):]: v for k, v in raw.items() if k.startswith("transport_")}
     assert {m.value: m.code for m in Memory} == {
@@ -55,7 +67,7 @@ def test_the_enums_mirror_the_librarys_codes():
 
 
 def test_a_library_built_from_other_sources_is_refused_by_name():
-    raw = json.loads(_ext.ops().kernel_limits())
+    raw = dict(LIMITS_JSON)
     with pytest.raises(ValueError, match="transport_pull is 7 there, 2 here.*rebuild"):
         policy.parse_kernel_limits(json.dumps({**raw, "transport_pull": 7}))
     with pytest.raises(ValueError, match="lacks .*max_fused_hidden"):
@@ -101,6 +113,28 @@ def test_under_a_small_cta_cap_the_seed_cta_size_doubles_until_one_wave_holds_th
     assert policy.plain_grid(1 << 20, 188, 512, LIMITS) == (1 << 20) // LIMITS.pack_bytes // 512
 
 
+def test_the_policy_s_grids_are_the_launches_own(tmp_path):
+    """policy.plain_grid and fused_grid copy csrc/ar_launch.h's grid rules (plain_grid, fused_row_grid,
+    fused_cluster_grid, which the launches use), for the tuner to time each grid once: held to the C++ over a table
+    of inputs (cluster launches where the group holds every cluster the cap allows; routes hold ctas >= cluster)."""
+    binary = build_host_check("launch_grid_check", tmp_path)
+    plain = [(packs, threads, ctas) for packs in (1, 7, 31, 32, 33, 896, 2688, 28672, 1 << 20)
+             for threads in (32, 64, 96, 256, 512, 1024) for ctas in (1, 3, 16, 94, 132, 188)]
+    rows = [(rows, ctas) for rows in (1, 3, 16, 17, 257) for ctas in (1, 8, 132, 188)]
+    clusters = [(rows, c, ctas) for rows in (1, 3, 16, 17, 257) for c in policy.CLUSTER_SIZES
+                for ctas in (c, 8, 16, 31, 132, 188) if ctas >= c]
+    queries = ([f"plain {p} {t} {c}" for p, t, c in plain] + [f"row {r} {c}" for r, c in rows]
+               + [f"cluster {r} {c} {ctas} {1 << 20}" for r, c, ctas in clusters])
+    done = subprocess.run([binary], input="\n".join(queries), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    theirs = [line.split()[0] for line in done.stdout.splitlines()]
+    ours = ([str(policy.plain_grid(p * LIMITS.pack_bytes, c, t, LIMITS)) for p, t, c in plain]
+            + [str(policy.fused_grid(r, c, 1)) for r, c in rows]
+            + [str(policy.fused_grid(r, ctas, c)) for r, c, ctas in clusters])
+    assert len(theirs) == len(queries)
+    assert [(q, o, t) for q, o, t in zip(queries, ours, theirs, strict=True) if o != t] == []
+
+
 def test_the_policy_needs_no_torch_until_the_limits_are_read():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import sgl_kernel_sm120.policy as p\n"
@@ -115,21 +149,21 @@ def test_the_policy_needs_no_torch_until_the_limits_are_read():
 def test_a_route_names_every_field_that_changes_what_runs():
     route = Route("ONESHOT", "staged", "device", ctas=188, cluster=4)
     assert route.id == "ONESHOT/staged/device/b188/c4" and Route.parse(route.id) == route
-    assert Route.parse("TWOSHOT/pull/host/t256") == Route(Variant.TWOSHOT, Transport.PULL, Memory.HOST, threads=256)
+    assert Route.parse("TWOSHOT/pull/host/t256") == Route(Schedule.TWOSHOT, Transport.PULL, Memory.HOST, threads=256)
     staged = Route("ONESHOT", "staged", "device", ctas=32, threads=128, window=7)
     assert staged.id == "ONESHOT/staged/device/b32/t128/w7" and Route.parse(staged.id) == staged
-    assert Route(0, "push", "device") == Route(Variant.ONESHOT)  # by code, by name, by member
+    assert Route(0, "push", "device") == Route(Schedule.ONESHOT)  # by code, by name, by member
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"variant": "FOURSHOT"}, "unknown variant"),
+    ({"schedule": "FOURSHOT"}, "unknown schedule"),
     ({"transport": "carrier"}, "unknown transport"),
     ({"memory": "gpu"}, "unknown memory"),
     ({"ctas": 0}, "ctas 0: a positive number"),
     ({"ctas": True}, "ctas True"),
     ({"ctas": 2.5}, "ctas 2.5"),
     ({"cluster": 3}, "cluster 3"),
-    ({"variant": "TWOSHOT", "cluster": 4}, "cluster 4"),
+    ({"schedule": "TWOSHOT", "cluster": 4}, "cluster 4"),
     ({"ctas": 2, "cluster": 4}, "ctas 2 cannot hold one cluster of 4"),
     ({"threads": 100}, "whole warps"),
     ({"window": 0}, "window 0: a positive number"),
@@ -137,7 +171,7 @@ def test_a_route_names_every_field_that_changes_what_runs():
 ])
 def test_a_route_the_kernels_cannot_launch_is_refused_when_made(fields, message):
     with pytest.raises(ValueError, match=message):
-        Route(**{"variant": "ONESHOT", **fields})
+        Route(**{"schedule": "ONESHOT", **fields})
 
 
 @pytest.mark.parametrize("text", ["ONESHOT/push", "ONESHOT/push/device/c4/b8", "ONESHOT/push/device/b8/b9",
@@ -195,13 +229,13 @@ def test_a_shape_survives_its_dict_form():
 
 
 # ---------------------------------------------------------------------------------------------- the seeds
-def test_the_seeds_push_with_the_seed_variant_and_every_launch_field_by_its_rule():
+def test_the_seeds_push_with_the_seed_schedule_and_leave_every_launch_field_to_its_rule():
     for world in (2, 4, 8):
         for link in (Link.PCIE, Link.NVLINK):
             shape = WorkspaceShape(world, "device", link, num_islands=2 if world == 8 else 1, sm_budget=188)
             for nbytes in (16, 43008, 1 << 20):
                 route = policy.seed_route(nbytes, shape)
-                assert route == Route(policy.choose_variant(nbytes, world, link, shape.num_islands),
+                assert route == Route(choose_schedule(nbytes, world, link, shape.num_islands),
                                       policy.SEED_TRANSPORT, "device")
                 assert policy.refusal(shape, route, nbytes, fused=False, limits=LIMITS) is None
     host = WorkspaceShape(8, "host", "host", oneshot_max_bytes=policy.oneshot_max_bytes(8, Link.HOST))
@@ -213,66 +247,49 @@ def test_the_seeds_push_with_the_seed_variant_and_every_launch_field_by_its_rule
         policy.seed_route(-1, host)
 
 
-# ---------------------------------------------------------------------------------- the workspace's calls
-def test_the_keyword_forms_of_the_ops_are_the_seed_route_with_those_fields_replaced():
-    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce
-
-    ws = IpcAllReduce.__new__(IpcAllReduce)  # no GPU: the route a call would run, not the call
-    ws._shape, ws.transport = RTX, "auto"
-
-    class Inp:
-        def __init__(self, nbytes):
-            self.nbytes = nbytes
-
-        def numel(self):
-            return self.nbytes // 2
-
-        def element_size(self):
-            return 2
-
-    seed = policy.seed_route(1 << 20, RTX)
-    assert ws._route(Inp(1 << 20), None) == seed
-    assert ws._route(Inp(1 << 20), None, variant=Variant.TWOSHOT, transport="staged", ctas=94) == \
-        Route(Variant.TWOSHOT, Transport.STAGED, "device", ctas=94)
-    given = Route("ONESHOT", "pull", "device", ctas=188, cluster=4)
-    assert ws._route(Inp(1024), given) == given and ws._route(Inp(1024), given, cluster=2).cluster == 2
-    ws.transport = "pull"  # the workspace's own transport for its seed routes
-    assert ws._route(Inp(1024), None).transport is Transport.PULL
-    for bad in (0, -4, 2.5, True):
-        with pytest.raises(ValueError, match="ctas"):
-            ws._route(Inp(1024), None, ctas=bad)
-    with pytest.raises(ValueError, match="transport must be"):
-        ws._route(Inp(1024), None, transport="carrier-pigeon")
+def test_resolve_fills_the_launch_fields_the_ops_need_by_their_seed_rules():
+    plain = policy.resolve(Route("ONESHOT"), 43008, RTX, LIMITS, False)
+    assert (plain.ctas, plain.threads) == (188, policy.plain_threads(43008, "push", ctas=188, limits=LIMITS))
+    assert plain.cluster is None and plain.window is None  # the kernels' own rules
+    fused = policy.resolve(Route("ONESHOT", "staged"), 43008, RTX, LIMITS, True)
+    assert (fused.ctas, fused.threads) == (188, None)  # the fused kernels size their own CTAs
+    measured = Route("TWOSHOT", "pull", "device", ctas=94, threads=128)
+    assert policy.resolve(measured, 1 << 20, RTX, LIMITS, False) is measured  # a measured launch stays as it is
+    small = dataclasses.replace(RTX, sm_budget=16)
+    assert policy.resolve(Route("ONESHOT"), 3 * 14336, small, LIMITS, False).threads == 256  # one wave on 16 CTAs
 
 
-def test_a_launch_hands_the_route_to_the_ops_field_by_field(monkeypatch):
-    """What reaches the C++ op is the route: its variant and transport codes, its CTA cap (or the seed cap on this
-    workspace), its cluster, its plain CTA size (or the seed rule); the op's own checks are the wall behind."""
-    import torch
+@pytest.mark.parametrize("nbytes", [0, 1024, 43008, 1 << 20, 64 << 20])
+def test_two_ranks_always_use_one_shot(nbytes):
+    assert choose_schedule(nbytes, 2, "nvlink") is Schedule.ONESHOT
+    assert choose_schedule(nbytes, 2, "pcie", 2) is Schedule.ONESHOT
 
-    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce
 
-    calls = []
+def test_nvlink_switches_to_two_shot_past_its_bound_and_pcie_to_islands_when_given():
+    bound = policy.NVLINK_ONESHOT_MAX_BYTES
+    assert choose_schedule(bound, 8, Link.NVLINK) is Schedule.ONESHOT
+    assert choose_schedule(bound + 16, 8, Link.NVLINK) is Schedule.TWOSHOT
+    for world in (4, 8):
+        assert choose_schedule(1024, world, "pcie", 2) is Schedule.ONESHOT
+        assert choose_schedule(1 << 20, world, "pcie", 2) is Schedule.ISLAND
+        assert choose_schedule(1 << 20, world, "pcie", 1) is Schedule.TWOSHOT
+    with pytest.raises(ValueError):
+        choose_schedule(-1, 2, "pcie")
+    with pytest.raises(ValueError, match="unknown link"):
+        choose_schedule(8, 2, "infiniband")
 
-    class Ops:
-        def all_reduce(self, *args):
-            calls.append(("plain", args[3:]))
 
-        def all_reduce_add_rmsnorm(self, *args):
-            calls.append(("fused", args[7:]))
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("link", list(Link))
+def test_the_one_shot_bound_is_where_the_seeds_stop_using_one_shot(world, link):
+    limit = policy.oneshot_max_bytes(world, link)
+    assert choose_schedule(limit, world, link) is Schedule.ONESHOT
+    assert limit == policy.UNBOUNDED or choose_schedule(limit + 1, world, link) is not Schedule.ONESHOT
 
-    monkeypatch.setattr(_ext, "ops", lambda: Ops())
-    ws = IpcAllReduce.__new__(IpcAllReduce)  # no GPU: the arguments of a launch, not the launch
-    ws._handle, ws._shape, ws.use_pdl, ws._watchdog, ws.limits = 1, RTX, True, None, LIMITS
-    x = torch.zeros(3, 64, dtype=torch.bfloat16)
-    ws.launch(Route("TWOSHOT", "pull", "device", ctas=94, threads=128), x)
-    ws.launch(Route("ONESHOT", "staged", "device"), x)
-    ws.launch_fused(Route("ONESHOT", "push", "device", ctas=188, cluster=4), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
-    ws.launch_fused(Route("ISLAND", "staged", "device", window=3), x, x, torch.ones(64, dtype=x.dtype), 1e-6)
-    staged_threads = policy.plain_threads(x.numel() * 2, Transport.STAGED)
-    assert calls == [  # the window last: 0 asks for the kernels' default
-        ("plain", (int(Variant.TWOSHOT), 128, 94, True, Transport.PULL.code, 0)),
-        ("plain", (int(Variant.ONESHOT), staged_threads, 188, True, Transport.STAGED.code, 0)),
-        ("fused", (int(Variant.ONESHOT), 188, True, 4, Transport.PUSH.code, 0)),
-        ("fused", (int(Variant.ISLAND), 188, True, 0, Transport.STAGED.code, 3)),
-    ]
+
+def test_the_schedule_is_described_size_range_by_size_range():
+    bound = policy.PCIE_ONESHOT_MAX_BYTES[8]
+    assert policy.describe_schedule(458752, 8, "pcie", 2) == f"ONESHOT up to {bound} B, ISLAND up to 458752 B"
+    assert policy.describe_schedule(458752, 8, "pcie", 1) == f"ONESHOT up to {bound} B, TWOSHOT up to 458752 B"
+    assert policy.describe_schedule(1 << 20, 2, "pcie") == f"ONESHOT up to {1 << 20} B"
+    assert policy.describe_schedule(bound, 8, "pcie", 2) == f"ONESHOT up to {bound} B"

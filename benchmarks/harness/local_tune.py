@@ -1,6 +1,6 @@
 """The tune of a whole group in ONE process on one GPU (`python -m benchmarks.harness.local_tune --tp W
 --debug-nccl-us US --out FILE`; tests/gpu/test_tune_gpu.py and bench_tuner_pick use it):
-the W ranks are IpcAllReduce.local_group workspaces (its concurrent mode), each rank's calls on a stream
+the W ranks are _debug.local_group workspaces (its concurrent mode), each rank's calls on a stream
 of its own, timed as W parallel branches of one CUDA graph, so the ranks' kernels run at once and really wait
 for one another, as on W GPUs, where ranks sharing a GPU as processes only time-slice.
 
@@ -11,7 +11,7 @@ time must be injected (--debug-nccl-us) and the table says so. The Tuner runs on
 the ranks itself. A server never uses it. The check and the timing of a candidate are those of
 tuning/burst.py, with every rank a lane: eager calls call-major (every rank's call k before any rank's call
 k + 1: with CUDA's lazy module loading a rank-major order deadlocks until the kernels' timeout,
-IpcAllReduce.local_group), graph replays with one branch per rank.
+_debug.local_group), graph replays with one branch per rank.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from sglang_sm120.tuning.measure import BurstMeasurer
 def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
     import torch
 
-    from sgl_kernel_sm120 import IpcAllReduce
+    from sgl_kernel_sm120._debug import local_group
 
-    return IpcAllReduce.local_group(device, world, max_numel, torch.bfloat16, islands=islands, link=link or "auto",
+    return local_group(device, world, max_numel, torch.bfloat16, islands=islands, link=link or "auto",
                                     timeout_s=float(spec.kernel_timeout_s), on_timeout="exit")
 
 
 def _close_cuda_group(comms) -> None:
-    from sgl_kernel_sm120.ipc_allreduce import close_local_group
+    from sgl_kernel_sm120._debug import close_local_group
 
     close_local_group(comms)
 
 
 class LocalGroupMeasurer(BurstMeasurer):
     """`make_group(device, world, max_numel, spec, islands, link)` / `close_group(comms)` / `backend` default to
-    IpcAllReduce.local_group on CUDA; the CPU tests pass fakes."""
+    _debug.local_group on CUDA; the CPU tests pass fakes."""
 
     def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None, seed: int = 0,
                  make_group: Callable | None = None, close_group: Callable | None = None, backend=None):
@@ -120,7 +120,7 @@ def run_one_process(world: int, device_index: int, spec, *, islands=None, link: 
     finally:
         measurer.close()
     table.notes.append(f"one process: {world} ranks as workspaces of one GPU running concurrently "
-                       "(IpcAllReduce.local_group), each on a W-th of its SMs; a plumbing check, not this box's "
+                       "(_debug.local_group), each on a W-th of its SMs; a plumbing check, not this box's "
                        "routes")
     return table, key
 

@@ -1,4 +1,4 @@
-"""The one-GPU microbenchmarks' common frame (bench_polling, bench_transports, bench_tuner_pick): the result
+"""The one-GPU microbenchmarks' common frame (bench_transports, bench_tuner_pick): the result
 document's head and the entry point that writes `<kind>_<gpu>_<mode>.json` and fails on a wrong result."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from . import io
 
 # Untimed replays of every graph before its timed ones: the first launches of a graph pay for its upload.
 WARMUP_REPLAYS = 3
-# What a loopback record's time is (bench_polling, bench_transports' loopback mode).
+# What a loopback record's time is (bench_transports' loopback mode).
 LOOPBACK_STATISTIC = ("the median over the timed replays of (replay time / calls per replay), minus the median of the "
                       "fill-only graph's; one timing rank (loopback: rank 0 of W, stand-in peers)")
 

@@ -86,8 +86,12 @@ def prepare_nccl_mode(no_p2p: bool, uses_nccl_label: bool, environ: dict | None 
         if bad and uses_nccl_label:
             raise ValueError(f"{', '.join(bad)} is set, so NCCL would run without P2P while its results are "
                              f"recorded as `{NCCL_PLAIN}`: unset it, or run with --no-p2p (`{NCCL_NO_P2P}`)")
-        return {"mode": "default", "no_p2p": False, "env_at_init": nccl_env(env), "set_by_benchmark": {},
-                "p2p_disabled_by": bad}
+        mode = {"mode": "default", "no_p2p": False, "set_by_benchmark": {}, "p2p_disabled_by": bad}
+        if uses_nccl_label and not started:  # which transports the NCCL measured here chose
+            wanted, mode["_debug_file"], mode["transport_log"] = _info_log(env)
+            env.update(wanted)
+            mode["set_by_benchmark"] = dict(wanted)
+        return {**mode, "env_at_init": nccl_env(env)}
     if started:
         raise ValueError("--no-p2p must set NCCL_P2P_DISABLE=1 before NCCL starts, but torch.distributed is "
                          "already initialised in this process (NCCL may have read its settings already)")
@@ -100,15 +104,8 @@ def prepare_nccl_mode(no_p2p: bool, uses_nccl_label: bool, environ: dict | None 
     wanted = {"NCCL_P2P_DISABLE": "1"}
     if env.get("NCCL_NVLS_ENABLE") is None:
         wanted["NCCL_NVLS_ENABLE"] = "0"
-    debug_file = None
-    log_note = "not collected: NCCL_DEBUG or NCCL_DEBUG_FILE was set by the caller"
-    if env.get("NCCL_DEBUG") is None and env.get("NCCL_DEBUG_FILE") is None:
-        import tempfile
-
-        debug_file = os.path.join(tempfile.mkdtemp(prefix="bench-nccl-log-"), "nccl.%p.log")
-        wanted.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": debug_file})
-        log_note = ("NCCL_DEBUG=INFO into a per-process file, parsed for its 'via <transport>' channel lines "
-                    "(the file itself is not kept: its lines name the host)")
+    log_vars, debug_file, log_note = _info_log(env)
+    wanted.update(log_vars)
     before = {k: env.get(k) for k in wanted}
     env.update(wanted)
     return {
@@ -121,6 +118,19 @@ def prepare_nccl_mode(no_p2p: bool, uses_nccl_label: bool, environ: dict | None 
         "transport_log": log_note,
         "_debug_file": debug_file,
     }
+
+
+def _info_log(env: Mapping[str, str]) -> tuple[dict, str | None, str]:
+    """(the variables that send NCCL's INFO log to a per-process file, the file, a note for the JSON); nothing when
+    the caller set NCCL_DEBUG or NCCL_DEBUG_FILE."""
+    if env.get("NCCL_DEBUG") is not None or env.get("NCCL_DEBUG_FILE") is not None:
+        return {}, None, "not collected: NCCL_DEBUG or NCCL_DEBUG_FILE was set by the caller"
+    import tempfile
+
+    debug_file = os.path.join(tempfile.mkdtemp(prefix="bench-nccl-log-"), "nccl.%p.log")
+    return ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": debug_file}, debug_file,
+            "NCCL_DEBUG=INFO into a per-process file, parsed for its 'via <transport>' channel lines (the file itself "
+            "is not kept: its lines name the host)")
 
 
 def enter_nccl_mode(script: str, no_p2p: bool, uses_nccl_label: bool) -> dict:
@@ -167,7 +177,7 @@ def merge_nccl_logs(per_rank: Sequence[dict | None]) -> dict:
     elif not any(x.get("found") for x in logs):
         verdict = "no NCCL log file was written"
     elif "P2P" in total:
-        verdict = "P2P channels logged: NCCL did not run without P2P"
+        verdict = "P2P channels logged"
     elif total:
         verdict = "no P2P channel logged"
     else:
@@ -185,7 +195,7 @@ def collect_nccl_transports(d, mode: dict) -> None:
     merged = merge_nccl_logs(d.all_gather_obj(local))
     if mode.get("_debug_file"):
         mode["transports"] = merged
-        if merged["p2p_seen"]:
+        if merged["p2p_seen"] and mode.get("no_p2p"):
             d.log(f"WARNING: --no-p2p run, but NCCL logged P2P channels: {merged['transports_seen']}")
 
 
@@ -199,10 +209,10 @@ def cleanup_nccl_log(mode: dict | None) -> None:
 
 
 def nccl_setup_line(setup: Mapping) -> str:
-    """One line for the tables: the NCCL a --no-p2p run measured."""
-    env = setup.get("env_at_init") or {}
+    """One line for the tables: the NCCL a run measured (its settings, the channels it logged)."""
+    env = {k: v for k, v in (setup.get("env_at_init") or {}).items() if not k.startswith("NCCL_DEBUG")}
     tr = setup.get("transports") or {}
-    return (f"NCCL {setup.get('nccl_version')} with NCCL_P2P_DISABLE={env.get('NCCL_P2P_DISABLE')} at init; "
+    return (f"NCCL {setup.get('nccl_version')} with {env or 'no NCCL_* settings'} at init; "
             f"channels NCCL logged: {tr.get('transports_seen', {})} ({tr.get('verdict', 'not collected')})")
 
 

@@ -1,5 +1,6 @@
 """Ours: sgl_kernel_sm120.IpcAllReduce, through CUDA IPC over P2P (`sm120`) and through host memory
-(`sm120_hostmem`), each on a dedicated gloo group, with every variant the kernels can be forced to."""
+(`sm120_hostmem`), each on a dedicated gloo group, with every schedule the kernels can be forced to (what the
+peers call their variants)."""
 
 from __future__ import annotations
 
@@ -91,13 +92,13 @@ class Sm120(Impl):
 
     def variants(self):
         out: list[tuple[str | None, Any]] = [(None, None)]
-        for v in self.mod.Variant:
-            out.append((v.name, v))
+        for s in self.mod.Schedule:
+            out.append((s.name, s))
         return out
 
     def dispatch_variant(self, nbytes: int) -> str | None:
         try:
-            return self.ar.seed_route(nbytes).variant.name
+            return self.mod.seed_route(nbytes, self.ar.shape).schedule.name
         except Exception:  # noqa: BLE001
             return None
 
@@ -109,10 +110,10 @@ class Sm120(Impl):
     def all_reduce(self, inp, out=None, variant=None):
         if variant is None:
             return self.ar.all_reduce(inp, out)
-        return self.ar.all_reduce(inp, out, variant=variant)
+        return self.ar.all_reduce(inp, out, schedule=variant)
 
     def all_reduce_add_rmsnorm(self, inp, residual, weight, eps, norm_out=None, residual_out=None, variant=None):
-        kw = {} if variant is None else {"variant": variant}
+        kw = {} if variant is None else {"schedule": variant}
         return self.ar.all_reduce_add_rmsnorm(inp, residual, weight, eps, norm_out, residual_out, **kw)
 
     def notes(self) -> dict:
@@ -133,7 +134,7 @@ class Sm120(Impl):
 class Sm120Hostmem(Sm120):
     """Ours through host memory: IpcAllReduce(memory="host"), the transport for GPUs without CUDA P2P. The
     workspace is pinned, device-mapped shared host memory, so every push and every poll crosses PCIe; there
-    are no islands (flat schedules only), hence no ISLAND variant."""
+    are no islands (flat schedules only), hence no ISLAND schedule."""
 
     name = "sm120_hostmem"
 
@@ -167,9 +168,9 @@ class Sm120Hostmem(Sm120):
 
     def variants(self):
         out: list[tuple[str | None, Any]] = [(None, None)]
-        for v in self.mod.Variant:
-            if v.name != "ISLAND":
-                out.append((v.name, v))
+        for s in self.mod.Schedule:
+            if s.name != "ISLAND":
+                out.append((s.name, s))
         return out
 
     def notes(self) -> dict:

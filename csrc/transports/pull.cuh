@@ -1,7 +1,6 @@
 // The pull transport. On many PCIe fabrics the all-to-all posted writes of push collapse (several GPUs
-// behind one switch writing to several root complexes lose 75-93%; SM stores to peers were measured at 2.6 GB/s
-// against 27-52 GB/s for SM loads on two RTX PRO 6000 boxes: ../shared/notes/pcie_transports.md), while peer
-// loads keep their speed. So here every rank stores its packs into its OWN slab, publishes readiness with one
+// behind one switch writing to several root complexes), while peer loads keep their speed (docs/design.md,
+// "Three transports"). So here every rank stores its packs into its OWN slab, publishes readiness with one
 // small remote store per consumer, and the consumers load the packs from there. Nobody polls peer memory: a rank
 // spins on its own flags only.
 //

@@ -62,59 +62,6 @@ struct OneShotSlots {
     }
     return acc;
   }
-
-  // The polling this file had before I10, kept only for the polling microbenchmark (benchmarks/bench_polling.py,
-  // one-shot bf16 at 8 ranks, see launch_oneshot_serial_poll) to time old against new in one build: each peer's
-  // pack is loaded, waited on and tested before the next load issues (the self branch and the short-circuit
-  // test serialise them).
-  template <typename T>
-  __device__ __forceinline__ Acc8 reduce_pack_serial(const WorkspaceView& ws, unsigned long long seq, long long g,
-                                                     uint4 own) const {
-    uint4 v[kWorld];
-    bool pending = false;
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p) {
-      v[p] = p == ws.rank ? own : load_volatile(poll(ws, p, g));
-      pending |= p != ws.rank && legacy_has_empty(v[p]);
-    }
-    if (pending) {
-      const long long start = static_cast<long long>(global_timer_ns());
-      unsigned int spins = 0;
-      while (pending) {
-        pending = false;
-        int missing = -1;
-#pragma unroll
-        for (int p = 0; p < kWorld; ++p) {
-          if (p != ws.rank && legacy_has_empty(v[p])) {
-            v[p] = load_volatile(poll(ws, p, g));
-            if (legacy_has_empty(v[p])) {
-              pending = true;
-              missing = p;
-            }
-          }
-        }
-        if (pending && (++spins & 255u) == 0u && wait_must_end(ws, start, missing, kPhaseOneShot, seq)) break;
-      }
-    }
-#pragma unroll
-    for (int p = 0; p < kWorld; ++p)
-      if (p != ws.rank) store_volatile(poll(ws, p, g), empty_pack());
-    Acc8 acc = unpack<T>(v[0]);
-#pragma unroll
-    for (int p = 1; p < kWorld; ++p) accumulate<T>(acc, v[p]);
-    return acc;
-  }
-
-  static __device__ __forceinline__ bool legacy_has_empty(uint4 v) {
-    auto half = [](uint32_t w) { return (w & 0xFFFFu) == kEmptyHalf || (w >> 16) == kEmptyHalf; };
-    return half(v.x) || half(v.y) || half(v.z) || half(v.w);
-  }
-
-  template <typename T, bool kSerialPoll, int kBatch = kWorld>
-  __device__ __forceinline__ Acc8 reduce(const WorkspaceView& ws, unsigned long long seq, long long g, uint4 own) const {
-    if (kSerialPoll) return reduce_pack_serial<T>(ws, seq, g, own);
-    return reduce_pack<T, kBatch>(ws, seq, g, own);
-  }
 };
 
 // ---------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 // phases), then tells that rank it is done and waits until the rank that stores into r in pass p, (r - 1 - p) mod
 // W, has told r the same. At any moment each GPU then has one outbound and one inbound stream: the pattern that
 // does not collapse where several GPUs behind one switch posting writes to several root complexes do (FlashInfer's
-// PCIe all-reduce stages its pushes so; ../shared/notes/pcie_transports.md). It costs a pacing barrier per pass,
+// PCIe all-reduce stages its pushes so). It costs a pacing barrier per pass,
 // so it is meant for few CTAs. A window of w passes lets the stores of w passes be in flight before the first of
 // their pacing waits: w streams each way, from 1 (the pattern above) to W - 1 (push's stores, paced only at the end).
 //

@@ -166,6 +166,7 @@ def report_cluster_launch(found: list[dict]) -> None:
     child process and caches the verdict, so a server start after the doctor pays nothing)."""
     try:
         from sgl_kernel_sm120 import _ext, cluster_check
+        from sgl_kernel_sm120.settings import read
 
         ops, library = _ext.ops(), _ext.library_path()
     except Exception as exc:
@@ -174,7 +175,7 @@ def report_cluster_launch(found: list[dict]) -> None:
     for gpu in found:
         try:
             capacity = [int(c) for c in ops.cluster_capacity_for(gpu["index"], 8)]
-            verdict = (cluster_check.verdict_for(gpu["index"], gpu["uuid"], library) if any(capacity) else
+            verdict = (cluster_check.verdict_for(gpu["index"], gpu["uuid"], library, read()) if any(capacity) else
                        cluster_check.ClusterVerdict(False, "the GPU reports no cluster capacity", "checked"))
         except Exception as exc:
             print(f"cuda:{gpu['index']}: not checked ({type(exc).__name__}: {exc})")

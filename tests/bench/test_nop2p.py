@@ -124,7 +124,7 @@ def test_sm120_hostmem_needs_the_host_transport(monkeypatch):
     assert "not the host transport" in impl._check_built()
     impl.ar = types.SimpleNamespace(memory="host", link=types.SimpleNamespace(value="host"))
     assert impl._check_built() is None
-    impl.mod = types.SimpleNamespace(Variant=[types.SimpleNamespace(name=n) for n in ("ONESHOT", "TWOSHOT", "ISLAND")])
+    impl.mod = types.SimpleNamespace(Schedule=[types.SimpleNamespace(name=n) for n in ("ONESHOT", "TWOSHOT", "ISLAND")])
     assert [label for label, _ in impl.variants()] == [None, "ONESHOT", "TWOSHOT"]
     kw = impl._ctor_kwargs(None)
     assert kw["memory"] == "host" and kw["islands"] is None and "link" not in kw
@@ -181,6 +181,20 @@ def test_default_mode_refuses_a_p2p_free_nccl_named_nccl():
                     "env_at_init": {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": "SYS"}}
 
 
+def test_default_mode_logs_which_transports_nccl_chose_unless_the_caller_set_its_log():
+    env = {"NCCL_P2P_LEVEL": "SYS"}
+    mode = nccl_mode.prepare_nccl_mode(False, True, env, nccl_started=False)
+    try:
+        assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_FILE"] == mode["_debug_file"]
+        assert mode["env_at_init"]["NCCL_P2P_LEVEL"] == "SYS" and mode["set_by_benchmark"]["NCCL_DEBUG"] == "INFO"
+        assert "NCCL_P2P_LEVEL" in nccl_mode.nccl_setup_line(nccl_mode.public_nccl_mode(mode))
+    finally:
+        nccl_mode.cleanup_nccl_log(mode)
+    env = {"NCCL_DEBUG": "WARN"}
+    mode = nccl_mode.prepare_nccl_mode(False, True, env, nccl_started=False)
+    assert env == {"NCCL_DEBUG": "WARN"} and mode["_debug_file"] is None and "not collected" in mode["transport_log"]
+
+
 def test_enter_nccl_mode_exits_2_before_any_number(monkeypatch, capsys):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     code, err = _exit_code(lambda: nccl_mode.enter_nccl_mode("benchmarks/bench_allreduce.py", False, True), capsys)
@@ -208,7 +222,7 @@ def test_parse_and_merge_nccl_logs(tmp_path):
     assert m["transports_seen"] == {"SHM": 4} and m["p2p_seen"] is False and m["ranks_with_log"] == 2
     assert m["verdict"] == "no P2P channel logged" and m["nccl_version_logged"] == "2.28.9+cuda13.0"
     m = nccl_mode.merge_nccl_logs([shm, {"found": True, **p2p}])
-    assert m["p2p_seen"] is True and "did not run without P2P" in m["verdict"]
+    assert m["p2p_seen"] is True and m["verdict"] == "P2P channels logged"
     assert nccl_mode.merge_nccl_logs([None, None])["verdict"] == "not collected"
     missing = {"found": False, "transports": {}, "nccl_version": None}
     assert nccl_mode.merge_nccl_logs([missing, missing])["verdict"] == "no NCCL log file was written"

@@ -30,7 +30,7 @@ def test_unchecked_results_count_and_an_all_wrong_shape_is_left_out():
     assert [r["best"] for r in out] == ["TWOSHOT push"]
 
 
-def test_readme_holds_the_table_rendered_from_the_committed_json():
+def test_the_benchmarks_readme_holds_the_table_rendered_from_the_committed_json():
     import json
     import pathlib
 
@@ -40,7 +40,7 @@ def test_readme_holds_the_table_rendered_from_the_committed_json():
     doc = json.loads((root / "benchmarks/results/transports_h200_loopback.json").read_text())
     table = readme_table(doc["records"])
     assert table.count("\n") >= 4, table
-    assert table in (root / "README.md").read_text(), f"README's transports table is not this rendering:\n{table}"
+    assert table in (root / "benchmarks/README.md").read_text(), f"the transports table is not this rendering:\n{table}"
 
 
 def _launch_rec(transport, us, op, config="default", blocks=132, threads=256, cluster="rule", window=None,
@@ -158,7 +158,7 @@ def test_a_loopback_call_passes_each_tensor_and_setting_where_the_ops_schema_wan
                             threads=128, window=3)
         call(0)
         got = seen[op]
-        assert got["ws"] == 7 and got["inp"] is call.x and got["variant"] == 0 and got["max_blocks"] == 132
+        assert got["ws"] == 7 and got["inp"] is call.x and got["schedule"] == 0 and got["ctas"] == 132
         assert got["transport"] == TRANSPORTS["pull"] == 2 and got["window"] == 3
         if op == "all_reduce":
             assert got["out"] is call.out and got["threads"] == 128

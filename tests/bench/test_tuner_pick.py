@@ -18,7 +18,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "res
 
 
 def shape(world: int, sm: int = 132, islands: int = 1) -> WorkspaceShape:
-    """A one-process group's workspace on an H200: each rank on a W-th of the SMs (IpcAllReduce.local_group)."""
+    """A one-process group's workspace on an H200: each rank on a W-th of the SMs (_debug.local_group)."""
     return WorkspaceShape(world, "device", "pcie", num_islands=islands, clusters=(2, 4, 8), sm_budget=sm // world)
 
 
@@ -48,7 +48,7 @@ def test_every_swept_route_runs_as_named_and_is_its_own_launch(world):
         if kind == "plain":
             assert {r.threads for r in routes} >= {64, 128, 256}
         else:
-            assert {r.cluster for r in routes if r.variant.name == "ONESHOT"} == {1, 2, 4, 8}
+            assert {r.cluster for r in routes if r.schedule.name == "ONESHOT"} == {1, 2, 4, 8}
         assert len(routes) < 200, (world, kind, rows, len(routes))  # the stage's time: about 40 ms a launch
 
 

@@ -9,11 +9,13 @@ kernels of different processes) and say nothing about speed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -36,8 +38,6 @@ def enough_gpus_for(ranks: int) -> bool:
 
 def need_ranks(ranks: int):
     """skipif for a test of `ranks` processes: one GPU each, or any GPUs at all with SGL_SM120_TEST_SHARE_GPUS=1."""
-    import pytest
-
     return pytest.mark.skipif(
         not enough_gpus_for(ranks),
         reason=f"needs {ranks} GPUs (or {SHARE_GPUS_ENV}=1 to let ranks share), found {gpu_count()}",
@@ -79,6 +79,75 @@ def _child(rank: int, world: int, port: int, fn, args, queue, hang_report_s: flo
     except BaseException:  # noqa: B036
         verdict = verdict or f"--- rank {rank} (harness) ---\n{traceback.format_exc()}"
     queue.put((rank, verdict))
+
+
+def _scenarios(rank: int, world: int, scenarios, record: str) -> None:
+    """Every rank runs each (name, fn, args) in turn; each outcome is agreed over the group (which also keeps the
+    ranks in step from one scenario to the next) and rank 0 records it as it ends."""
+    import json
+
+    for name, fn, args in scenarios:
+        local = None
+        try:
+            fn(rank, world, *args)
+        except BaseException:  # noqa: B036 - reported for this scenario, then the next one runs
+            local = traceback.format_exc()
+        verdicts: list = [None] * world
+        dist.all_gather_object(verdicts, local)
+        failed = "\n".join(f"--- rank {r} ---\n{v}" for r, v in enumerate(verdicts) if v) or None
+        if rank == 0:
+            with open(record, "a") as handle:
+                handle.write(json.dumps({"name": name, "failure": failed}) + "\n")
+
+
+def run_scenarios(world: int, scenarios: list, timeout_s: float) -> dict[str, str | None]:
+    """Run (name, fn, args) scenarios one after another on the same `world` spawned ranks: one start (processes,
+    CUDA, gloo) for many tests, each of which then asserts its own scenario's outcome. Returns name -> None (passed
+    on every rank) or the failure; a scenario that never ended (a hang or crash) gets the run's own failure."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        record = os.path.join(folder, "outcomes.jsonl")
+        open(record, "w").close()
+        try:
+            run_ranks(world, _scenarios, scenarios, record, timeout_s=timeout_s)
+            problem = "the run ended before it"
+        except AssertionError as exc:
+            problem = str(exc)
+        with open(record) as handle:
+            done = {entry["name"]: entry["failure"] for entry in map(json.loads, handle)}
+    return {name: done.get(name, f"did not finish: {problem}") for name, _, _ in scenarios}
+
+
+def selected_scenarios(request, scenarios: dict) -> list:
+    """The (name, fn, args) of `scenarios` (test name -> (fn, args), in run order) whose test this session runs."""
+    wanted = {item.name for item in request.session.items if item.module is request.module}
+    return [(name, fn, args) for name, (fn, args) in scenarios.items() if name in wanted]
+
+
+def _cluster_cache(tmp_path_factory) -> str:
+    folder = tmp_path_factory.getbasetemp() / "sm120-gpu-cluster-cache"
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
+@contextlib.contextmanager
+def spawn_env(tmp_path_factory, **variables: str):
+    """The environment ranks spawned inside it inherit: one cluster-check cache for the kernel GPU tests of a session
+    (never the user's; the check's child process then runs once per GPU and library, not once per test) and
+    `variables`. For a fixture wider than a test, which runs before the tests' own environment fixtures."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_SM120_CACHE", _cluster_cache(tmp_path_factory))
+        for name, value in variables.items():
+            patch.setenv(name, value)
+        yield
+
+
+@pytest.fixture
+def shared_cluster_cache(private_cache, monkeypatch, tmp_path_factory) -> None:
+    """spawn_env's cluster-check cache for a test that spawns its own ranks."""
+    monkeypatch.setenv("SGLANG_SM120_CACHE", _cluster_cache(tmp_path_factory))
 
 
 def run_ranks(world: int, fn, *args, timeout_s: float = 300.0) -> None:

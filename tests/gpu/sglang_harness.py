@@ -251,12 +251,12 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     os.environ["SGLANG_SM120_ALLREDUCE"] = mode
     os.environ.pop("SGLANG_SM120_ALLREDUCE_MAX_BYTES", None)
     # Routes by the seeds, from a cache of this test alone. The start-up tune (the default, auto) would measure
-    # this harness: on ranks sharing a GPU that is time-slicing against gloo in NCCL's place, and the GPU run of
-    # 2026-12-02 saw small all-reduces routed to "NCCL" (gloo, in place) by it. These tests check the overlay's
+    # this harness: on ranks sharing a GPU that is time-slicing against gloo in NCCL's place, and such a run
+    # routes small all-reduces to "NCCL" (gloo, in place). These tests check the overlay's
     # paths, not the tune's verdict (tests/gpu/test_tune_gpu.py does); a test may still set both through `env`.
     os.environ["SGLANG_SM120_ALLREDUCE_TUNE"] = "off"
     os.environ["SGLANG_SM120_CACHE"] = tempfile.mkdtemp(prefix=f"sgl_sm120_cache_r{rank}_")
-    from sgl_kernel_sm120.env import spelled_out
+    from sgl_kernel_sm120.settings import spelled_out
 
     for key, value in (env or {}).items():
         os.environ.update(spelled_out(key, value))  # an SGL_ switch under both names: SGLang 0.5.23 copies them
@@ -455,7 +455,7 @@ class _DryRunIpcAllReduce:
         import torch.distributed as dist
 
         from sgl_kernel_sm120 import policy
-        from sgl_kernel_sm120.env import setting
+        from sgl_kernel_sm120.settings import read
 
         self.group, self.device, self.max_numel = group, device, int(max_numel)
         self.memory, self.islands, self.num_islands = memory, islands, 1
@@ -464,12 +464,11 @@ class _DryRunIpcAllReduce:
         self.shape = policy.WorkspaceShape(self.world_size, memory, self.link, sm_budget=1)
         self.limits = policy.kernel_limits()
         self.timeout_s = None
-        drop = setting("SGL_SM120_DEBUG_PROBE_DROP").strip()  # the kernel's probe debug switch
-        if drop and memory == "device":
+        drop = read().debug_probe_drop  # the kernel's probe debug switch
+        if drop is not None and memory == "device":
             from sgl_kernel_sm120.errors import IpcAllReduceProbeError
 
-            src, dst = (int(part) for part in drop.partition("@")[0].split(":")[:2])
-            raise IpcAllReduceProbeError([(src, dst, "write never arrived")])
+            raise IpcAllReduceProbeError([(drop.src, drop.dst, "write never arrived")])
         self.calls = 0
         self._closed = False
 

@@ -6,7 +6,7 @@ purpose must make the ordinary checks fail. A suite that passed these builds wou
                                  overwrites, or has cleared, packs its peer has not consumed yet
 
 Each build is loaded in the spawned ranks instead of the packaged `_C` (SGL_SM120_EXT_LIBRARY), and runs a CUDA
-graph of mixed calls (sizes, plain and fused, every variant) replayed many times, with a short spin bound and the
+graph of mixed calls (sizes, plain and fused, every schedule) replayed many times, with a short spin bound and the
 timeout in exit mode (a timeout is then a clean record, not a trap), so a broken protocol ends in a wrong result
 or a timeout error, never a hang. A graph rather than eager calls: with ranks time-slicing one GPU, a rank runs
 many captured calls in one time slice, and only then does a rank get a whole call ahead of its peer, which is
@@ -26,12 +26,11 @@ import tempfile
 
 import pytest
 
-from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-from sgl_kernel_sm120.env import spelled_out
-from tests.gpu.harness import need_ranks, run_ranks
+from sgl_kernel_sm120.settings import VARIABLES, spelled_out
+from tests.gpu.harness import need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
 from tests.gpu.test_ipc_allreduce import _scenario_graph
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,8 +69,8 @@ def _build_broken(flag: str, out: str) -> str:
 def test_broken_protocol_is_caught(flag, monkeypatch):
     with tempfile.TemporaryDirectory() as scratch:
         library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
-        for name, value in {**spelled_out(LIBRARY_OVERRIDE_ENV, library),
-                            **spelled_out("SGL_SM120_AR_TIMEOUT_S", "2")}.items():
+        for name, value in {**spelled_out(VARIABLES["library"], library),
+                            **spelled_out(VARIABLES["timeout_s"], "2")}.items():
             monkeypatch.setenv(name, value)
         with pytest.raises(AssertionError) as caught:
             run_ranks(2, _scenario_graph, 24, 100, "exit", timeout_s=300)

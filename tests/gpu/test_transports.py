@@ -3,8 +3,8 @@ on one GPU.
 
 - Processes sharing the GPU (tests.gpu.harness.run_ranks, SGL_SM120_TEST_SHARE_GPUS=1): the real IPC paths, the
   probe, host memory; but the ranks time-slice and never run at once, so a race in a flag protocol cannot show.
-- One process running the whole group (IpcAllReduce.local_group): W workspaces seeing each other's slabs, each
-  rank's calls on a stream of its own, or W parallel branches of one CUDA graph: the ranks' kernels run
+- One process running the whole group (sgl_kernel_sm120._debug.local_group): W workspaces seeing each other's
+  slabs, each rank's calls on a stream of its own, or W parallel branches of one CUDA graph: the ranks' kernels run
   concurrently. The transports' negative controls (a flag published before its data, a staged pass dropped)
   are caught here.
 
@@ -30,17 +30,16 @@ import torch.distributed as dist
 from sgl_kernel_sm120 import (
     IpcAllReduce,
     IpcAllReduceTimeoutError,
-    Variant,
+    Schedule,
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
-from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-from sgl_kernel_sm120.env import spelled_out
-from sgl_kernel_sm120.ipc_allreduce import close_local_group
-from tests.gpu.harness import need_ranks, run_ranks
+from sgl_kernel_sm120._debug import close_local_group, local_group
+from sgl_kernel_sm120.settings import VARIABLES, spelled_out
+from tests.gpu.harness import need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
 from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
 TRANSPORTS = ("push", "staged", "pull")
 ROWS = (1, 3, 64, 257)
@@ -54,12 +53,12 @@ def _islands(world: int, memory: str):
     return [list(range(world // 2)), list(range(world // 2, world))]
 
 
-def _variants(world: int, memory: str):
+def _schedules(world: int, memory: str):
     if world < 2:
-        return [Variant.ONESHOT]
+        return [Schedule.ONESHOT]
     if memory == "host" or world < 4:
-        return [Variant.ONESHOT, Variant.TWOSHOT]
-    return [Variant.ONESHOT, Variant.TWOSHOT, Variant.ISLAND]
+        return [Schedule.ONESHOT, Schedule.TWOSHOT]
+    return [Schedule.ONESHOT, Schedule.TWOSHOT, Schedule.ISLAND]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -94,17 +93,17 @@ def _scenario_every_transport(rank, world, memory):
                       memory=memory, timeout_s=30.0, on_timeout="exit")
     failures = []
     try:
-        for dtype, rows, hidden, variant in itertools.product((torch.bfloat16, torch.float16), ROWS, HIDDENS,
-                                                               _variants(world, memory)):
-            if variant is Variant.ONESHOT and rows * hidden > ar.oneshot_max_numel:
+        for dtype, rows, hidden, schedule in itertools.product((torch.bfloat16, torch.float16), ROWS, HIDDENS,
+                                                               _schedules(world, memory)):
+            if schedule is Schedule.ONESHOT and rows * hidden > ar.oneshot_max_numel:
                 continue  # host memory at 4 and 8 ranks: one-shot serves small calls only
             inputs, residual, weight = _case_inputs(world, rows, hidden, dtype,
                                                     _stable_seed("transports", rows, hidden, str(dtype)), dev)
             bits = {}
             for transport in TRANSPORTS:
-                tag = f"{memory} {dtype} [{rows}, {hidden}] {variant.name} {transport}"
-                plain = ar.all_reduce(inputs[rank], variant=variant, transport=transport)
-                fused = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, variant=variant,
+                tag = f"{memory} {dtype} [{rows}, {hidden}] {schedule.name} {transport}"
+                plain = ar.all_reduce(inputs[rank], schedule=schedule, transport=transport)
+                fused = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, schedule=schedule,
                                                   transport=transport)
                 _check_case(tag, plain, fused, inputs, residual, weight, dtype, failures)
                 bits[transport] = (_bits(plain), _bits(fused[0]), _bits(fused[1]))
@@ -112,7 +111,7 @@ def _scenario_every_transport(rank, world, memory):
                     failures.append(f"{tag}: norm_out is not bitwise identical across ranks")
             for transport in TRANSPORTS[1:]:
                 if not all(torch.equal(a, b) for a, b in zip(bits["push"], bits[transport], strict=True)):
-                    failures.append(f"{memory} {dtype} [{rows}, {hidden}] {variant.name}: {transport}'s bits "
+                    failures.append(f"{memory} {dtype} [{rows}, {hidden}] {schedule.name}: {transport}'s bits "
                                     "differ from push's")
         err = ar.timeout_error()
         if err is not None:
@@ -151,7 +150,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
     ar = _make(world, rank, 64 * 7168, timeout_s=1.0, on_timeout="exit")
     cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024  # host memory: a smaller one-shot bound
     x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
-    out = ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+    out = ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
     ar.synchronize()
     assert torch.equal(out, torch.full_like(x, world)), "call #0 gave a wrong sum"
     dist.barrier()
@@ -159,7 +158,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
     # Whatever happens, every rank reaches the barrier below (see _scenario_rank_skips_a_call).
     try:
         if rank != skipper:
-            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
                 ar.synchronize()
             except IpcAllReduceTimeoutError as err:
@@ -168,8 +167,8 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
             else:
                 raise AssertionError(f"call #1, which rank {skipper} skipped ({how}), completed instead of timing out")
         elif how == "ctas":
-            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull", blocks=1)
-            ar.all_reduce(x, variant=Variant.ONESHOT, transport="pull")
+            ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull", ctas=1)
+            ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
                 ar.synchronize()
             except IpcAllReduceTimeoutError as err:
@@ -194,30 +193,29 @@ def test_pull_rank_skipping_a_call_ends_in_timeout_error_naming_the_call(world, 
 # One process, the ranks concurrent.
 def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, replays: int) -> list[str]:
     """Eager calls on a stream per rank, then a CUDA graph of W parallel branches of mixed calls (every transport
-    and variant), replayed with fresh inputs. Returns the failures."""
+    and schedule), replayed with fresh inputs. Returns the failures."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    comms = IpcAllReduce.local_group(dev, world, max(rows_list) * max(hiddens), islands=_islands(world, "device"),
-                                     timeout_s=10.0)
+    comms = local_group(dev, world, max(rows_list) * max(hiddens), islands=_islands(world, "device"), timeout_s=10.0)
     streams = [torch.cuda.Stream() for _ in range(world)]
     failures = []
     try:
-        cases = list(itertools.product(rows_list, hiddens, _variants(world, "device"), TRANSPORTS))
+        cases = list(itertools.product(rows_list, hiddens, _schedules(world, "device"), TRANSPORTS))
         # Eager: each rank's call on its own stream, all launched before any is waited for. Call-major (every
-        # rank's plain call, then every rank's fused one): see IpcAllReduce.local_group on lazy loading.
-        for rows, hidden, variant, transport in cases:
+        # rank's plain call, then every rank's fused one): see sgl_kernel_sm120/_debug.py on lazy loading.
+        for rows, hidden, schedule, transport in cases:
             inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
                                                     _stable_seed("local", rows, hidden), dev)
             torch.cuda.synchronize()
             plain, fused = [None] * world, [None] * world
             for r, comm in enumerate(comms):
                 with torch.cuda.stream(streams[r]):
-                    plain[r] = comm.all_reduce(inputs[r], variant=variant, transport=transport)
+                    plain[r] = comm.all_reduce(inputs[r], schedule=schedule, transport=transport)
             for r, comm in enumerate(comms):
                 with torch.cuda.stream(streams[r]):
-                    fused[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, variant=variant,
+                    fused[r] = comm.all_reduce_add_rmsnorm(inputs[r], residual, weight, EPS, schedule=schedule,
                                                            transport=transport)
             torch.cuda.synchronize()
-            tag = f"local W={world} [{rows}, {hidden}] {variant.name} {transport}"
+            tag = f"local W={world} [{rows}, {hidden}] {schedule.name} {transport}"
             for r in range(world):
                 _check_case(f"{tag} rank {r}", plain[r], fused[r], inputs, residual, weight, torch.bfloat16, failures)
             if any(not torch.equal(_bits(fused[0][0]), _bits(f[0])) for f in fused[1:]):
@@ -227,7 +225,7 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
         # A graph of W parallel branches, each rank's calls in order on its branch.
         plan = [cases[(7 * i) % len(cases)] for i in range(calls_per_graph)]
         static = []
-        for i, (rows, hidden, _variant, _transport) in enumerate(plan):
+        for i, (rows, hidden, _schedule, _transport) in enumerate(plan):
             inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16, 7919 * i, dev)
             static.append(([x.clone() for x in inputs], residual.clone(), weight.clone()))
         torch.cuda.synchronize()
@@ -239,18 +237,18 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
                 s.wait_stream(main)
             for r, comm in enumerate(comms):
                 with torch.cuda.stream(streams[r]):
-                    for i, (_rows, _hidden, variant, transport) in enumerate(plan):
+                    for i, (_rows, _hidden, schedule, transport) in enumerate(plan):
                         x, residual, weight = static[i][0][r], static[i][1], static[i][2]
                         if i % 2:
-                            outputs[r][i] = comm.all_reduce(x, variant=variant, transport=transport)
+                            outputs[r][i] = comm.all_reduce(x, schedule=schedule, transport=transport)
                         else:
-                            outputs[r][i] = comm.all_reduce_add_rmsnorm(x, residual, weight, EPS, variant=variant,
+                            outputs[r][i] = comm.all_reduce_add_rmsnorm(x, residual, weight, EPS, schedule=schedule,
                                                                         transport=transport)
             for s in streams:
                 main.wait_stream(s)
         for replay in range(replays):
             expected = []
-            for i, (rows, hidden, _variant, _transport) in enumerate(plan):
+            for i, (rows, hidden, _schedule, _transport) in enumerate(plan):
                 inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
                                                         7919 * i + 100003 * (replay + 1), dev)
                 for r in range(world):
@@ -316,11 +314,10 @@ def _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures) -> N
 def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -> list[str]:
     """Every launch shape benchmarks/bench_transports.py sweeps, with the ranks running concurrently: the plain
     one-shot's CTA sizes (32 .. 512 threads) per transport; staged push at several CTA caps and every window, plain and
-    fused, every variant; the fused one-shot at every cluster size per transport. Sums are exact (integer inputs);
+    fused, every schedule; the fused one-shot at every cluster size per transport. Sums are exact (integer inputs);
     a window never changes a bit (staged_push.cuh S1, S4), nor does the transport at a given cluster size."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    comms = IpcAllReduce.local_group(dev, world, max(rows_list) * hidden, islands=_islands(world, "device"),
-                                     timeout_s=10.0)
+    comms = local_group(dev, world, max(rows_list) * hidden, islands=_islands(world, "device"), timeout_s=10.0)
     streams = [torch.cuda.Stream() for _ in range(world)]
     budget = comms[0].shape.sm_budget
     failures = []
@@ -328,7 +325,7 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
     def run(op, inputs, residual, weight, threads=None, **kw):
         outs = [None] * world
         torch.cuda.synchronize()
-        for r, comm in enumerate(comms):  # call-major (IpcAllReduce.local_group)
+        for r, comm in enumerate(comms):  # call-major (sgl_kernel_sm120/_debug.py)
             with torch.cuda.stream(streams[r]):
                 if op == "all_reduce":
                     outs[r] = comm.all_reduce(inputs[r], threads=threads, **kw)
@@ -347,16 +344,16 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
                 _check_shape_outputs(tag, outs, op, want, norm_bits, bits_of, failures)
 
             for transport, threads in itertools.product(TRANSPORTS, (32, 64, 128, 256, 512)):
-                outs = run("all_reduce", inputs, residual, weight, threads, variant=Variant.ONESHOT,
+                outs = run("all_reduce", inputs, residual, weight, threads, schedule=Schedule.ONESHOT,
                            transport=transport)
                 check(f"W={world} [{rows}, {hidden}] plain {transport} {threads} threads", outs, "all_reduce")
-            for op, variant, blocks in itertools.product(("all_reduce", "all_reduce_add_rmsnorm"),
-                                                         _variants(world, "device"), sorted({1, 8, 16, budget})):
-                blocks = min(blocks, budget)
+            for op, schedule, ctas in itertools.product(("all_reduce", "all_reduce_add_rmsnorm"),
+                                                         _schedules(world, "device"), sorted({1, 8, 16, budget})):
+                ctas = min(ctas, budget)
                 norm_bits = None
                 for window in range(1, world):
-                    tag = f"W={world} [{rows}, {hidden}] {op} {variant.name} staged {blocks} CTAs window {window}"
-                    outs = run(op, inputs, residual, weight, variant=variant, transport="staged", blocks=blocks,
+                    tag = f"W={world} [{rows}, {hidden}] {op} {schedule.name} staged {ctas} CTAs window {window}"
+                    outs = run(op, inputs, residual, weight, schedule=schedule, transport="staged", ctas=ctas,
                                window=window)
                     check(tag, outs, op, norm_bits, "window 1's")
                     if op != "all_reduce" and norm_bits is None:
@@ -364,7 +361,7 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
             for cluster in (1, 2, 4, 8):
                 norm_bits = None
                 for transport in TRANSPORTS:
-                    outs = run("all_reduce_add_rmsnorm", inputs, residual, weight, variant=Variant.ONESHOT,
+                    outs = run("all_reduce_add_rmsnorm", inputs, residual, weight, schedule=Schedule.ONESHOT,
                                transport=transport, cluster=cluster)
                     check(f"W={world} [{rows}, {hidden}] fused {transport} cluster {cluster}", outs,
                           "all_reduce_add_rmsnorm", norm_bits, "push's")
@@ -405,7 +402,7 @@ def test_broken_transport_protocol_is_caught_with_the_ranks_running_concurrently
 
     with tempfile.TemporaryDirectory() as scratch:
         library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
-        env = dict(os.environ, **spelled_out(LIBRARY_OVERRIDE_ENV, library), PYTHONPATH=ROOT)
+        env = dict(os.environ, **spelled_out(VARIABLES["library"], library), PYTHONPATH=ROOT)
         done = subprocess.run([sys.executable, "-c", CHILD, "4"], env=env, capture_output=True, text=True,
                               timeout=600, cwd=ROOT)
     report = done.stdout + done.stderr

@@ -1,8 +1,7 @@
 """The tune's plumbing end to end on a GPU: `python -m sglang_sm120.tune` -> the table in the cache -> a TP group's
 workspace routing by it -> the activation line naming it; and the quick tune a starting server runs.
 
-Ran on 1x H200, 2026-12-02: 4 of 4, then the one-process test at 2 and 8 ranks
-(benchmarks/results/gpu_tests_h200_tune_shared.xml). On one GPU the ranks share it (--share-gpu): NCCL refuses
+On one GPU the ranks share it (--share-gpu): NCCL refuses
 two ranks on one device, so the tool's debug switch --debug-nccl-us stands in for NCCL's time and the table
 says so; its timings mean nothing, only the plumbing is checked. With two GPUs the same tests run with the
 real NCCL where noted. Exactness is checked for real either way: every candidate routed to passed the
@@ -135,7 +134,7 @@ def test_a_starting_group_without_a_table_measures_a_quick_one_and_caches_it(tmp
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("world", [2, 8])
 def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_out_file(tmp_path, world):
-    """--one-process: the whole group as local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
+    """The whole group as _debug.local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
     candidate verified on every rank; the table goes to --out and never into the cache."""
     from sgl_kernel_sm120 import cluster_check
     from sglang_sm120.routing.table import RoutingTable, lookup, route_id
@@ -143,9 +142,8 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
     out = tmp_path / "one_process.json"
     env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", str(world),
-                           "--quick", "--max-batch", "4", "--draft-tokens", "1", "--one-process",
-                           "--debug-nccl-us", "1000000", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.harness.local_tune", "--hidden", str(HIDDEN),
+                           "--tp", str(world), "--max-rows", "4", "--debug-nccl-us", "1000000", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout[-4000:])  # the rendered table, kept in the junit XML
@@ -161,7 +159,7 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
     # every route of ours names the launch that was measured: its CTAs, and for the fused one-shot its cluster
     assert all(e.route.ctas is not None for e in table.entries if e.route is not None), table.to_dict()
     assert all(e.route.cluster is not None for e in table.entries
-               if e.route is not None and e.kind == "fused" and e.route.variant.name == "ONESHOT"), table.to_dict()
+               if e.route is not None and e.kind == "fused" and e.route.schedule.name == "ONESHOT"), table.to_dict()
     assert all(m["timed"] == len(m["times"]) for m in table.to_dict()["measurements"])
     for (dtype, kind), points in table.measurements.items():
         for point in points:
@@ -180,9 +178,9 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
 
     Not SGL_SM120_DEBUG_SINGLE_BUFFER: its race needs a rank a whole call ahead of a peer that is still reading,
     which ranks time-slicing a GPU as processes produce (the negative control catches it there) and the lockstep
-    ranks of one process did not: on 1x H200 (2026-12-03) its one-process tune rejected no candidate."""
+    ranks of one process did not: on an H200 its one-process tune rejected no candidate."""
     from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-    from sgl_kernel_sm120.env import spelled_out
+    from sgl_kernel_sm120.settings import spelled_out
     from sglang_sm120.routing.table import RoutingTable, route_id
     from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
 
@@ -190,9 +188,8 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
     out = tmp_path / "broken.json"
     env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **spelled_out(LIBRARY_OVERRIDE_ENV, library),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", "2",
-                           "--quick", "--max-batch", "4", "--draft-tokens", "1", "--dtype", "bf16", "--one-process",
-                           "--kernel-timeout", "2", "--debug-nccl-us", "1000000", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.harness.local_tune", "--hidden", str(HIDDEN),
+                           "--tp", "2", "--max-rows", "4", "--debug-nccl-us", "1000000", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout[-4000:])

@@ -164,7 +164,7 @@ def settings_of(server_args: object | None, environ: Mapping[str, str] | None = 
 def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | None = None) -> float | None:
     """The kernels' wait bound: None when the kernel switch is set (the package reads it) or nothing is known, else
     SGLang's --dist-timeout (what NCCL would wait for a late peer)."""
-    if kernel_settings.read(environ).timeout_given:
+    if "timeout_s" in kernel_settings.read(environ).given:
         return None
     dist_timeout = getattr(server_args, "dist_timeout", None)
     if isinstance(dist_timeout, int | float) and not isinstance(dist_timeout, bool) and dist_timeout > 0:

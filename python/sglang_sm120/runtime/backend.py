@@ -213,11 +213,13 @@ class TPBackend:
         workspace, outcome = None, {"error": None}
         try:
             from sgl_kernel_sm120 import IpcAllReduce
+            from sgl_kernel_sm120.cluster_check import CHILD_TIMEOUT_S
 
             host = memory == "host"
+            # A rank's allocation round may include the cluster check's child process: its peers wait that long too.
             workspace = IpcAllReduce(
                 exchange.StoreExchange(self.store, f"{self._scope()}/{step}", self.rank_in_group, self.world_size,
-                                       self.settings.agreement_timeout_s),
+                                       self.settings.agreement_timeout_s + CHILD_TIMEOUT_S),
                 self.device, max_numel, dtype, islands=None if host else kernel_islands(self.islands,
                                                                                         self.world_size),
                 link="auto" if host else (self.link or "auto"), memory=memory, timeout_s=kernel_timeout_s)

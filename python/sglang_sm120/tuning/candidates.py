@@ -17,7 +17,7 @@ was timed is what a server runs. Timed:
 from __future__ import annotations
 
 from sgl_kernel_sm120 import policy
-from sgl_kernel_sm120.policy import KernelLimits, Route, Transport, Variant, WorkspaceShape
+from sgl_kernel_sm120.policy import KernelLimits, Route, Schedule, Transport, WorkspaceShape
 
 # The CTA caps tried, as fractions of the SM budget; the plain kernels' CTA sizes tried on the whole budget: the
 # seed size times QUICK_THREAD_STEPS in a quick tune, the seed and FULL_THREAD_SIZES in a full one.
@@ -67,12 +67,12 @@ def launch_of(kind: str, nbytes: int, rows: int, ctas: int, cluster: int | None,
     return cluster or 1, policy.fused_grid(rows, ctas, cluster or 1), 0
 
 
-def launch_shapes(kind: str, variant: Variant, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
+def launch_shapes(kind: str, schedule: Schedule, transport: Transport, nbytes: int, rows: int, shape: WorkspaceShape,
                   limits: KernelLimits, quick: bool) -> list[tuple[int | None, int | None, int | None]]:
-    """(CTA cap, cluster, threads) of every distinct launch of one variant and transport timed at this size; cap and
+    """(CTA cap, cluster, threads) of every distinct launch of one schedule and transport timed at this size; cap and
     threads None (the kernels' own) where the SM budget is not known; threads for plain calls only."""
     caps = cta_caps(transport, shape, quick)
-    fused_oneshot = kind == "fused" and variant is Variant.ONESHOT
+    fused_oneshot = kind == "fused" and schedule is Schedule.ONESHOT
     clusters = [c for c in policy.ROW_SPLITS if c == 1 or c in shape.clusters] if fused_oneshot else [None]
     if not caps:
         return [(None, c, None) for c in clusters]
@@ -102,19 +102,19 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
                   or nbytes % (policy.ELEMENT_BYTES * hidden)):
         return []
     rows = nbytes // (policy.ELEMENT_BYTES * hidden) if hidden > 0 else 0
-    variants = [Variant.ONESHOT]
+    schedules = [Schedule.ONESHOT]
     if shape.world_size > 2:
-        variants.append(Variant.TWOSHOT)
+        schedules.append(Schedule.TWOSHOT)
     if shape.num_islands >= 2 and shape.memory is policy.Memory.DEVICE:
-        variants.append(Variant.ISLAND)
+        schedules.append(Schedule.ISLAND)
     transports = list(Transport) if shape.memory is policy.Memory.DEVICE else [Transport.PUSH]
     routes: list[Route] = []
-    for variant in variants:
+    for schedule in schedules:
         for transport in transports:
             windows = staged_windows(shape.world_size, quick) if transport is Transport.STAGED else [None]
-            for ctas, cluster, threads in launch_shapes(kind, variant, transport, nbytes, rows, shape, limits, quick):
+            for ctas, cluster, threads in launch_shapes(kind, schedule, transport, nbytes, rows, shape, limits, quick):
                 for window in windows:
-                    route = Route(variant, transport, shape.memory, ctas, cluster, threads, window)
+                    route = Route(schedule, transport, shape.memory, ctas, cluster, threads, window)
                     if policy.refusal(shape, route, nbytes, fused=fused, limits=limits) is None:
                         routes.append(route)
     return routes

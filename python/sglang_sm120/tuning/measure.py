@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
+from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape, resolve
 
 from ..routing.table import route_id
 from . import timing
@@ -46,7 +46,8 @@ def find_fused_add_rmsnorm() -> tuple[str, Callable]:
 
 def checked_calls(workspaces: Mapping[int, Any], route: Route, bank: CallBank):
     """`make_call` of a CandidateRun, rank r's calls on workspaces[r]: each call's arguments are checked once, when
-    the run is set up (raising on a route or tensor the workspace cannot run), and the calls launch unchecked."""
+    the run is set up (raising on a route or tensor the workspace cannot run), and the calls launch the route
+    resolved as a server resolves it (every launch field named), unchecked."""
     fused = bank.kind == "fused"
 
     def make(rank: int, x, residual, outs):
@@ -54,9 +55,10 @@ def checked_calls(workspaces: Mapping[int, Any], route: Route, bank: CallBank):
         why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
         if why:
             raise ValueError(f"{route.id} cannot run here: {why}")
+        resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
         if not fused:
-            return lambda: ws.launch(route, x, outs[0])
-        return lambda: ws.launch_fused(route, x, residual, bank.weight, bank.eps, outs[0], outs[1])
+            return lambda: ws.launch(resolved, x, outs[0])
+        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
 
     return make
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_kernel_sm120.policy import Route, Transport, Variant, WorkspaceShape, kernel_limits
+from sgl_kernel_sm120.policy import Route, Schedule, Transport, WorkspaceShape, kernel_limits
 from sglang_sm120.routing.book import SEEDS, TABLE, RouteBook
 from sglang_sm120.routing.table import NCCL, Point, RoutingTable, route_id
 
@@ -28,9 +28,9 @@ def test_the_seeds_route_every_size_to_the_seed_route_of_the_workspace():
     seeds = RouteBook.seeds(WorkspaceShape(8, "device", "pcie", num_islands=2, sm_budget=188), LIMITS)
     assert seeds.source == SEEDS
     # resolved: the CTA cap and, for a plain call, the CTA size a launch uses are named
-    assert seeds.route(2 * ROW, "bfloat16", False) == Route(Variant.ISLAND, Transport.PUSH, "device", ctas=188,
+    assert seeds.route(2 * ROW, "bfloat16", False) == Route(Schedule.ISLAND, Transport.PUSH, "device", ctas=188,
                                                             threads=64)
-    assert seeds.route(ROW, "float16", True) == Route(Variant.ONESHOT, Transport.PUSH, "device", ctas=188)
+    assert seeds.route(ROW, "float16", True) == Route(Schedule.ONESHOT, Transport.PUSH, "device", ctas=188)
     assert seeds.source_line() == ("routes: seeds, UNMEASURED on this box: every size within the bound goes to the "
                                    "sm120 kernels (--sm120-allreduce-tune off; python -m sglang_sm120.tune measures "
                                    "this box)")
@@ -39,7 +39,7 @@ def test_the_seeds_route_every_size_to_the_seed_route_of_the_workspace():
 
 def test_a_table_sends_the_sizes_nccl_won_to_nccl_and_the_others_to_the_launch_measured():
     b = book(table({"sm120/TWOSHOT/pull/device/b94": [10, 10, 30, 30]}))
-    assert b.route(ROW, "bfloat16", False) == Route(Variant.TWOSHOT, Transport.PULL, "device", ctas=94, threads=64)
+    assert b.route(ROW, "bfloat16", False) == Route(Schedule.TWOSHOT, Transport.PULL, "device", ctas=94, threads=64)
     assert b.route(3 * ROW, "bfloat16", False) is None
     assert b.route(5 * ROW, "bfloat16", False) is None  # past what was measured
     assert b.route(ROW, "float16", False) is None and b.route(ROW, "bfloat16", True) is None

@@ -158,7 +158,7 @@ def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_ea
     table, group, _ = tune("good", ("plain", "fused"))
     ours = [e for e in table.entries if e.route is not None]
     assert ours and all(e.route.ctas is not None for e in ours)
-    assert all(e.route.cluster is not None for e in ours if e.kind == "fused" and e.route.variant.name == "ONESHOT")
+    assert all(e.route.cluster is not None for e in ours if e.kind == "fused" and e.route.schedule.name == "ONESHOT")
     doc = table.to_dict()
     assert all(m["timed"] == len(m["times"]) and m["timed"] >= 2 for m in doc["measurements"])
     # what was timed is what ran: the launches were the candidates' routes, CTAs (and the fused one-shot's

@@ -57,20 +57,20 @@ def test_every_tuned_route_names_its_ctas_and_the_fused_one_shot_its_cluster_and
         for rows in (1, 4, 16, 128):
             routes = cand.candidates(kind, rows * ROW, 7168, RTX, LIMITS, quick=True)
             assert routes and all(r.ctas is not None for r in routes), (kind, rows)
-            assert all((r.cluster is not None) == (kind == "fused" and r.variant.name == "ONESHOT") for r in routes)
+            assert all((r.cluster is not None) == (kind == "fused" and r.schedule.name == "ONESHOT") for r in routes)
             assert all(parse_route(route_id(r)) == r for r in routes)
             assert all(refusal(RTX, r, rows * ROW, fused=kind == "fused", limits=LIMITS) is None for r in routes)
 
 
 def test_staged_push_is_tried_at_its_own_cap_and_on_the_whole_budget_each_in_a_window_of_one_and_of_every_pass():
     routes = cand.candidates("plain", 128 * ROW, 7168, RTX, LIMITS, quick=True)
-    one = [r for r in routes if r.variant.name == "ONESHOT"]
+    one = [r for r in routes if r.schedule.name == "ONESHOT"]
     assert sorted((r.ctas, r.window) for r in one if r.transport.value == "staged") == [
         (8, 1), (8, 7), (188, 1), (188, 7)]
     assert sorted(r.ctas for r in one if r.transport.value == "push") == [94, 188]
     assert all(r.window is None for r in one if r.transport.value != "staged")
     full = [r for r in cand.candidates("plain", 128 * ROW, 7168, RTX, LIMITS, quick=False)
-            if r.variant.name == "ONESHOT"]
+            if r.schedule.name == "ONESHOT"]
     assert sorted({r.ctas for r in full if r.transport.value == "staged"}) == [8, 16, 32, 94, 188]
     assert sorted({r.window for r in full if r.transport.value == "staged"}) == [1, 2, 7]
     assert sorted((r.ctas, r.threads) for r in full if r.transport.value == "push") == [
@@ -79,7 +79,7 @@ def test_staged_push_is_tried_at_its_own_cap_and_on_the_whole_budget_each_in_a_w
 
 def test_caps_that_launch_the_same_grid_are_timed_once_keeping_the_largest():
     # one row of 7168 bf16 is 896 packs: 4 CTAs of 256 threads whatever the cap above that
-    routes = [r for r in cand.candidates("plain", ROW, 7168, RTX, LIMITS, quick=True) if r.variant.name == "ONESHOT"]
+    routes = [r for r in cand.candidates("plain", ROW, 7168, RTX, LIMITS, quick=True) if r.schedule.name == "ONESHOT"]
     assert sorted(r.ctas for r in routes if r.transport.value == "staged") == [188, 188]  # windows 1 and 7
     assert plain_grid(ROW, 188, 256, LIMITS) == 4 and plain_grid(128 * ROW, 94, 512, LIMITS) == 94
     # push at 64 threads: 14 CTAs, which the cap of 94 launches as well; the budget's route stays
@@ -90,7 +90,7 @@ def test_caps_that_launch_the_same_grid_are_timed_once_keeping_the_largest():
 def test_the_plain_kernels_cta_size_is_tuned_on_the_whole_budget():
     for rows, seed in ((1, 64), (16, 128), (128, 512)):
         routes = cand.candidates("plain", rows * ROW, 7168, RTX, LIMITS, quick=True)
-        one = [r for r in routes if r.variant.name == "ONESHOT"]
+        one = [r for r in routes if r.schedule.name == "ONESHOT"]
         assert all(r.threads is not None for r in routes)  # every plain route names its CTA size
         quick = sorted({r.threads for r in one if r.transport.value == "pull" and r.ctas == 188})
         assert quick == [t for t in (seed, 2 * seed, 4 * seed) if t <= LIMITS.plain_max_threads], (rows, quick)
@@ -108,14 +108,14 @@ def test_the_fused_one_shot_times_every_agreed_cluster_whose_rows_all_fit_at_onc
     def shapes(rows):
         routes = cand.candidates("fused", rows * ROW, 7168, RTX, LIMITS, quick=True)
         return sorted((r.cluster, r.ctas) for r in routes
-                      if r.variant.name == "ONESHOT" and r.transport.value == "push")
+                      if r.schedule.name == "ONESHOT" and r.transport.value == "push")
 
     assert shapes(1) == [(1, 188), (2, 188), (4, 188), (8, 188)]
     assert shapes(16) == [(1, 188), (2, 188), (4, 188), (8, 188)]  # 8 x 16 rows do not fit 94 CTAs
     assert shapes(32) == [(1, 188), (2, 188), (4, 188)]
     assert shapes(128) == [(1, 94), (1, 188)]
     routes = cand.candidates("fused", ROW, 7168, shape(8, sm_budget=188), LIMITS, quick=True)
-    assert {r.cluster for r in routes if r.variant.name == "ONESHOT"} == {1}
+    assert {r.cluster for r in routes if r.schedule.name == "ONESHOT"} == {1}
 
 
 def test_without_a_known_budget_no_cta_count_is_tuned():

@@ -1,0 +1,76 @@
+"""How the ranks of one workspace agree: every collective step of its construction and of its close goes through
+one exchange, an object with `rank`, `world_size`, `all_gather(obj) -> list` (every rank's obj, in rank order) and
+`barrier(timeout_s)`. `IpcAllReduce` takes such an object, or a torch.distributed CPU (gloo) group, which it wraps in
+`GlooExchange`. Payloads are JSON values (bytes travel as hex), so an exchange over a key-value store carries them as
+well as gloo does; `GlooExchange` sends them as JSON too, so both hand back the same values (lists, never tuples).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .errors import IpcAllReduceError, IpcAllReduceHostMemoryError
+
+HOST_MEMORY_ERROR = "host memory:"  # how a failure of the host-memory workspace's size begins
+
+
+class Exchange(Protocol):
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any) -> list: ...
+
+    def barrier(self, timeout_s: float) -> None: ...
+
+
+class GlooExchange:
+    """An exchange over a torch.distributed CPU group (gloo), within the group's own timeout."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+
+    def all_gather(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, json.dumps(obj), group=self.group)
+        return [json.loads(text) for text in gathered]
+
+    def barrier(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def exchange_of(group_or_exchange) -> Exchange:
+    """An exchange as it is; a process group wrapped in GlooExchange (a ProcessGroup's rank is a method, not an int)."""
+    if isinstance(getattr(group_or_exchange, "rank", None), int):
+        return group_or_exchange
+    return GlooExchange(group_or_exchange)
+
+
+def attempt(step: Callable[[], Any]) -> tuple[str | None, Any]:
+    """(None, what `step` returned), or (its error as text, None): a rank's outcome of a collective step."""
+    try:
+        return None, step()
+    except Exception as exc:  # every rank must learn of it: see agree()
+        return f"{type(exc).__name__}: {exc}", None
+
+
+def agree(exchange: Exchange, step: str, error: str | None, payload: Any = None) -> list:
+    """One round: every rank's (error, payload) gathered. If any rank failed, every rank raises the same error
+    naming each failed rank, so no rank waits in a later round for a peer that gave up; else every rank's payload,
+    in rank order."""
+    outcomes = exchange.all_gather([error, payload])
+    failed = {rank: err for rank, (err, _) in enumerate(outcomes) if err}
+    if failed:
+        detail = "; ".join(f"rank {rank}: {err}" for rank, err in sorted(failed.items()))
+        host_memory = any(HOST_MEMORY_ERROR in err for err in failed.values())  # the overlay names the folder
+        raise (IpcAllReduceHostMemoryError if host_memory else IpcAllReduceError)(f"IpcAllReduce {step} failed "
+                                                                                  f"({detail})")
+    return [payload for _, payload in outcomes]
