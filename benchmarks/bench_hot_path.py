@@ -10,9 +10,11 @@ graph replays run none. Timed here, per call, median of repeats:
   `_forward_with_allreduce_fusion` at the norm (which asks the gate again and runs the fused launch).
 The workspace is the real `IpcAllReduce` object, built without a GPU (its fields set as a construction on a
 PCIe box of 8 ranks would) and with the compiled ops replaced by Python no-ops, so what is timed is the
-overlay's and the kernel package's Python, not a kernel: the checks, the route lookup, the output allocation. The tensors are CPU tensors: the workspace's device is
-set to the CPU so that its device check passes. SGLang's group lookup is served by a stand-in `get_parallel`.
-The result is merged into --out under --label, with the commit and the machine.
+overlay's and the kernel package's Python, not a kernel: the checks, the route lookup, the output allocation.
+The tensors are CPU tensors: the workspace's device is set to the CPU so that its device check passes. SGLang's
+group lookup is served by a stand-in `get_parallel`. The result is merged into --out under --label, with the
+commit and the machine. Both labels of one file are to be measured back to back on one machine (a "before" from
+a worktree of the earlier commit, with its own kernel library), since a shared CPU's noise exceeds the effect.
 """
 
 from __future__ import annotations
