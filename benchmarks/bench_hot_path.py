@@ -143,6 +143,10 @@ def main(argv=None) -> int:
         with open(args.out, encoding="utf-8") as handle:
             doc = json.load(handle)
     doc["runs"][args.label] = run
+    if {"before", "after"} <= set(doc["runs"]):  # the target: at least 2x lower
+        before, after = doc["runs"]["before"], doc["runs"]["after"]
+        doc["before_over_after"] = {op: round(before[op]["median_us"] / after[op]["median_us"], 2)
+                                    for op in ("plain", "fused_boundary")}
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(doc, handle, indent=1)
         handle.write("\n")
