@@ -1,6 +1,7 @@
 """The Python cost of one eager call through the overlay's hooks, on CPU with stand-in ops.
 
-    python -m benchmarks.bench_hot_path --label after [--out benchmarks/results/hot_path_overhead_cpu.json]
+    git worktree add $BEFORE afd8468      # the commit before the hot-path rework; build its kernel library
+    python -m benchmarks.bench_hot_path --before $BEFORE --before-library $BEFORE_SO [--rounds 5]
 
 Eager calls (prefill, or CUDA graphs off) run the overlay's Python on every all-reduce and every layer boundary;
 graph replays run none. Timed here, per call, median of repeats:
@@ -12,9 +13,9 @@ The workspace is the real `IpcAllReduce` object, built without a GPU (its fields
 PCIe box of 8 ranks would) and with the compiled ops replaced by Python no-ops, so what is timed is the
 overlay's and the kernel package's Python, not a kernel: the checks, the route lookup, the output allocation.
 The tensors are CPU tensors: the workspace's device is set to the CPU so that its device check passes. SGLang's
-group lookup is served by a stand-in `get_parallel`. The result is merged into --out under --label, with the
-commit and the machine. Both labels of one file are to be measured back to back on one machine (a "before" from
-a worktree of the earlier commit, with its own kernel library), since a shared CPU's noise exceeds the effect.
+group lookup is served by a stand-in `get_parallel`. With --before, both are measured in fresh processes in
+alternating rounds on one machine, since a shared CPU's slow spells exceed the effect; the JSON keeps every round
+and the median over rounds of before / after. Without it, this checkout alone under --label.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -123,36 +125,79 @@ def commit() -> str:
         return "unknown"
 
 
+def measure_here(calls: int, repeats: int) -> dict:
+    torch.set_num_threads(1)
+    plain, boundary = build()
+    return {"commit": commit(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "shape": [ROWS, HIDDEN], "world": WORLD,
+            "plain": per_call_us(plain, calls, repeats), "fused_boundary": per_call_us(boundary, calls, repeats)}
+
+
+def measure_in(checkout: str, library: str, label: str, calls: int, repeats: int) -> dict:
+    """One run of `checkout`'s own benchmark, in a fresh process on its own kernel library."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        env = dict(os.environ, SGL_SM120_EXT_LIBRARY=library, SGLANG_SM120_EXT_LIBRARY=library,
+                   PYTHONPATH=os.pathsep.join([os.path.join(checkout, "python"), checkout]))
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_hot_path", "--label", label, "--out", out,
+                        "--calls", str(calls), "--repeats", str(repeats)], cwd=checkout, env=env, check=True,
+                       capture_output=True)
+        with open(out, encoding="utf-8") as handle:
+            return json.load(handle)["runs"][label]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--label", required=True, help="the run's name in the JSON (e.g. before, after)")
+    parser.add_argument("--label", default="after", help="this checkout's name in the JSON")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" /
                                               "hot_path_overhead_cpu.json"))
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed sample")
     parser.add_argument("--repeats", type=int, default=9, help="timed samples; the median is reported")
+    parser.add_argument("--before", metavar="CHECKOUT", help="a worktree of the earlier commit: measured in "
+                        "rounds alternating with this checkout, each in a fresh process")
+    parser.add_argument("--before-library", metavar="SO", help="the kernel library built from --before's sources")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds with --before")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    plain, boundary = build()
-    run = {"commit": commit(), "python": platform.python_version(), "torch": torch.__version__,
-           "cpu": platform.processor() or platform.machine(), "shape": [ROWS, HIDDEN], "world": WORLD,
-           "plain": per_call_us(plain, args.calls, args.repeats),
-           "fused_boundary": per_call_us(boundary, args.calls, args.repeats)}
+    if not args.before:
+        run = measure_here(args.calls, args.repeats)
+        doc = {"runs": {}}
+        if os.path.exists(args.out):
+            with open(args.out, encoding="utf-8") as handle:
+                doc = json.load(handle)
+        doc["runs"][args.label] = run
+        _write(args.out, doc)
+        print(f"{args.label} ({run['commit']}): plain {run['plain']['median_us']} us, fused boundary "
+              f"{run['fused_boundary']['median_us']} us per call")
+        return 0
+    if not args.before_library:
+        parser.error("--before needs --before-library")
+    here = str(Path(__file__).resolve().parents[1])
+    library = os.environ.get("SGLANG_SM120_EXT_LIBRARY") or os.environ.get("SGL_SM120_EXT_LIBRARY") or ""
+    rounds = []
+    for _ in range(args.rounds):  # alternating: a shared CPU's slow spells land on both sides alike
+        before = measure_in(args.before, args.before_library, "before", args.calls, args.repeats)
+        after = measure_in(here, library, "after", args.calls, args.repeats)
+        rounds.append({"before": before, "after": after, "before_over_after": {
+            op: round(before[op]["median_us"] / after[op]["median_us"], 2) for op in OPS}})
+        print(f"before {before['commit']} / after {after['commit']}: " + ", ".join(
+            f"{op} {before[op]['median_us']} / {after[op]['median_us']} us" for op in OPS), flush=True)
     doc = {"benchmark": "hot_path_overhead", "what": "Python cost per eager call (us), stand-in ops, CPU",
-           "runs": {}}
-    if os.path.exists(args.out):
-        with open(args.out, encoding="utf-8") as handle:
-            doc = json.load(handle)
-    doc["runs"][args.label] = run
-    if {"before", "after"} <= set(doc["runs"]):  # the target: at least 2x lower
-        before, after = doc["runs"]["before"], doc["runs"]["after"]
-        doc["before_over_after"] = {op: round(before[op]["median_us"] / after[op]["median_us"], 2)
-                                    for op in ("plain", "fused_boundary")}
-    with open(args.out, "w", encoding="utf-8") as handle:
+           "statistic": "per round: the median over samples; the verdict: the median over rounds of before / after",
+           "target": "before / after >= 2 for both", "rounds": rounds,
+           "before_over_after": {op: statistics.median(r["before_over_after"][op] for r in rounds) for op in OPS}}
+    doc["met"] = all(v >= 2.0 for v in doc["before_over_after"].values())
+    _write(args.out, doc)
+    print(f"before / after (median of {len(rounds)} rounds): {doc['before_over_after']}; target met: {doc['met']}")
+    return 0
+
+
+OPS = ("plain", "fused_boundary")
+
+
+def _write(path: str, doc: dict) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
         json.dump(doc, handle, indent=1)
         handle.write("\n")
-    print(f"{args.label} ({run['commit']}): plain {run['plain']['median_us']} us, fused boundary "
-          f"{run['fused_boundary']['median_us']} us per call")
-    return 0
 
 
 if __name__ == "__main__":
