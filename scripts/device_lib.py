@@ -1,6 +1,5 @@
-"""The kernel library built on the dev machine for the device machine's image, carried to a device call instead
-of compiled there: the in-place build took 75-124 s of every cold start's device time on 1x H200 (2026-12), and a
-session has 30 minutes of it.
+"""The kernel library built ahead on a machine without a GPU for a GPU machine's image, carried to it instead of
+compiled there (the in-place build takes one to two minutes of GPU-machine time on every fresh start).
 
   python3 scripts/device_lib.py build      (dev machine) a venv of the image's Python with the image's torch, and
                                            the kernels built in it for sm_90a into .device-lib/; carry ".device-lib"
@@ -9,7 +8,7 @@ session has 30 minutes of it.
                                            torch and the archs asked for, and loads; else exit 1 saying why, and
                                            the stage compiles as before
 
-The image's Python and torch are the device tool's (KINDS.md: Python 3.12, torch 2.11.0+cu130). torch only imports
+The image's Python and torch: DEVICE_PYTHON and DEVICE_TORCH below. torch only imports
 with its CUDA libraries present; the nvidia-* wheels hold no Python code, so the build venv borrows those of a
 stack venv whose torch is the same release (`STACKS=sglang-0.5.13.post1 make venv` makes one) instead of
 downloading them again.

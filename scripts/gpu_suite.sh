@@ -159,7 +159,7 @@ for stage in $stages; do
              step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
            fi
            # NEGATIVE_BUILDS=0 skips them: they compete for the CPUs with what runs next (the server stage's
-           # JIT and Triton compiles took 30% longer beside them on 1x H200, 2026-12-02)
+           # JIT and Triton compiles took 30% longer beside them on an H200)
            if [ "${NEGATIVE_BUILDS:-1}" != 0 ]; then
              $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" > "$WORK/logs/negative-builds.log" 2>&1 &
              echo ">>> negative-control builds started in the background (pid $!)" | tee -a "$OUT/summary.log"

@@ -35,7 +35,7 @@
 # The first use there JIT-builds the module (CUDA_HOME=/usr/local/cuda) into ~/.cache/flashinfer
 # (FLASHINFER_WORKSPACE_BASE moves it). tvm-ffi: .whl's SGLang 0.5.13.post1 pins 0.1.9, FlashInfer 0.7.2 asks >= 0.1.11;
 # one process loads one, the first on PYTHONPATH (gpu_suite.sh puts .fi's first, for the bench stage only).
-# Seen 2026-12-01 on the one-H200 machine (Python 3.12.3, torch 2.11.0+cu130): .fi's wheel installed, the import came
+# Seen on an H200 machine (Python 3.12.3, torch 2.11.0+cu130): .fi's wheel installed, the import came
 # from .fi/site, and get_pcie_ipc_comm_module() JIT-built and loaded the module in 11 s. Not yet run there: the
 # collective itself (it needs 2, 4 or 8 GPUs).
 set -euo pipefail
@@ -46,7 +46,7 @@ FLASHINFER_VERSION=0.7.2
 DEPS_FOR_GPU=("apache-tvm-ffi==0.1.11")  # flashinfer_python 0.7.2 asks apache-tvm-ffi>=0.1.11,<0.2
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 CHECK_ARCHS=${CHECK_ARCHS:-9.0a 12.0f}  # what check 3 builds for: the H200s, and SM120 (CUDA >= 12.9 spells it 12.0f)
-# Python distributions on the device machines' image ('cuda'), from the workplace's KINDS.md as read 2026-11-17.
+# Python distributions on the GPU machines' image ('cuda').
 # Only these of this interpreter's packages are visible to the check, so that it sees what the GPU machine sees.
 GPU_IMAGE_PACKAGES="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core

@@ -21,7 +21,7 @@ class SglangCarV2(Impl):
 
     name = "sglang_car_v2"
     accepts_out = False  # returns a fresh tensor (graph-pool allocated inside a capture)
-    # Its one-shot push may leave the sum in the input (seen on 2x H200, 2026-11-29: "input was modified").
+    # Its one-shot push may leave the sum in the input (seen on 2x H200: "input was modified").
     # SGLang never reads the input again, so treat it like NCCL: checked on a copy, timed on zeros.
     inplace = True
 
