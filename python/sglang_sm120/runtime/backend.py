@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sgl_kernel_sm120.cluster_check import CHILD_TIMEOUT_S
 from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
 from sgl_kernel_sm120.policy import DTYPES, ELEMENT_BYTES, describe_schedule
 
@@ -213,7 +214,6 @@ class TPBackend:
         workspace, outcome = None, {"error": None}
         try:
             from sgl_kernel_sm120 import IpcAllReduce
-            from sgl_kernel_sm120.cluster_check import CHILD_TIMEOUT_S
 
             host = memory == "host"
             # A rank's allocation round may include the cluster check's child process: its peers wait that long too.
