@@ -18,7 +18,8 @@ by every process that applies it, on stderr, as `[sm120 server-test patch] ...`:
 
 - every scheduler on device 0: SGLang asserts `gpu_id_step >= 1`, so rank r asks for device r, which one GPU
   does not have (`CUDA_VISIBLE_DEVICES=0,0` leaves torch with no device at all). The Scheduler is built with
-  gpu_id 0; nothing else changes.
+  gpu_id 0 (0.5.13.post1), or the launcher launches every scheduler process with GPU 0 (0.5.23); nothing else
+  changes.
 - SGLang's groups on gloo: NCCL refuses two ranks on one GPU. `model_runner.get_default_distributed_backend`
   answers "gloo", and `init_model_parallel_group` gets `use_pynccl=False` and no custom, mscclpp or
   symmetric-memory all-reduce (the same patch as tests/gpu/sglang_harness.py's shared mode).
@@ -141,6 +142,11 @@ def _tune_on_the_shared_gpu() -> None:
 
 
 def _every_scheduler_on_device_0() -> None:
+    from sglang.srt.entrypoints import engine
+
+    if hasattr(engine, "maybe_reindex_device_id"):  # 0.5.23: the launcher hands each scheduler process its GPU
+        _every_scheduler_process_on_device_0(engine)
+        return
     from sglang.srt.managers import scheduler as scheduler_module
 
     original = scheduler_module.Scheduler
@@ -160,6 +166,28 @@ def _every_scheduler_on_device_0() -> None:
     Scheduler.__module__ = original.__module__
     scheduler_module.Scheduler = Scheduler
     say("managers.scheduler.Scheduler: gpu_id 0 for every rank")
+
+
+def _every_scheduler_process_on_device_0(engine) -> None:
+    """0.5.23 computes each scheduler's GPU in the launcher and publishes it to the process's runtime context
+    (`get_device().gpu_id`); the Scheduler takes none. The launcher passes every GPU id through
+    `maybe_reindex_device_id`, looked up in the engine module at each launch: it answers 0."""
+    import contextlib
+
+    original = engine.maybe_reindex_device_id
+    if getattr(original, "_sm120_server_test", False):
+        return
+
+    @contextlib.contextmanager
+    def maybe_reindex_device_id(gpu_id):
+        if gpu_id != 0:
+            say(f"scheduler process asked for GPU {gpu_id}: launched on GPU 0 (ranks share one GPU)")
+        with original(0) as reindexed:
+            yield reindexed
+
+    maybe_reindex_device_id._sm120_server_test = True
+    engine.maybe_reindex_device_id = maybe_reindex_device_id
+    say("entrypoints.engine.maybe_reindex_device_id: GPU 0 for every scheduler process")
 
 
 def _groups_on_gloo() -> None:
