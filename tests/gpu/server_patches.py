@@ -9,6 +9,7 @@ unpickle their entry function, before any plugin runs:
   on a machine without FlashInfer (the same as no FlashInfer at all, less the import errors).
   `flashinfer.norm` stays not found, so sglang-kernel's rmsnorm, which prefers FlashInfer's when it imports,
   runs its own kernel.
+- 0.5.23's DualGemm asks the CuTe DSL (not carried either) whether its SM100 kernel applies: without it, no.
 
 The rest is loaded as an SGLang general plugin (`sglang.srt.plugins` entry point `sm120_server_test`, registered only by
 the dist-info that tests/gpu/test_sglang_server.py writes into the server's PYTHONPATH), so SGLang itself runs
@@ -70,11 +71,30 @@ def startup() -> None:
     # every norm to it; SGLang itself imports it nowhere. Everything else SGLang imports at module import.
     sys.meta_path.insert(0, StandInFinder(("flashinfer",), not_found=("flashinfer.norm",)))
     sys.meta_path.insert(0, _AfterImport("sglang.srt.utils.common", _no_flashinfer))
+    sys.meta_path.insert(0, _AfterImport("sglang.srt.layers.dual_gemm", _no_cute_dsl_dual_gemm))
 
 
 def _no_flashinfer(module) -> None:
     module.is_flashinfer_available = lambda: False
     say("utils.common.is_flashinfer_available: False (FlashInfer is a stand-in here)")
+
+
+def _no_cute_dsl_dual_gemm(module) -> None:
+    """0.5.23's DualGemm (the draft's Llama MLP) imports the CuTe DSL (nvidia-cutlass-dsl, not carried) only to ask
+    whether its SM100 kernel applies, which on this GPU it never does: without the DSL the layer gets no dual GEMM,
+    the answer the DSL would give here."""
+    original = module.DualGemm._select_mode
+
+    def _select_mode(self, gate_up_proj, hidden_size):
+        try:
+            return original(self, gate_up_proj, hidden_size)
+        except ModuleNotFoundError as exc:
+            if exc.name != "cutlass":
+                raise
+            return None
+
+    module.DualGemm._select_mode = _select_mode
+    say("layers.dual_gemm.DualGemm: no dual GEMM without the CuTe DSL (an SM100 kernel)")
 
 
 class _AfterImport:
