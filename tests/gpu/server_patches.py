@@ -216,6 +216,13 @@ def _groups_on_gloo() -> None:
 
     model_runner.get_default_distributed_backend = lambda device: "gloo"
     say("model_runner.get_default_distributed_backend: gloo (NCCL refuses two ranks on one GPU)")
+    try:  # 0.5.23 chooses it in distributed/bootstrap.py
+        from sglang.srt.distributed import bootstrap
+    except ImportError:
+        bootstrap = None
+    if bootstrap is not None and hasattr(bootstrap, "get_default_distributed_backend"):
+        bootstrap.get_default_distributed_backend = lambda device: "gloo"
+        say("distributed.bootstrap.get_default_distributed_backend: gloo")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if repo not in sys.path:
         sys.path.insert(0, repo)

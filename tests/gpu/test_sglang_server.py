@@ -143,9 +143,19 @@ def launch_args(release: str, model: dict, *, port: int, nccl_port: int, mode: s
             "--random-seed", "0", "--log-level", "info", "--grammar-backend", "none",
             "--speculative-draft-model-path", model["draft"], *EAGLE, "--sm120-allreduce", mode, *TUNE_ARGS]
     old = release == "0.5.13.post1"
+    if not old:
+        # 0.5.23 warms a Kimi-K2.5 server up with an image chat request, which the random checkpoint (no chat
+        # template, no vision tower weights of use) cannot answer; the test's own requests follow.
+        args += ["--skip-server-warmup"]
     if not graphs:  # the graph run's batch bound, so both "on" runs serve the same sizes with the same table
         return args + ["--disable-cuda-graph", "--cuda-graph-max-bs" if old else "--cuda-graph-max-bs-decode",
                        GRAPH_BS[-1]]
+    if not old:
+        # 0.5.23 also captures prefill graphs (breakable: cut at attention), by default up to 8192 tokens. Within
+        # the bound (16 tokens here) every all-reduce in them is ours; past it SGLang's, which is gloo on this
+        # shared GPU and cannot be captured. So the prefill graphs stop at the bound, and ours run inside them.
+        args += ["--cuda-graph-max-bs-prefill", str(int(GRAPH_BS[-1]) * int(EAGLE[EAGLE.index(
+            "--speculative-num-draft-tokens") + 1]))]
     return args + ["--cuda-graph-bs" if old else "--cuda-graph-bs-decode", *GRAPH_BS]
 
 
