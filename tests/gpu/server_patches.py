@@ -28,10 +28,10 @@ by every process that applies it, on stderr, as `[sm120 server-test patch] ...`:
   refuses two ranks on one GPU.
 - the all-gather inside a captured CUDA graph (the logits of the target and of the draft): gloo stages
   through the host and cannot be captured, so while a stream captures, `GroupCoordinator._all_gather_into_tensor`
-  writes this rank's slice into a zeroed buffer of the full size and all-reduces it through the group's own
-  `all_reduce`, which the sm120 backend serves (x + 0 is exact, so the gathered bits are the slices' bits;
-  a -0.0 becomes +0.0). Outside capture it is gloo's `all_gather` into the output's slices. With the backend
-  off a captured gather cannot run, so the "off" server runs eagerly.
+  writes this rank's slice into a zeroed buffer of the full size and all-reduces it, in pieces within the
+  backend's bound, through the group's own `all_reduce`, which the sm120 backend serves (x + 0 is exact, so the
+  gathered bits are the slices' bits; a -0.0 becomes +0.0). Outside capture it is gloo's `all_gather` into
+  the output's slices. With the backend off a captured gather cannot run, so the "off" server runs eagerly.
 
 One record, not a patch: every `ModelRunner.forward` (target and draft, both releases) logs one line
 `[sm120 server-test forward] {json}` on TP rank 0: draft or target, forward mode, tokens, whether a CUDA graph
@@ -237,6 +237,8 @@ def _captured_all_gather_as_all_reduce() -> None:
     import torch.distributed as dist
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
+    from sglang_sm120.runtime.registry import group_backend
+
     original = GroupCoordinator._all_gather_into_tensor
     if getattr(original, "_sm120_server_test", False):
         return
@@ -250,7 +252,17 @@ def _captured_all_gather_as_all_reduce() -> None:
             padded = torch.zeros_like(output)
             n = input.shape[0]
             padded[self.rank_in_group * n:(self.rank_in_group + 1) * n].copy_(input)
-            output.copy_(self.all_reduce(padded))
+            # In pieces the backend takes: the logits over a 32,768-word vocabulary are past the byte bound, and
+            # a piece that went to SGLang's own path (gloo here) would end the capture.
+            backend = group_backend(self)
+            flat, gathered = padded.view(-1), output.view(-1)
+            step = flat.numel() if backend is None else max(8, backend.max_bytes // flat.element_size() // 8 * 8)
+            for start in range(0, flat.numel(), step):
+                piece = flat[start:start + step]
+                if backend is None or backend.route_for(piece) is None:
+                    raise RuntimeError(f"{self.unique_name}: a captured all-gather piece {tuple(piece.shape)} "
+                                       f"{piece.dtype} is not the sm120 backend's, and gloo cannot be captured")
+                gathered[start:start + step].copy_(self.all_reduce(piece))
             served["captured"] += 1
             if served["captured"] == 1:
                 say(f"{self.unique_name}: captured all-gather {tuple(input.shape)} -> zero-padded all_reduce")

@@ -327,13 +327,16 @@ def device_calls(server: Server) -> int:
 def generate(server: Server, prompt: str) -> dict:
     seen = len(server.forwards())
     out = server.post("/generate", {
-        "text": prompt, "return_logprob": True, "logprob_start_len": 0,
+        "text": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
         "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
     meta = out["meta_info"]
+    top = (meta.get("output_top_logprobs") or [None])[0] or []
     return {"text": out["text"],
             "output_ids": [t[1] for t in meta["output_token_logprobs"]],
             "input_logprobs": [t[0] for t in meta["input_token_logprobs"]],
             "output_logprobs": [t[0] for t in meta["output_token_logprobs"]],
+            # how far the first token's logprob leads the runner-up's: an argmax closer than rounding can move
+            "first_lead": top[0][0] - top[1][0] if len(top) >= 2 else None,
             "spec_verify_ct": meta.get("spec_verify_ct"), "spec_accepted_drafts": meta.get("spec_accepted_drafts"),
             "completion_tokens": meta.get("completion_tokens"),
             # the forwards it ran (requests go one at a time; the log has them before the answer is sent)
@@ -522,14 +525,19 @@ def _judge_on_against_off(off: dict, eager: dict, check) -> None:
           f"{LOGPROB_OUTLIER_SHARE:.0%} of positions beyond {LOGPROB_OUTLIER_NATS} nats",
           median <= LOGPROB_MEDIAN_TOL and outliers <= LOGPROB_OUTLIER_SHARE * len(diffs),
           {"positions": len(diffs), "median": median, "max": diffs[-1], "beyond": outliers})
-    # Greedy decoding follows an argmax: past the first token a near tie may go either way on rounding and
-    # the texts part (README says so too); the first token of each prompt must agree, and how long each
-    # pair agrees is recorded.
+    # Greedy decoding follows an argmax: a near tie may go either way on rounding and the texts part (README
+    # says so too). Over a 32,768-word vocabulary a random checkpoint's first token often leads the runner-up by
+    # hundredths of a nat, which the one-rounding difference moves (an H200 run on 0.5.23: 2 of 4 first tokens
+    # differed with every teacher-forced logprob within 0.08 nats). So the first token must agree wherever "off"
+    # leads by more than LOGPROB_OUTLIER_NATS; how long each pair agrees and each lead are recorded.
     pairs = list(zip(off["requests"], eager["requests"], strict=True))
     agree = [next((i for i, (a, b) in enumerate(zip(r_off["output_ids"], r_on["output_ids"], strict=True))
                    if a != b), len(r_off["output_ids"])) for r_off, r_on in pairs]
-    check("on against off: the first greedy token of every prompt equal", all(n >= 1 for n in agree),
-          {"tokens_agreeing_per_prompt": agree, "of": NEW_TOKENS})
+    leads = [r_off.get("first_lead") for r_off, _ in pairs]
+    clear = [n >= 1 for n, lead in zip(agree, leads, strict=True) if lead is None or lead > LOGPROB_OUTLIER_NATS]
+    check(f"on against off: the first greedy token equal wherever off's leads by more than {LOGPROB_OUTLIER_NATS} "
+          "nats", all(clear) and bool(clear),
+          {"tokens_agreeing_per_prompt": agree, "of": NEW_TOKENS, "first_token_leads": leads})
     # Verify forward k of a request takes output token k as its first row when no draft was accepted: its
     # captures are comparable while tokens 0..k agree.
     errors, missing = [], 0
