@@ -70,7 +70,11 @@ def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | N
             logger.info("sglang_sm120: no tune at launch: mode auto and the GPUs are not all capability 12.0 "
                         "(%s)", capabilities or "unknown")
             return None
-    hidden = config.hidden_from_model(server_args.model_path)
+    try:
+        hidden = config.hidden_from_model(server_args.model_path)
+    except SystemExit as exc:  # the tool's one-line error; here the launch must go on
+        logger.warning("sglang_sm120: no tune at launch: %s", str(exc).removeprefix("error: "))
+        return None
     draft = int(resolved(server_args, "speculative_num_draft_tokens") or 1) \
         if resolved(server_args, "speculative_algorithm") else 1
     batches = resolved(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []

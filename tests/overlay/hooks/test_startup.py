@@ -75,6 +75,15 @@ def test_the_launch_goes_on_after_the_tune_failed_or_raised(model, monkeypatch, 
     assert "the tune at launch could not run" in caplog.text
 
 
+def test_a_model_whose_hidden_size_cannot_be_read_skips_the_tune_and_the_launch_goes_on(tmp_path, monkeypatch,
+                                                                                        caplog):
+    monkeypatch.setattr(startup, "_capabilities", lambda gpus: [(12, 0)] * len(gpus))
+    (tmp_path / "config.json").write_text("{}")
+    wrapped = startup.wrap_set_envs_and_config(lambda sa: "done")
+    assert wrapped(server_args(str(tmp_path))) == "done"
+    assert "no tune at launch" in caplog.text and "names no hidden_size" in caplog.text
+
+
 def test_the_tune_runs_after_sglangs_own_environment_is_set(model, monkeypatch):
     order = []
     monkeypatch.setattr(startup, "tune_before_ranks", lambda sa: order.append("tune"))
