@@ -97,7 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", default=None,
                    help="flat sizes, e.g. 1K,64K,4M, or none (default 1K..64M powers of two; --no-p2p: 1K..16M)")
     p.add_argument("--rows", default=None, help="rows of the [rows, hidden] shapes (default 1,2,3,4,8,...,256)")
-    p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--hidden", type=int, default=HIDDEN,
+                   help=f"hidden size of the [rows, hidden] shapes (default {HIDDEN})")
     p.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     p.add_argument("--impls", default=None,
                    help=f"comma list of implementations (default {','.join(_all_impls())}; with --no-p2p "
@@ -109,20 +110,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed replays (default 50, quick 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed replays first (default 5, quick 3)")
     p.add_argument("--calls", type=int, default=20, help="calls per graph at <= 1 MB (fewer above)")
-    p.add_argument("--out", default=str(io.RESULTS_DIR))
+    p.add_argument("--out", default=str(io.RESULTS_DIR), help="results folder (default benchmarks/results)")
     p.add_argument("--time-limit", type=float, default=float(os.environ.get("BENCH_TIME_LIMIT_S", "480")),
                    help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
                         "(default 480, env BENCH_TIME_LIMIT_S)")
     p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"],
                    help="preferred add+RMSNorm kernel after plain all-reduces (default: first that works; "
                         "--no-p2p: triton)")
-    p.add_argument("--ours-link", default="auto")
-    p.add_argument("--ours-timeout-s", type=float, default=None)
+    p.add_argument("--ours-link", default="auto", help="our workspace's link hint: auto | nvlink | pcie")
+    p.add_argument("--ours-timeout-s", type=float, default=None, help="our kernels' wait bound (default: theirs)")
     p.add_argument("--ours-islands", default="auto",
                    help="auto (probe; 8 ranks only) | none | halves | '0,1,2,3/4,5,6,7'")
     p.add_argument("--ours-max-bytes", type=str, default=None, help="IpcAllReduce workspace bound (default: largest)")
-    p.add_argument("--flashinfer-max-bytes", type=str, default="8M")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--flashinfer-max-bytes", type=str, default="8M", help="FlashInfer PCIe-IPC workspace bound")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
     a = p.parse_args(argv)
     if a.sizes and a.sizes.strip().lower() == "none":
         a.sizes = []

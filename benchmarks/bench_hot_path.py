@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", default="after", help="this checkout's name in the JSON")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" /
-                                              "hot_path_overhead_cpu.json"))
+                                              "hot_path_overhead_cpu.json"), help="the JSON to write")
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed sample")
     parser.add_argument("--repeats", type=int, default=9, help="timed samples; the median is reported")
     parser.add_argument("--before", metavar="CHECKOUT", help="a worktree of the earlier commit: measured in "

@@ -316,7 +316,7 @@ def run(args) -> dict:
 
 
 def _options(parser) -> None:
-    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="group sizes to run")
 
 
 def main(argv=None) -> int:

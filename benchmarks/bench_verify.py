@@ -100,9 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compute", default="none", help="none | gemm | none,gemm")
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="T = batch x draft tokens")
     p.add_argument("--no-eagle3-capture", action="store_true", help="ignore the config's EAGLE-3 capture layers")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iters", type=int, default=20, help="timed replays of each forward's graph")
+    p.add_argument("--warmup", type=int, default=3, help="untimed replays first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights")
     p.add_argument("--via-sglang", action="store_true", help="also drive the pattern through SGLang (overlay off/on)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="correctness only: ranks share the GPUs, every group on gloo, timings meaningless (see above)")
@@ -110,22 +110,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SGLang's own custom all-reduce in --via-sglang (off mimics PCIe boxes, where it is disabled)")
     p.add_argument("--norm-kernel", default=None, choices=["sgl_kernel", "flashinfer", "triton", "torch"],
                    help="add+RMSNorm kernel of the unfused norms (default: first that works; --no-p2p: triton)")
-    p.add_argument("--ours-link", default="auto")
-    p.add_argument("--ours-islands", default="auto")
-    p.add_argument("--ours-timeout-s", type=float, default=None)
+    p.add_argument("--ours-link", default="auto", help="our workspace's link hint: auto | nvlink | pcie")
+    p.add_argument("--ours-islands", default="auto",
+                   help="auto (probe; 8 ranks only) | none | halves | '0,1,2,3/4,5,6,7'")
+    p.add_argument("--ours-timeout-s", type=float, default=None, help="our kernels' wait bound (default: theirs)")
     p.add_argument("--max-expert-gib", type=float, default=40.0, help="cap on the routed-expert weights per rank")
     p.add_argument("--e2e-compute-ms", default="5,8", help="compute time(s) per verify forward for the estimate")
     p.add_argument("--e2e-tokens", type=int, default=DEFAULT_VERIFY_TOKENS,
                    help="T the estimate uses (README's launch: bs 1 x --speculative-num-draft-tokens 4)")
     p.add_argument("--e2e-accept-len", type=float, default=USERS_ACCEPT_LEN,
                    help=f"tokens per verify step (default {USERS_ACCEPT_LEN:g}: {USERS_ACCEPT_SOURCE})")
-    p.add_argument("--e2e-tok-s-nospec", type=float, default=82.0)
-    p.add_argument("--out", default=str(io.RESULTS_DIR))
+    p.add_argument("--e2e-tok-s-nospec", type=float, default=82.0,
+                   help="tokens/s without speculation, for the estimate")
+    p.add_argument("--out", default=str(io.RESULTS_DIR), help="results folder (default benchmarks/results)")
     p.add_argument("--no-merge", action="store_true", help="overwrite instead of merging with an existing JSON")
     p.add_argument("--time-limit", type=float, default=float(os.environ.get("BENCH_TIME_LIMIT_S", "480")),
                    help="seconds; on expiry write partial results (complete: false) and exit 124; 0: off "
                         "(default 480, env BENCH_TIME_LIMIT_S)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
     a = p.parse_args(argv)
     a.tokens = sorted(set(parse_int_list(a.tokens)))
     a.compute = [c for c in a.compute.split(",") if c]

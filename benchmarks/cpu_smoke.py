@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if own[:1] == ["--worker"]:
         return worker(own[1], rest)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("which", choices=["allreduce", "verify"])
-    p.add_argument("--world", type=int, default=2)
+    p.add_argument("which", choices=["allreduce", "verify"], help="the benchmark to run")
+    p.add_argument("--world", type=int, default=2, help="ranks (processes)")
     p.add_argument("--out", default=None, help="results folder (passed to the benchmark as --out)")
     a = p.parse_args(own)
     if a.out:

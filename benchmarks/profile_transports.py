@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--list", action="store_true", help="print the case names, one per line")
-    g.add_argument("--case", choices=sorted(CASES))
+    g.add_argument("--case", choices=sorted(CASES), help="the case to profile (under Nsight Compute)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.list:
         print("\n".join(CASES))
