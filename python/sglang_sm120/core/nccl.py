@@ -75,7 +75,8 @@ def variant_plan(environ: Mapping[str, str]) -> list[str]:
     lower or unset (under NCCL_P2P_DISABLE=1 the level is ignored, so it is tried only together with the unset)."""
     unset = ["unset NCCL_P2P_DISABLE"] if p2p_disabled(environ) else []
     level = [] if p2p_level_is_sys(environ) else ["NCCL_P2P_LEVEL=SYS"]
-    return [", ".join(p) for p in ([unset] if unset else []) + ([[*unset, *level]] if level else [])]
+    plans = [unset, [*unset, *level]] if level else [unset]
+    return [", ".join(p) for p in plans if p]
 
 
 def changes(variant: str) -> dict[str, str | None]:
