@@ -1,12 +1,8 @@
 """`python -m sglang_sm120.doctor`: can the sm120 all-reduce backend run on this machine, and if not, why?
 
-Prints the settings, the software, the GPUs, the IOMMU/ACS state, the CUDA P2P matrix, the PCIe/NUMA topology and
-the islands, what the gate decides for each TP size and which path that gives (CUDA IPC over P2P, pinned host
-memory, or NCCL), the byte bound and which sizes it leaves to the routing table, the routing table of this box,
-NCCL's own speed and transports with the P2P settings that matter (and what to set), the fused kernel's cluster
-launch, the host-memory workspace's room, and (with GPUs and built kernels) a short multi-process self-test.
-Exits 0 when the backend can run, 1 otherwise, naming why. `--report FILE` also writes all of it, with the
-environment and the cached tables, as one markdown file to attach to an issue.
+Prints everything that decides it, from the settings, GPUs, P2P and topology through the gate, the byte bound, the
+routing table and NCCL's own speed to a short multi-process self-test; exits 0 when the backend can run, 1
+otherwise. `--report FILE` also writes it all, with the environment and the cached tables, as markdown for an issue.
 """
 
 from __future__ import annotations
@@ -19,16 +15,16 @@ import json
 import os
 import platform
 import re
-import shutil
 import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from . import nccl_check
 from .core import config
 from .core.facts import gpu_uuid, kernel_error, key_facts
-from .core.gate import SUPPORTED_WORLD_SIZES, GateDecision, decide
+from .core.gate import SUPPORTED_WORLD_SIZES, decide
 from .core.topology import cpu_affinity, format_levels, kernel_islands, probe
 from .routing import cache, render
 from .routing.table import make_key
@@ -36,7 +32,6 @@ from .routing.table import make_key
 NO_GPU_FIX = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_VISIBLE_DEVICES"
 PATHS = {"device": "sm120 kernels over CUDA IPC (P2P between every pair)",
          "host": "sm120 kernels over pinned host memory (no P2P needed)"}
-# What the doctor assumes of a server when not told: a CUDA-graph batch of 32 with 4 EAGLE draft tokens.
 DEFAULT_MAX_BS, DEFAULT_DRAFT_TOKENS = 32, 4
 IOMMU_WORDS = ("iommu", "intel_iommu", "amd_iommu", "pcie_acs_override")
 
@@ -46,11 +41,9 @@ def section(title: str) -> None:
 
 
 def _run(cmd: Sequence[str], timeout: float = 20.0) -> str | None:
-    if shutil.which(cmd[0]) is None:
-        return None
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False).stdout
-    except Exception:
+    except Exception:  # not installed, or hung
         return None
 
 
@@ -67,15 +60,12 @@ def report_versions() -> None:
     except Exception as exc:
         print(f"NCCL: unknown ({exc})")
     try:
-        from importlib.metadata import version
-
         print(f"sglang {version('sglang')}")
     except Exception:
         print("sglang: not installed")
     error = kernel_error()
-    print("sgl_kernel_sm120 kernels: " + ("available" if error is None else f"NOT available: {error}"))
-    if error is None:
-        print(build_record_line())
+    print("sgl_kernel_sm120 kernels: " + (f"available\n{build_record_line()}" if error is None else
+                                          f"NOT available: {error}"))
 
 
 def build_record_line() -> str:
@@ -99,11 +89,10 @@ def gpus() -> list[dict]:
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return []
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        props = [torch.cuda.get_device_properties(i) for i in range(count)]
         return [{"index": i, "name": p.name, "capability": (p.major, p.minor), "uuid": gpu_uuid(p),
-                 "memory_gib": p.total_memory / 2**30}
-                for i, p in ((i, torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count()))]
+                 "memory_gib": p.total_memory / 2**30} for i, p in enumerate(props)]
     except Exception:
         return []
 
@@ -116,16 +105,13 @@ def p2p_matrix(count: int) -> list[list[bool]]:
 
 def iommu_acs_hints() -> list[str]:
     hints = []
-    try:
-        with open("/proc/cmdline") as handle:
-            words = [w for w in handle.read().split() if w.split("=")[0].lower() in IOMMU_WORDS]
+    with contextlib.suppress(OSError), open("/proc/cmdline") as handle:
+        words = [w for w in handle.read().split() if w.split("=")[0].lower() in IOMMU_WORDS]
         print(f"kernel command line, IOMMU/ACS parameters: {' '.join(words) or 'none'}")
         if "iommu=pt" in words:
             hints.append("IOMMU in passthrough mode (iommu=pt): good for P2P")
         elif any(w in words for w in ("intel_iommu=on", "amd_iommu=on")):
             hints.append("IOMMU on in translated mode: P2P may fail or be slow; consider iommu=pt")
-    except OSError:
-        pass
     groups = glob.glob("/sys/kernel/iommu_groups/*")
     print(f"IOMMU groups: {len(groups)}" + (" (IOMMU active)" if groups else " (IOMMU off or not visible)"))
     lspci = _run(["lspci", "-vvv"])
@@ -142,23 +128,18 @@ def iommu_acs_hints() -> list[str]:
     return hints
 
 
-def dispatch_table(hidden: int, bound: config.ByteBound, element_size: int = 2, *, assumed: str = "") -> None:
-    """The byte bound and which sizes it leaves to the routing table."""
+def dispatch_table(hidden: int, bound: config.ByteBound, *, assumed: str = "") -> None:
     print(f"bound: {bound.max_bytes} B ({bound.explanation})")
     if assumed:
         print(f"  {assumed}: this tool's defaults, not your server's: a server's rows are its largest captured "
               "batch times --speculative-num-draft-tokens; --max-bs, --draft-tokens or --max-bytes change them here")
-    max_tokens = bound.max_bytes // (hidden * element_size)
+    max_tokens = bound.max_bytes // (hidden * 2)
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         backend = "by the routing table (sm120 or NCCL)" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
-        print(f"{tokens:>8} {tokens * hidden * element_size:>10}  {backend}")
+        print(f"{tokens:>8} {tokens * hidden * 2:>10}  {backend}")
     print("within the bound, the routing table (section 'routing table') decides each size; without a usable "
           "table every size stays on NCCL")
-
-
-def path_text(decision: GateDecision) -> str:
-    return PATHS.get(decision.memory, decision.memory) if decision.enabled else "NCCL (SGLang's own all-reduce)"
 
 
 def report_cluster_launch(found: list[dict]) -> None:
@@ -186,7 +167,6 @@ def report_cluster_launch(found: list[dict]) -> None:
 
 
 def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
-    """What the host-memory workspace (no P2P) would take in its tmpfs at this bound, and what is free there."""
     from sgl_kernel_sm120.policy import ELEMENT_BYTES, Memory, kernel_limits, oneshot_max_numel
     from sgl_kernel_sm120.settings import read
 
@@ -250,14 +230,12 @@ def self_test(world: int, hidden: int, timeout_s: float, memory: str = "device")
     for proc in procs:
         proc.start()
     results = {}
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # queue.Empty: the ranks still missing are named below
         for _ in range(world):
-            rank, error = queue.get(timeout=timeout_s)
-            results[rank] = error
+            results.update([queue.get(timeout=timeout_s)])
     for proc in procs:
         proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
+        proc.kill()  # nothing once it ended
     missing = [r for r in range(world) if r not in results]
     if missing:
         return f"self-test: ranks {missing} gave no result within {timeout_s:.0f}s"
@@ -305,7 +283,6 @@ def _self_test_rank(rank: int, world: int, port: int, hidden: int, queue, memory
 
 def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     """Every section; the problems that keep the backend from running."""
-    problems: list[str] = []
     mode = args.mode or settings.mode
     source = "--mode" if args.mode else f"${config.MODE_ENV}" if config.variable(config.MODE_ENV) else "default"
     print(f"mode: {mode} (from {source}); "
@@ -331,16 +308,16 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     dispatch_table(args.hidden, bound, assumed=f"assumed {args.max_bs} x {args.draft_tokens} rows ("
                    f"{', '.join(defaults)})" if explicit is None and defaults else "")
     if not found:
-        return problems + [f"no CUDA GPUs: {NO_GPU_FIX}"]
+        return [f"no CUDA GPUs: {NO_GPU_FIX}"]
 
-    count = len(found)
+    count, uuids, problems = len(found), [g["uuid"] for g in found], []
     section("CUDA P2P access (cudaDeviceCanAccessPeer)")
     matrix = p2p_matrix(count)
     print("      " + "".join(f"{j:>4}" for j in range(count)))
     for i, row in enumerate(matrix):
         print(f"{i:>6}" + "".join(f"{'X' if i == j else 'ok' if ok else 'NO':>4}" for j, ok in enumerate(row)))
     section("PCIe / NUMA topology (NVML) and islands")
-    topo = probe([g["uuid"] for g in found])
+    topo = probe(uuids)
     if topo.error:
         print(f"topology: {topo.error}")
     print(format_levels(topo.levels, [f"cuda:{g['index']}" for g in found]))
@@ -353,23 +330,24 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     if mode == "off":
         print("mode off: the overlay leaves SGLang untouched; with mode auto it would be:")
         problems.append("mode off: the sm120 backend is switched off")
-    usable, decision = None, None
-    for world in (w for w in SUPPORTED_WORLD_SIZES if w <= count):
+    usable, worlds = None, [w for w in SUPPORTED_WORLD_SIZES if w <= count]
+    for world in worlds:
         decision = decide(evaluated, [g["capability"] for g in found[:world]], world, 1,
                           [row[:world] for row in matrix[:world]], False, kernel_errors=[kernel_error()] * world,
                           names=[g["name"] for g in found[:world]], hostmem=settings.hostmem)
-        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'DISABLED'}, path: "
-              f"{path_text(decision)}: {decision.reason}")
+        path = PATHS.get(decision.memory, decision.memory) if decision.enabled else "NCCL (SGLang's own all-reduce)"
+        print(f"TP={world} over cuda:0-{world - 1}: {'ENABLED' if decision.enabled else 'DISABLED'}, path: {path}: "
+              f"{decision.reason}")
         if decision.enabled and mode != "off":
             usable = (world, decision.memory)
-    if decision is not None and not decision.enabled:
-        problems.append(f"TP={max(w for w in SUPPORTED_WORLD_SIZES if w <= count)}: {decision.reason}")
+    if worlds and not decision.enabled:
+        problems.append(f"TP={worlds[-1]}: {decision.reason}")
     if count < 2:
         problems.append("fewer than 2 GPUs: nothing to all-reduce across")
 
     section("routing table (python -m sglang_sm120.tune)")
     if usable is not None:
-        report_routing_table(usable[0], usable[1], matrix, [g["uuid"] for g in found], args.hidden)
+        report_routing_table(*usable, matrix, uuids, args.hidden)
     else:
         print("no TP size enables the backend here: nothing to route")
     if not args.no_nccl_check:
@@ -432,35 +410,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--self-test-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument("--report", metavar="FILE", help="also write everything as markdown to FILE, for an issue")
     args = parser.parse_args(argv)
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(_Tee(sys.stdout, buffer)):
+    output = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(output):
         try:
             problems = diagnose(args, config.settings_from_environment())
         except config.SettingError as exc:  # as a launch would stop: one line, no traceback
             print(f"setting error: {exc}")
             problems = [str(exc)]
         section("result")
-        for problem in problems:
-            print(f"cannot run: {problem}")
-        if not problems:
-            print("the sm120 all-reduce backend can run here")
+        print("\n".join(f"cannot run: {p}" for p in problems) or "the sm120 all-reduce backend can run here")
     if args.report:
-        print(f"report written to {write_report(args.report, buffer.getvalue())}")
+        print(f"report written to {write_report(args.report, output.getvalue())}")
     return 1 if problems else 0
 
 
-class _Tee(io.TextIOBase):
-    def __init__(self, *streams):
-        self.streams = streams
+class _Tee(io.StringIO):
+    """Keeps the output for --report and passes it on as it comes: the NCCL check and the self-test take minutes."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
 
     def write(self, text):
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
+        self.out.write(text)
+        return super().write(text)
 
     def flush(self):
-        for stream in self.streams:
-            stream.flush()
+        self.out.flush()
 
 
 if __name__ == "__main__":

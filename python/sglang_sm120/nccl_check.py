@@ -46,12 +46,12 @@ def run(world: int | None = None, hidden: int = 7168, vocab: int = 163840, timeo
         import torch
 
         devices = torch.cuda.device_count()
-    n = devices
-    world = n if world is None else world
-    out = {"world": world, "hidden": hidden, "vocab": vocab, "gpus": n, "settings": core.settings(env),
+    world = devices if world is None else world
+    out = {"world": world, "hidden": hidden, "vocab": vocab, "gpus": devices, "settings": core.settings(env),
            "replays": REPLAYS, "variants": [], "skipped": None}
-    if not 2 <= world <= n:
-        why = f"needs two GPUs, this machine has {n}" if n < 2 else f"runs 2 to {n} ranks (one per GPU), not {world}"
+    if not 2 <= world <= devices:
+        why = (f"needs two GPUs, this machine has {devices}" if devices < 2 else
+               f"runs 2 to {devices} ranks (one per GPU), not {world}")
         return {**out, "skipped": f"NCCL check: {why} (nothing was run)"}
     plan = [core.BASE, *core.variant_plan(env)]
     deadline = time.monotonic() + timeout_s
@@ -59,15 +59,11 @@ def run(world: int | None = None, hidden: int = 7168, vocab: int = 163840, timeo
         share = (deadline - time.monotonic()) / (len(plan) - i)  # a hung variant leaves the others their time
         out["variants"].append(_run_variant(variant, env, world, hidden, vocab, share, rank_command))
     out["p2p_works"] = next((v["p2p_works"] for v in out["variants"] if v["p2p_works"] is not None), None)
-    out["advice"] = [a.line for a in advise(out)]
-    return out
-
-
-def advise(result: dict) -> list[core.Advice]:
-    ar, _ = labels(result["hidden"], result["vocab"], result["world"])
-    ok = [v for v in result["variants"] if not v["error"]]
-    times = {v["variant"]: {s: v["times_us"][s] for s in ar} for v in ok}
-    return core.advice(times, {v["variant"]: v["transports"] for v in ok}, result.get("p2p_works"))
+    ar, _ = labels(hidden, vocab, world)  # the all-gather is timed to be shown, not advised on
+    ok = [v for v in out["variants"] if not v["error"]]
+    advice = core.advice({v["variant"]: {s: v["times_us"][s] for s in ar} for v in ok},
+                         {v["variant"]: v["transports"] for v in ok}, out["p2p_works"])
+    return {**out, "advice": [a.line for a in advice]}
 
 
 def report_lines(result: dict) -> list[str]:

@@ -70,16 +70,13 @@ def p2p_level_is_sys(environ: Mapping[str, str]) -> bool:
     return value == "SYS" or (value[:1].isdigit() and (_strtol(value) or 0) >= 4)
 
 
-def variant_plan(environ: Mapping[str, str] | None = None) -> list[str]:
+def variant_plan(environ: Mapping[str, str]) -> list[str]:
     """The variants worth timing besides BASE: P2P re-enabled when disabled, the P2P level raised to SYS when
     lower or unset (under NCCL_P2P_DISABLE=1 the level is ignored, so it is tried only together with the unset)."""
-    env = os.environ if environ is None else environ
-    level = [] if p2p_level_is_sys(env) else ["NCCL_P2P_LEVEL=SYS"]
-    if p2p_disabled(env):
-        plans = [["unset NCCL_P2P_DISABLE"]] + ([["unset NCCL_P2P_DISABLE", *level]] if level else [])
-    else:
-        plans = [level] if level else []
-    return [", ".join(p) for p in plans]
+    unset = ["unset NCCL_P2P_DISABLE"] if p2p_disabled(environ) else []
+    level = [] if p2p_level_is_sys(environ) else ["NCCL_P2P_LEVEL=SYS"]
+    plans = [unset, [*unset, *level]] if level else [unset]
+    return [", ".join(p) for p in plans if p]
 
 
 def changes(variant: str) -> dict[str, str | None]:

@@ -20,12 +20,9 @@ from itertools import groupby
 # node (different host bridges), across sockets.
 LEVEL_NAMES = {0: "SELF/BOARD", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
-Level = int | None  # None: unknown
-
-
 @dataclass
 class Topology:
-    levels: list[list[Level]] | None  # pairwise, diagonal 0
+    levels: list[list[int | None]] | None  # pairwise, diagonal 0; None: unknown
     numa_nodes: list[int | None]
     nvlink_all_pairs: bool | None  # None: unknown
     error: str | None = None
@@ -33,27 +30,20 @@ class Topology:
     @property
     def link(self) -> str:
         """The `link` argument of sgl_kernel_sm120.IpcAllReduce ("auto": the kernel probes for itself)."""
-        return link_type(self.nvlink_all_pairs)
+        return "auto" if self.nvlink_all_pairs is None else "nvlink" if self.nvlink_all_pairs else "pcie"
 
     def islands(self) -> list[list[int]] | None:
         return islands_from_levels(self.levels, self.numa_nodes)
 
 
-def link_type(nvlink_all_pairs: bool | None) -> str:
-    return "auto" if nvlink_all_pairs is None else "nvlink" if nvlink_all_pairs else "pcie"
-
-
 def _equal_groups(labels: Sequence[object]) -> list[list[int]] | None:
     """The indices grouped by label, if that makes at least two groups, all of one size >= 2."""
-    groups: dict[object, list[int]] = {}
-    for index, label in enumerate(labels):
-        groups.setdefault(label, []).append(index)
-    ordered = sorted(groups.values())
-    size = len(ordered[0])
-    return ordered if len(ordered) >= 2 and size >= 2 and all(len(g) == size for g in ordered) else None
+    groups = sorted([i for i, other in enumerate(labels) if other == label] for label in set(labels))
+    sizes = {len(group) for group in groups}
+    return groups if len(groups) >= 2 and len(sizes) == 1 and min(sizes) >= 2 else None
 
 
-def islands_from_levels(levels: Sequence[Sequence[Level]] | None,
+def islands_from_levels(levels: Sequence[Sequence[int | None]] | None,
                         numa_nodes: Sequence[int | None] | None = None) -> list[list[int]] | None:
     """Split the ranks where the topology splits at its top level; None means "treat as flat".
 
@@ -66,21 +56,15 @@ def islands_from_levels(levels: Sequence[Sequence[Level]] | None,
     if n < 4:
         return None
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
-    if levels is not None and all(len(row) == n for row in levels) and all(levels[i][j] is not None
-                                                                          for i, j in pairs):
-        top = max(int(levels[i][j]) for i, j in pairs)
-        if any(int(levels[i][j]) < top for i, j in pairs):
-            island = [-1] * n
-            for start in range(n):
-                todo = [start]
-                while todo:
-                    i = todo.pop()
-                    if island[i] < 0:
-                        island[i] = start
-                        todo += [j for j in range(n) if min(int(levels[i][j]), int(levels[j][i])) < top]
-            return _equal_groups(island)
+    if levels is not None and all(len(row) == n for row in levels) and None not in {levels[i][j] for i, j in pairs}:
+        top = max(levels[i][j] for i, j in pairs)
+        if any(levels[i][j] < top for i, j in pairs):
+            reach = [{j for j in range(n) if i == j or min(levels[i][j], levels[j][i]) < top} for i in range(n)]
+            for k in range(n):  # Warshall's closure: a rank reaches whatever the ranks it reaches do
+                reach = [r | reach[k] if k in r else r for r in reach]
+            return _equal_groups([min(r) for r in reach])
     if numa_nodes is not None and len(numa_nodes) == n and all(node is not None and node >= 0 for node in numa_nodes):
-        return _equal_groups(list(numa_nodes))
+        return _equal_groups(numa_nodes)
     return None
 
 
@@ -155,8 +139,7 @@ def cpu_affinity(uuid: str) -> str | None:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
-def format_levels(levels: Sequence[Sequence[Level]] | None, labels: Sequence[str]) -> str:
-    """The level matrix as a text table, for the doctor."""
+def format_levels(levels: Sequence[Sequence[int | None]] | None, labels: Sequence[str]) -> str:
     if levels is None:
         return "(unknown)"
     width = max(6, *map(len, labels))

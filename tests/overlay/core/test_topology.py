@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_sm120.core.topology import islands_from_levels, kernel_islands, link_type
+from sglang_sm120.core.topology import Topology, islands_from_levels, kernel_islands
 
 PIX, PXB, PHB, NODE, SYS = 10, 20, 30, 40, 50
 
@@ -79,6 +79,6 @@ def test_kernel_islands_for_eight():
 
 
 def test_link_type():
-    assert link_type(True) == "nvlink"
-    assert link_type(False) == "pcie"
-    assert link_type(None) == "auto"
+    assert Topology(None, [], True).link == "nvlink"
+    assert Topology(None, [], False).link == "pcie"
+    assert Topology(None, [], None).link == "auto"
