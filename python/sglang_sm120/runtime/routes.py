@@ -1,13 +1,6 @@
-"""Which routing table a TP group routes by, decided once its workspace is built, in one agreement round.
-
-Ranks only read tables; `python -m sglang_sm120.tune` writes them (the launcher runs it under
---sm120-allreduce-tune auto when no table of this box exists, and force, before SGLang starts its ranks).
-Every rank computes the key from every rank's key facts (sent in the gate round), the islands, the P2P matrix,
-the workspace's memory and launch facts, reads the cache, and sends what it found with the candidates blamed
-under the key; every rank then takes the same decision from the same list:
-- every rank read the same usable table: route by it, re-derived without the blamed candidates;
-- otherwise NCCL for every size, with one WARNING naming the cause and the command that measures this box; or,
-  with --sm120-allreduce-tune off, the unmeasured seeds.
+"""Which routing table a TP group routes by, decided once its workspace is built, in one agreement round (step 4 of
+docs/overlay.md, "What happens at a launch"): every rank sends what it read under the key, and every rank takes the
+same decision from the same list. Ranks only read tables; `python -m sglang_sm120.tune` writes them.
 The ranks must run one kernel library and launch alike (ranks running different kernels would wait on each other
 until the kernel timeout): a difference sends every size to NCCL whatever the setting.
 """
@@ -21,7 +14,7 @@ from typing import Any
 from sgl_kernel_sm120.policy import KernelLimits, WorkspaceShape
 
 from ..routing import cache
-from ..routing.book import TUNE_COMMAND, RouteBook
+from ..routing.book import TABLE, TUNE_COMMAND, RouteBook
 from ..routing.table import KINDS, RoutingTable, make_key, route_differences
 
 logger = logging.getLogger("sglang_sm120")
@@ -100,4 +93,4 @@ def _book(table: RoutingTable, path: str, blamed, shape, limits, dtype, max_byte
         log(logging.WARNING, f"sglang_sm120: routing table {path} measured {dtype} {', '.join(short)} calls up to "
                              f"{min(derived.largest(dtype, k) for k in short)} B, this server's bound is {max_bytes} "
                              "B: larger calls go to NCCL (tune with this server's batch sizes to cover them)")
-    return RouteBook("table", table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
+    return RouteBook(TABLE, table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
