@@ -151,21 +151,19 @@ class TPBackend:
                 self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: topology probe: {topo.error}; a flat "
                                                  f"schedule, link {self.link}")
         workspace, failed = self._construct("workspace", memory, max_numel, dtype, kernel_timeout_s)
+        failure = f"building the IPC workspace failed ({_detail(failed)})"
         if failed and memory == "device" and all(o.get("pairs") is not None for o in failed.values()):
             if self.settings.hostmem == "off":
-                return self._give_up(f"building the IPC workspace failed ({_detail(failed)}); the pinned "
-                                     f"host-memory workspace is not tried ({HOSTMEM_ENV}=off)")
+                return self._give_up(f"{failure}; the pinned host-memory workspace is not tried ({HOSTMEM_ENV}=off)")
             workspace, failed_host = self._construct("workspace-host", "host", max_numel, dtype, kernel_timeout_s)
             if failed_host:
-                return self._give_up(f"building the IPC workspace failed ({_detail(failed)}); the retry in pinned "
-                                     f"host memory failed too ({_detail(failed_host)})")
+                return self._give_up(f"{failure}; the retry in pinned host memory failed too ({_detail(failed_host)})")
             self.memory_note = f"the CUDA P2P data-path probe failed for {_probe_pairs(failed)}"
             self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: {self.memory_note}; the pinned "
                                              f"host-memory workspace (no P2P needed) is used instead ({HOSTMEM_ENV}"
                                              "=off refuses it)")
         elif failed:
-            return self._give_up(_host_memory_failure(failed) or f"building the IPC workspace failed "
-                                                                 f"({_detail(failed)})")
+            return self._give_up(_host_memory_failure(failed) or failure)
         self.workspace, self.memory, self.link = workspace, workspace.shape.memory.value, workspace.shape.link.value
         if self.memory == "host":
             self.islands = None
@@ -195,9 +193,9 @@ class TPBackend:
             workspace = IpcAllReduce(
                 exchange.StoreExchange(self.store, f"{self._scope}/{step}", self.rank_in_group, self.world_size,
                                        self.settings.agreement_timeout_s + CHILD_TIMEOUT_S),
-                self.device, max_numel, dtype, islands=None if host else kernel_islands(self.islands,
-                                                                                        self.world_size),
-                link="auto" if host else (self.link or "auto"), memory=memory, timeout_s=kernel_timeout_s)
+                self.device, max_numel, dtype, memory=memory, timeout_s=kernel_timeout_s,
+                islands=None if host else kernel_islands(self.islands, self.world_size),
+                link="auto" if host else (self.link or "auto"))
         except Exception as exc:  # the construction raises on every rank together; agreed below
             outcome = {"error": f"{type(exc).__name__}: {exc}",  # pairs: a probe failure's, else None
                        "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
