@@ -43,7 +43,6 @@ RULE = {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
 # the workspace launches (core/facts.launch_facts): the same route runs another launch otherwise.
 VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "nccl_settings", "sglang_sm120", "kernels")
 BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
-LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
 OTHER_VERSIONS, ANOTHER_KEY = "other versions", "another key"
 
 
@@ -160,8 +159,8 @@ def without_blamed(points: Sequence[Point], dtype: str, kind: str,
 def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[int]] | None,
              p2p: Sequence[Sequence[bool]] | None, memory: str,
              launch: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The table key of a group from every rank's local facts (rank order; LOCAL_FIELDS) and the group's islands, P2P
-    matrix, workspace memory and launch facts. A version that differs between ranks is kept as 'a | b'."""
+    """The table key of a group from every rank's key facts (rank order; core/facts.key_facts) and the group's
+    islands, P2P matrix, workspace memory and launch facts. A version that differs between ranks is kept as 'a | b'."""
     key: dict[str, Any] = {
         "world_size": len(local),
         "gpus": [{"uuid": f.get("uuid"), "pci_bus_id": f.get("pci_bus_id"), "name": f.get("name")} for f in local],
@@ -338,9 +337,8 @@ def _point(raw: Any) -> tuple[tuple[str, str], Point]:
 def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:
     """The route of a message of `nbytes` bytes; None when the table does not cover that size (the caller then
     uses NCCL). A scan of a few entries: callers memoize per size."""
-    kind = "fused" if fused else "plain"
-    return next((e.route for e in table.entries if (e.dtype, e.kind) == (dtype, kind) and e.low <= nbytes <= e.high),
-                None)
+    entries = table.routes_for(dtype, "fused" if fused else "plain")
+    return next((e.route for e in entries if e.low <= nbytes <= e.high), None)
 
 
 def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = None) -> str:
