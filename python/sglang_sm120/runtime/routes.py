@@ -27,7 +27,14 @@ def tune_command(world: int, hidden: int) -> str:
 def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[str, Any] | None],
                    islands, p2p, shape: WorkspaceShape, limits: KernelLimits, hidden: int, dtype: str,
                    max_bytes: int, tune: str, launch: Mapping[str, Any], log: Callable[[int, str], None]) -> RouteBook:
-    """The group's routes (module docstring). Never raises; `log` writes rank 0's lines."""
+    """The group's routes (module docstring): the same RouteBook on every rank, from the agreed views and this
+    rank's copy of the table they agreed on. Never raises; `log` writes rank 0's lines."""
+
+    def all_nccl(why: str) -> RouteBook:
+        log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
+                             f"{tune_command(len(keys), hidden)})")
+        return RouteBook.all_nccl(why)
+
     loaded = None
     try:
         if any(k is None for k in keys):
@@ -43,32 +50,17 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
     try:
         views = agree("routes", local)
     except Exception as exc:
-        return all_nccl(log, f"the ranks could not agree on their routes ({exc})", len(keys), hidden)
-    return decide(views, loaded, shape=shape, limits=limits, hidden=hidden, dtype=dtype, max_bytes=max_bytes,
-                  tune=tune, log=log)
-
-
-def all_nccl(log, why: str, world: int, hidden: int) -> RouteBook:
-    log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
-                         f"{tune_command(world, hidden)})")
-    return RouteBook.all_nccl(why)
-
-
-def decide(views: Sequence[Mapping[str, Any]], loaded: cache.Loaded | None, *, shape, limits, hidden, dtype,
-           max_bytes, tune, log) -> RouteBook:
-    """The same RouteBook on every rank from the agreed views (pure but for `loaded`, this rank's copy of the
-    table all ranks agreed on)."""
-    world = len(views)
+        return all_nccl(f"the ranks could not agree on their routes ({exc})")
     errors = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v.get("error")]
     if errors:
         why = f"the routing-table key could not be computed ({'; '.join(errors)})"
-        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(log, why, world, hidden)
+        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(why)
     libraries = sorted({lib for v in views for lib in v["kernels"]})
     if len(libraries) > 1:
-        return all_nccl(log, f"the ranks do not run the same kernel library ({', '.join(libraries)})", world, hidden)
+        return all_nccl(f"the ranks do not run the same kernel library ({', '.join(libraries)})")
     if any(v["launch"] != views[0]["launch"] for v in views):
         shown = "; ".join(f"rank {r} {v['launch']}" for r, v in enumerate(views))
-        return all_nccl(log, f"the ranks' workspaces launch differently ({shown})", world, hidden)
+        return all_nccl(f"the ranks' workspaces launch differently ({shown})")
     if all(v["status"] == cache.OK for v in views) and len({v["digest"] for v in views}) == 1:
         blamed = [dict(b) for b in {repr(sorted(b.items())): b for v in views for b in v["blamed"]}.values()]
         return _book(loaded.table, loaded.path, blamed, shape, limits, dtype, max_bytes, log)
@@ -78,7 +70,7 @@ def decide(views: Sequence[Mapping[str, Any]], loaded: cache.Loaded | None, *, s
         log(logging.INFO if views[0]["status"] == cache.MISSING else logging.WARNING,
             f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")
         return RouteBook.seeds(shape, limits, why)
-    return all_nccl(log, f"{why} (the launcher's tune gives one: see its lines in the launch log)", world, hidden)
+    return all_nccl(f"{why} (the launcher's tune gives one: see its lines in the launch log)")
 
 
 def _book(table: RoutingTable, path: str, blamed, shape, limits, dtype, max_bytes, log) -> RouteBook:
