@@ -63,17 +63,13 @@ class TPBackend:
         self.routes = RouteBook.all_nccl("the workspace is not built yet")
         self.workspace = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted, self.build_error = False, None
-        self.hidden_size: int | None = None
-        self.dtype: torch.dtype | None = None
+        self.hidden_size = self.dtype = self.islands = self.link = None  # what build() found
         self.max_bytes = self.max_fused_tokens = 0
-        self.islands: list[list[int]] | None = None
-        self.link: str | None = None
         self.memory: str | None = None  # the gate's choice, then what was built; None when nothing is
         self.memory_note = ""  # why the built memory differs from the gate's choice
         self.fused_tokens: frozenset[int] = frozenset()
         self.rounds = 0  # agreement rounds made (tests count them)
-        self._plain: dict[tuple[int, torch.dtype], Any] = {}
-        self._fused: dict[tuple[int, int, torch.dtype], Any] = {}
+        self._plain, self._fused = {}, {}  # routes memoized by (numel, dtype) and (rows, hidden, dtype)
         self.stats = {"sm120": 0, "sm120_fused": 0, "fallback": 0, "fused_fallback": 0}
 
     @classmethod
@@ -163,7 +159,8 @@ class TPBackend:
                                              f"host-memory workspace (no P2P needed) is used instead ({HOSTMEM_ENV}"
                                              "=off refuses it)")
         elif failed:
-            return self._give_up(_host_memory_failure(failed) or failure)
+            tmpfs = next((o["tmpfs"] for o in failed.values() if o.get("tmpfs")), None)
+            return self._give_up(f"the pinned host-memory workspace does not fit: {tmpfs}" if tmpfs else failure)
         self.workspace, self.memory, self.link = workspace, workspace.shape.memory.value, workspace.shape.link.value
         if self.memory == "host":
             self.islands = None
@@ -197,9 +194,12 @@ class TPBackend:
                 islands=None if host else kernel_islands(self.islands, self.world_size),
                 link="auto" if host else (self.link or "auto"))
         except Exception as exc:  # the construction raises on every rank together; agreed below
-            outcome = {"error": f"{type(exc).__name__}: {exc}",  # pairs: a probe failure's, else None
+            error = f"{type(exc).__name__}: {exc}"
+            # The kernel's own sentence when the host-memory workspace does not fit its tmpfs begins so.
+            at = error.find("host memory:") if isinstance(exc, IpcAllReduceHostMemoryError) else -1
+            outcome = {"error": error,  # pairs: a probe failure's, else None
                        "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
-                       "host_memory": isinstance(exc, IpcAllReduceHostMemoryError)}
+                       "tmpfs": error[at:].splitlines()[0].rstrip(")").strip() if at >= 0 else None}
         try:
             failed = {r: o for r, o in enumerate(self._agree(step, outcome)) if o.get("error")}
         except Exception as exc:
@@ -316,16 +316,6 @@ class TPBackend:
                 "fused_clusters": dict(self.workspace.fused_clusters) if self.workspace is not None else None,
                 "routes": self.routes.as_dict(DTYPE_NAMES.get(self.dtype), self.max_bytes),
                 "stats": dict(self.stats), "device_calls": self.device_calls()}
-
-
-def _host_memory_failure(failed: dict[int, dict]) -> str:
-    """The kernel's own sentence when the host-memory workspace does not fit its tmpfs, else ''."""
-    for outcome in failed.values():
-        text = str(outcome.get("error", ""))
-        if outcome.get("host_memory") and "host memory:" in text:
-            return ("the pinned host-memory workspace does not fit: "
-                    + text[text.index("host memory:"):].splitlines()[0].rstrip(")").strip())
-    return ""
 
 
 def _detail(failed: dict[int, dict]) -> str:
