@@ -232,8 +232,8 @@ class TPBackend:
         return route
 
     def _fused_route(self, rows: int, hidden: int, dtype: torch.dtype, admitted: bool):
-        route = self._fused[rows, hidden, dtype] = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype],
-                                                                     True) if admitted else None
+        route = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype], True) if admitted else None
+        self._fused[rows, hidden, dtype] = route
         return route
 
     def fused_route_for(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
@@ -293,9 +293,7 @@ class TPBackend:
 
     def close(self) -> None:
         workspace, self.workspace = self.workspace, None
-        self.fused_tokens = frozenset()
-        self._plain.clear()
-        self._fused.clear()
+        self.fused_tokens, self._plain, self._fused = frozenset(), {}, {}
         if workspace is not None:
             _close_quietly(workspace, collective=True)
 
