@@ -51,8 +51,7 @@ def exchange(store, prefix: str, rank: int, world_size: int, payload: Any, timeo
         missing = [r for r, key in enumerate(keys) if not _present(store, key)]
         if missing:  # else raced with the last writer: every key is there after all
             raise ExchangeTimeout(f"{prefix}: no answer from ranks {missing} within {timeout_s:.0f}s") from exc
-    values = (store.get(key) for key in keys)
-    return [json.loads(v.decode() if isinstance(v, bytes | bytearray) else str(v)) for v in values]
+    return [json.loads(v.decode() if isinstance(v, bytes | bytearray) else str(v)) for v in map(store.get, keys)]
 
 
 def agree(store, prefix: str, rank: int, world_size: int, payload: Any, timeout_s: float) -> list[Any]:

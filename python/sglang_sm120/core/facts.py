@@ -105,14 +105,8 @@ def library_identity() -> str:
         return f"unavailable ({type(exc).__name__})"
 
 
-def nccl_settings(environ=None) -> dict[str, str]:
-    """NCCL's settings, for the key: a table measured against one NCCL configuration says nothing about another.
-    NCCL_DEBUG* changes where NCCL logs, not how it moves data."""
-    return {k: v for k, v in nccl.settings(environ).items() if not k.startswith("NCCL_DEBUG")}
-
-
 def key_facts(device) -> dict[str, Any]:
-    """This rank's part of the routing-table key (routing/table.py LOCAL_FIELDS): its GPU and what can change a
+    """This rank's part of the routing-table key (routing/table.make_key): its GPU and what can change a
     measurement. The server and the tune both call it, so both compute the same key."""
     import torch
 
@@ -125,9 +119,12 @@ def key_facts(device) -> dict[str, Any]:
         version = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:
         version = "unknown"
+    # A table measured against one NCCL configuration says nothing about another; NCCL_DEBUG* changes where NCCL
+    # logs, not how it moves data.
+    settings = {k: v for k, v in nccl.settings().items() if not k.startswith("NCCL_DEBUG")}
     return {"uuid": gpu_uuid(props), "pci_bus_id": bus, "name": str(props.name), "driver": driver_version(),
             "cuda": str(torch.version.cuda), "torch": str(torch.__version__), "nccl": version,
-            "nccl_settings": nccl_settings(), "sglang_sm120": __version__, "kernels": library_identity()}
+            "nccl_settings": settings, "sglang_sm120": __version__, "kernels": library_identity()}
 
 
 def launch_facts(workspace) -> dict[str, Any]:

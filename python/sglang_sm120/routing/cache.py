@@ -1,8 +1,6 @@
-"""Where routing tables are kept, and how one is written and read back.
-
-Folder: `$SGLANG_SM120_CACHE`, default `~/.cache/sglang_sm120` (shared with the kernels' cluster check). File:
-`routes_tp<world>_h<hidden>_<gpus>.json`, <gpus> eight hex digits of the GPUs' UUIDs, so two servers on two sets of
-GPUs of one box, or two models, keep their own tables. Written atomically (a temporary file, then a rename).
+"""Where routing tables are kept: `$SGLANG_SM120_CACHE`, default `~/.cache/sglang_sm120` (shared with the kernels'
+cluster check), as `routes_tp<world>_h<hidden>_<gpus>.json`, <gpus> eight hex digits of the GPUs' UUIDs, so two
+servers on two sets of GPUs of one box, or two models, keep their own tables.
 
 `load` says what it found; only OK is used, and the reason of any other status names what changed. A candidate blamed
 for a crash or hang of a tune's process (tuning/processes.py names the one that was running) is kept in
@@ -141,7 +139,6 @@ def load_file(path: str) -> Loaded:
 
 
 def load(key: Mapping[str, Any], *, hidden: int, dtype: str, kinds=tbl.KINDS, folder: str | None = None) -> Loaded:
-    """The table of this key for this dtype and hidden size, with its status."""
     found = load_file(table_path(key, hidden, folder))
     if not found.ok:
         return found
@@ -153,5 +150,4 @@ def load(key: Mapping[str, Any], *, hidden: int, dtype: str, kinds=tbl.KINDS, fo
 
 
 def find_tables(folder: str | None = None) -> list[Loaded]:
-    """Every table file in the folder, read (for the doctor)."""
     return [load_file(path) for path in sorted(glob.glob(os.path.join(folder or cache_dir(), "routes_tp*.json")))]

@@ -35,15 +35,14 @@ KINDS = ("plain", "fused")
 NCCL = "nccl"
 OURS = "sm120"
 
-MIN_GAIN = 0.02
-SUSTAIN = 2
+MIN_GAIN, SUSTAIN = 0.02, 2
+RULE = {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
 
 # Key fields: a difference in a software field makes a table "other versions", in a box field "another key"; either
 # way it is not used. NCCL's settings are software: NCCL configured otherwise is another incumbent. "launch" is how
 # the workspace launches (core/facts.launch_facts): the same route runs another launch otherwise.
 VERSION_FIELDS = ("driver", "cuda", "torch", "nccl", "nccl_settings", "sglang_sm120", "kernels")
 BOX_FIELDS = ("world_size", "gpus", "islands", "p2p", "memory", "launch")
-LOCAL_FIELDS = ("uuid", "pci_bus_id", "name") + VERSION_FIELDS  # what each rank contributes (core/facts.key_facts)
 OTHER_VERSIONS, ANOTHER_KEY = "other versions", "another key"
 
 
@@ -52,17 +51,14 @@ class TableError(ValueError):
 
 
 def route_id(route: Route | None) -> str:
-    """'nccl' or 'sm120/' + the route's id ('sm120/ONESHOT/push/device/b94/c8')."""
     return NCCL if route is None else f"{OURS}/{route.id}"
 
 
 def route_label(route: Route | None) -> str:
-    """What logs and reports show: 'NCCL', or the route's id without the backend prefix."""
     return "NCCL" if route is None else route.id
 
 
 def parse_route(text: str) -> Route | None:
-    """The route of an id written by route_id (None: NCCL); TableError naming what is wrong."""
     if text == NCCL:
         return None
     backend, _, launch = str(text).partition("/")
@@ -101,11 +97,8 @@ def _beats(candidate: float | None, incumbent: float | None, min_gain: float) ->
 
 def _in_long_runs(flags: Sequence[bool], length: int) -> list[bool]:
     """True at the positions inside a run of at least `length` consecutive True values."""
-    out: list[bool] = []
-    for flag, run in itertools.groupby(flags):
-        count = len(list(run))
-        out += [flag and count >= length] * count
-    return out
+    runs = [(flag, len(list(run))) for flag, run in itertools.groupby(flags)]
+    return [flag and count >= length for flag, count in runs for _ in range(count)]
 
 
 def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int = SUSTAIN) -> list[Route | None]:
@@ -119,21 +112,17 @@ def choose(points: Sequence[Point], *, min_gain: float = MIN_GAIN, sustain: int 
     chosen, current = [], NCCL
     for i in range(len(points)):
         contenders = [cid for cid in ours if sustained[cid][i]]
-        if current in contenders:  # displaced only by one sustainedly faster here and at the next size
+        fallback = current if current in contenders else NCCL
+        if fallback != NCCL:  # displaced only by one sustainedly faster here and at the next size
             contenders = [cid for cid in contenders if cid != current and i + 1 < len(points) and sustained[cid][i + 1]
                           and all(_beats(times[cid][k], times[current][k], min_gain) for k in (i, i + 1))]
-            fallback = current
-        else:
-            fallback = NCCL
         current = min(((times[cid][i], cid) for cid in contenders), default=(0, fallback))[1]
         chosen.append(parse_route(current))
     return chosen
 
 
 def ranges(points: Sequence[Point], routes: Sequence[Route | None], dtype: str, kind: str) -> list[Entry]:
-    """Byte ranges from per-point routes: each measured size takes its own route; the sizes strictly between two
-    measured ones take their route only where both chose the same route of ours, else NCCL; the sizes below the
-    smallest measured one (less than the one row a tune starts at) take its route. Adjacent equal routes merge."""
+    """Byte ranges from per-point routes, by the rule in the module docstring; adjacent equal routes merge."""
     merged: list[Entry] = []
 
     def add(low: int, high: int, route: Route | None) -> None:
@@ -170,8 +159,8 @@ def without_blamed(points: Sequence[Point], dtype: str, kind: str,
 def make_key(local: Sequence[Mapping[str, Any]], *, islands: Sequence[Sequence[int]] | None,
              p2p: Sequence[Sequence[bool]] | None, memory: str,
              launch: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The table key of a group from every rank's local facts (rank order; LOCAL_FIELDS) and the group's islands, P2P
-    matrix, workspace memory and launch facts. A version that differs between ranks is kept as 'a | b'."""
+    """The table key of a group from every rank's key facts (rank order; core/facts.key_facts) and the group's
+    islands, P2P matrix, workspace memory and launch facts. A version that differs between ranks is kept as 'a | b'."""
     key: dict[str, Any] = {
         "world_size": len(local),
         "gpus": [{"uuid": f.get("uuid"), "pci_bus_id": f.get("pci_bus_id"), "name": f.get("name")} for f in local],
@@ -217,10 +206,6 @@ def compare_keys(expected: Mapping[str, Any], found: Mapping[str, Any]) -> tuple
     return None
 
 
-def _rule() -> dict[str, Any]:
-    return {"min_gain": MIN_GAIN, "sustain": SUSTAIN}
-
-
 @dataclasses.dataclass
 class RoutingTable:
     key: dict[str, Any]
@@ -232,13 +217,12 @@ class RoutingTable:
     durations: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds: "measure", "total"
     incumbents: dict[str, str] = dataclasses.field(default_factory=dict)  # kind -> what the NCCL route ran
     notes: list[str] = dataclasses.field(default_factory=list)
-    rule: dict[str, Any] = dataclasses.field(default_factory=_rule)
+    rule: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(RULE))
     tune_version: int = TUNE_VERSION
 
     @classmethod
     def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
-        """Choose the routes of every (dtype, kind) from its points and assemble the table."""
-        rule = kwargs.get("rule") or _rule()
+        rule = kwargs.get("rule") or RULE
         entries = [entry for (dtype, kind), points in sorted(measurements.items())
                    for entry in ranges(points, choose(points, min_gain=rule["min_gain"], sustain=rule["sustain"]),
                                        dtype, kind)]
@@ -289,21 +273,20 @@ class RoutingTable:
                 raise TableError(f"'{field}' is missing")
         if not isinstance(doc["key"], Mapping) or not isinstance(doc["workload"], Mapping):
             raise TableError("'key' and 'workload' must be objects")
-        entries = [_parsed("entry", raw, _entry) for raw in _list(doc["entries"], "entries")]
+        entries = _parse_list(doc, "entries", "entry", _entry)
         ordered = sorted(entries, key=lambda e: (e.dtype, e.kind, e.low))
         for a, b in zip(ordered, ordered[1:], strict=False):
             if (a.dtype, a.kind) == (b.dtype, b.kind) and b.low <= a.high:
                 raise TableError(f"overlapping {a.dtype} {a.kind} entries")
         measurements: dict[tuple[str, str], list[Point]] = {}
-        for raw in _list(doc["measurements"], "measurements"):
-            where, point = _parsed("measurement", raw, _point)
+        for where, point in _parse_list(doc, "measurements", "measurement", _point):
             measurements.setdefault(where, []).append(point)
         return cls(
             key=dict(doc["key"]), measured=str(doc["measured"]), workload=dict(doc["workload"]), entries=entries,
             measurements=measurements, quick=bool(doc.get("quick", False)),
             durations={str(k): float(v) for k, v in dict(doc.get("durations") or {}).items()},
             incumbents={str(k): str(v) for k, v in dict(doc.get("incumbents") or {}).items()},
-            notes=[str(n) for n in doc.get("notes") or []], rule=dict(doc.get("rule") or _rule()),
+            notes=[str(n) for n in doc.get("notes") or []], rule=dict(doc.get("rule") or RULE),
             tune_version=int(doc.get("tune_version", TUNE_VERSION)))
 
     def coverage_gap(self, dtype: str, hidden: int, kinds: Iterable[str] = KINDS) -> str | None:
@@ -324,17 +307,16 @@ class RoutingTable:
         return route, point.times.get(route_id(route)) if route else None, point.times.get(NCCL)
 
 
-def _list(value: Any, name: str) -> list:
-    if not isinstance(value, list):
-        raise TableError(f"'{name}' must be a list")
-    return value
-
-
-def _parsed(what: str, raw: Any, parse):
-    try:
-        return parse(raw)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TableError(f"bad {what} {raw!r}: {exc}") from None
+def _parse_list(doc: Mapping[str, Any], field: str, what: str, parse) -> list:
+    if not isinstance(doc[field], list):
+        raise TableError(f"'{field}' must be a list")
+    parsed = []
+    for raw in doc[field]:
+        try:
+            parsed.append(parse(raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableError(f"bad {what} {raw!r}: {exc}") from None
+    return parsed
 
 
 def _entry(raw: Any) -> Entry:
@@ -355,9 +337,8 @@ def _point(raw: Any) -> tuple[tuple[str, str], Point]:
 def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:
     """The route of a message of `nbytes` bytes; None when the table does not cover that size (the caller then
     uses NCCL). A scan of a few entries: callers memoize per size."""
-    kind = "fused" if fused else "plain"
-    return next((e.route for e in table.entries if (e.dtype, e.kind) == (dtype, kind) and e.low <= nbytes <= e.high),
-                None)
+    entries = table.routes_for(dtype, "fused" if fused else "plain")
+    return next((e.route for e in entries if e.low <= nbytes <= e.high), None)
 
 
 def describe(table: RoutingTable, dtype: str, kind: str, up_to: int | None = None) -> str:

@@ -1,17 +1,8 @@
 """The sm120 backend of one SGLang TP group: its gate decision, workspace, routes and counters.
 
-Every step is collective over the group, bounded in time and agreed over the c10d store (core/exchange.py); a
-rank's start-up makes at most four agreement rounds (gate, workspace, a host-memory retry, routes):
-1. `resolve_gate()` at GroupCoordinator init: every rank's facts (core/facts.py), the pure gate (core/gate.py).
-2. `build()` right before CUDA-graph capture, the first point where hidden size, dtype and batch sizes are known
-   (never inside a capture): the workspace in the memory the gate chose, its construction's steps over the same
-   store; an agreed outcome; one retry in pinned host memory when the P2P data-path probe failed on the ranks;
-   then the routes (runtime/routes.py).
-3. `route_for` / `fused_route_for`: the one check of a call (device and layout, then the route memoized per size
-   and dtype); `run` / `run_fused` launch it and count it in `stats`. `fused_tokens`: the token counts whose fused
-   calls are ours, computed at build for the fusion gate.
-4. `close()` at GroupCoordinator.destroy.
-Any failure leaves every rank on SGLang's own path, with the reason logged.
+Every step is collective over the group, bounded in time and agreed over the c10d store (core/exchange.py), in the
+order of docs/overlay.md ("What happens at a launch"): a rank's start-up makes at most four agreement rounds (gate,
+workspace, a host-memory retry, routes). Any failure leaves every rank on SGLang's own path, with the reason logged.
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ from .routes import resolve_routes
 logger = logging.getLogger("sglang_sm120")
 
 MEMORY_WORDS = {"device": "CUDA IPC (P2P)", "host": "pinned host memory (no P2P)"}
-ALL_NCCL_STATE = "ATTACHED, ALL SIZES ON NCCL"
 UPSTREAM_PATHS = "; SGLang's own all-reduce paths are used"
 DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}
 # At shutdown every rank destroys its groups at once; a rank that died must not hold the others for long.
@@ -66,25 +56,20 @@ class TPBackend:
         self.name, self.ranks, self.rank_in_group, self.world_size = name, list(ranks), rank_in_group, world_size
         self.device, self.settings, self.deterministic, self.store = device, settings, deterministic, store
         self._group = weakref.ref(group) if group is not None else (lambda: None)
+        self._scope = f"{name}/{'-'.join(map(str, ranks))}"
         self.upstream_note = upstream_note or (lambda enabled: "")
         self.decision: GateDecision | None = None
         self.facts = None  # core.facts.GroupFacts of the gate round
         self.routes = RouteBook.all_nccl("the workspace is not built yet")
         self.workspace = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted, self.build_error = False, None
-        self.hidden_size: int | None = None
-        self.dtype: torch.dtype | None = None
+        self.hidden_size = self.dtype = self.islands = self.link = None  # what build() found
         self.max_bytes = self.max_fused_tokens = 0
-        self.bound_explanation = ""
-        self.islands: list[list[int]] | None = None
-        self.link: str | None = None
         self.memory: str | None = None  # the gate's choice, then what was built; None when nothing is
         self.memory_note = ""  # why the built memory differs from the gate's choice
         self.fused_tokens: frozenset[int] = frozenset()
-        self.verify_rows = 1
         self.rounds = 0  # agreement rounds made (tests count them)
-        self._plain: dict[tuple[int, torch.dtype], Any] = {}
-        self._fused: dict[tuple[int, int, torch.dtype], Any] = {}
+        self._plain, self._fused = {}, {}  # routes memoized by (numel, dtype) and (rows, hidden, dtype)
         self.stats = {"sm120": 0, "sm120_fused": 0, "fallback": 0, "fused_fallback": 0}
 
     @classmethod
@@ -93,10 +78,6 @@ class TPBackend:
         return cls(name=group.unique_name, ranks=list(group.ranks), rank_in_group=group.rank_in_group,
                    world_size=group.world_size, device=group.device, settings=settings,
                    deterministic=deterministic, store=store, group=group, upstream_note=upstream_note)
-
-    @property
-    def mode(self) -> str:
-        return self.settings.mode
 
     @property
     def group_coordinator(self):
@@ -110,12 +91,9 @@ class TPBackend:
     def active(self) -> bool:
         return self.workspace is not None
 
-    def _scope(self) -> str:
-        return f"{self.name}/{'-'.join(map(str, self.ranks))}"
-
     def _agree(self, step: str, payload: Any) -> list[Any]:
         self.rounds += 1
-        prefix = exchange.next_prefix(f"{self._scope()}/{step}", self.rank_in_group)
+        prefix = exchange.next_prefix(f"{self._scope}/{step}", self.rank_in_group)
         return exchange.agree(self.store, prefix, self.rank_in_group, self.world_size, payload,
                               self.settings.agreement_timeout_s)
 
@@ -124,18 +102,17 @@ class TPBackend:
             logger.log(level, "%s", text)
 
     def _line(self, enabled: bool, detail: str, state: str | None = None) -> str:
-        return activation_line(enabled, self.name, self.world_size, self.mode, detail, self.upstream_note(enabled),
-                               state)
+        return activation_line(enabled, self.name, self.world_size, self.settings.mode, detail,
+                               self.upstream_note(enabled), state)
 
-    # ------------------------------------------------------------------------------------------------------
     def resolve_gate(self) -> GateDecision:
         """Collective: every rank's facts, the same decision everywhere. Never raises."""
         try:
             if self.store is None:
                 raise exchange.AgreementFailed("no c10d store to agree over (torch.distributed is not set up)")
-            self.facts = group_facts(self._agree("gate", local_facts(self.device, self.mode)))
-            f = self.facts
-            decision = decide(self.mode, f.capabilities, self.world_size, f.nnodes, f.p2p, self.deterministic,
+            mode = self.settings.mode
+            f = self.facts = group_facts(self._agree("gate", local_facts(self.device, mode)))
+            decision = decide(mode, f.capabilities, self.world_size, f.nnodes, f.p2p, self.deterministic,
                               kernel_errors=f.kernel_errors, modes=f.modes, names=f.names,
                               hostmem=self.settings.hostmem)
         except Exception as exc:
@@ -150,7 +127,6 @@ class TPBackend:
             self._log_rank0(logging.WARNING, self._line(False, decision.reason))
         return decision
 
-    # ------------------------------------------------------------------------------------------------------
     def build(self, hidden_size: int, dtype: torch.dtype, bound: ByteBound, *, kernel_timeout_s: float | None = None,
               tune: str = "off", fusion_ok: bool = True, verify_rows: int = 1) -> bool:
         """Collective: the workspace, then its routes. Every rank ends with a workspace or none does. Runs once:
@@ -163,39 +139,33 @@ class TPBackend:
             return self._give_up(f"model dtype {dtype} is not supported by the kernel (bfloat16/float16 only)")
         max_numel = bound.max_bytes // ELEMENT_BYTES
         memory = self.decision.memory
-        topo = probe([u or "" for u in self.facts.uuids]) if memory == "device" else None
-        # Every rank probes the same NVML tree, and the workspace's own argument check compares the islands.
-        self.islands = topo.islands() if topo is not None else None
-        self.link = topo.link if topo is not None else None
-        if topo is not None and topo.error:
-            self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: topology probe: {topo.error}; a flat "
-                                             f"schedule, link {self.link}")
+        if memory == "device":
+            # Every rank probes the same NVML tree, and the workspace's own argument check compares the islands.
+            topo = probe([u or "" for u in self.facts.uuids])
+            self.islands, self.link = topo.islands(), topo.link
+            if topo.error:
+                self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: topology probe: {topo.error}; a flat "
+                                                 f"schedule, link {self.link}")
         workspace, failed = self._construct("workspace", memory, max_numel, dtype, kernel_timeout_s)
-        if failed and _all_probe_failures(failed) and memory == "device":
+        failure = f"building the IPC workspace failed ({_detail(failed)})"
+        if failed and memory == "device" and all(o.get("pairs") is not None for o in failed.values()):
             if self.settings.hostmem == "off":
-                return self._give_up(f"building the IPC workspace failed ({_detail(failed)}); the pinned "
-                                     f"host-memory workspace is not tried ({HOSTMEM_ENV}=off)")
-            pairs = _probe_pairs(failed)
-            memory = "host"
-            workspace, failed_host = self._construct("workspace-host", memory, max_numel, dtype, kernel_timeout_s)
+                return self._give_up(f"{failure}; the pinned host-memory workspace is not tried ({HOSTMEM_ENV}=off)")
+            workspace, failed_host = self._construct("workspace-host", "host", max_numel, dtype, kernel_timeout_s)
             if failed_host:
-                return self._give_up(f"building the IPC workspace failed ({_detail(failed)}); the retry in pinned "
-                                     f"host memory failed too ({_detail(failed_host)})")
-            self.memory_note = f"the CUDA P2P data-path probe failed for {pairs}"
+                return self._give_up(f"{failure}; the retry in pinned host memory failed too ({_detail(failed_host)})")
+            self.memory_note = f"the CUDA P2P data-path probe failed for {_probe_pairs(failed)}"
             self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: {self.memory_note}; the pinned "
                                              f"host-memory workspace (no P2P needed) is used instead ({HOSTMEM_ENV}"
                                              "=off refuses it)")
         elif failed:
-            return self._give_up(_host_memory_failure(failed) or f"building the IPC workspace failed "
-                                                                 f"({_detail(failed)})")
-        self.workspace, self.memory = workspace, workspace.shape.memory.value
-        self.link = workspace.shape.link.value
+            tmpfs = next((o["tmpfs"] for o in failed.values() if o.get("tmpfs")), None)
+            return self._give_up(f"the pinned host-memory workspace does not fit: {tmpfs}" if tmpfs else failure)
+        self.workspace, self.memory, self.link = workspace, workspace.shape.memory.value, workspace.shape.link.value
         if self.memory == "host":
             self.islands = None
-        self.dtype, self.hidden_size, self.verify_rows = dtype, int(hidden_size), max(1, int(verify_rows))
-        self.max_bytes = max_numel * ELEMENT_BYTES
+        self.dtype, self.hidden_size, self.max_bytes = dtype, int(hidden_size), max_numel * ELEMENT_BYTES
         self.max_fused_tokens = max_numel // self.hidden_size
-        self.bound_explanation = bound.explanation
         self.routes = resolve_routes(
             agree=self._agree, keys=self.facts.keys, islands=workspace.islands, p2p=self.facts.p2p,
             shape=workspace.shape, limits=workspace.limits, hidden=self.hidden_size, dtype=DTYPE_NAMES[dtype],
@@ -204,8 +174,8 @@ class TPBackend:
         if fusion_ok:
             self.fused_tokens = frozenset(t for t in range(1, self.max_fused_tokens + 1) if self._fused_route(
                 t, self.hidden_size, dtype, workspace.admits_fused(t, self.hidden_size, dtype)) is not None)
-        state = ALL_NCCL_STATE if self.routes.source == ALL_NCCL else None
-        self._log_rank0(logging.WARNING, self._line(True, self.summary(), state))
+        state = "ATTACHED, ALL SIZES ON NCCL" if self.routes.source == ALL_NCCL else None
+        self._log_rank0(logging.WARNING, self._line(True, self._summary(bound, max(1, int(verify_rows))), state))
         return True
 
     def _construct(self, step: str, memory: str, max_numel: int, dtype, kernel_timeout_s):
@@ -218,17 +188,18 @@ class TPBackend:
             host = memory == "host"
             # A rank's allocation round may include the cluster check's child process: its peers wait that long too.
             workspace = IpcAllReduce(
-                exchange.StoreExchange(self.store, f"{self._scope()}/{step}", self.rank_in_group, self.world_size,
+                exchange.StoreExchange(self.store, f"{self._scope}/{step}", self.rank_in_group, self.world_size,
                                        self.settings.agreement_timeout_s + CHILD_TIMEOUT_S),
-                self.device, max_numel, dtype, islands=None if host else kernel_islands(self.islands,
-                                                                                        self.world_size),
-                link="auto" if host else (self.link or "auto"), memory=memory, timeout_s=kernel_timeout_s)
+                self.device, max_numel, dtype, memory=memory, timeout_s=kernel_timeout_s,
+                islands=None if host else kernel_islands(self.islands, self.world_size),
+                link="auto" if host else (self.link or "auto"))
         except Exception as exc:  # the construction raises on every rank together; agreed below
-            outcome = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
-                       "pairs": [list(p) for p in getattr(exc, "pairs", [])] if isinstance(
-                           exc, IpcAllReduceProbeError) else None,
-                       "probe": isinstance(exc, IpcAllReduceProbeError),
-                       "host_memory": isinstance(exc, IpcAllReduceHostMemoryError)}
+            error = f"{type(exc).__name__}: {exc}"
+            # The kernel's own sentence when the host-memory workspace does not fit its tmpfs begins so.
+            at = error.find("host memory:") if isinstance(exc, IpcAllReduceHostMemoryError) else -1
+            outcome = {"error": error,  # pairs: a probe failure's, else None
+                       "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
+                       "tmpfs": error[at:].splitlines()[0].rstrip(")").strip() if at >= 0 else None}
         try:
             failed = {r: o for r, o in enumerate(self._agree(step, outcome)) if o.get("error")}
         except Exception as exc:
@@ -244,7 +215,6 @@ class TPBackend:
         self._log_rank0(logging.WARNING, self._line(False, reason))
         return False
 
-    # ------------------------------------------------------------------------------------------------------
     # Dispatch. A pure function of the call's shape, dtype and layout and of what was agreed at build, so every
     # rank takes the same path (a mismatch would leave a kernel waiting for its peer).
     def route_for(self, inp: torch.Tensor):
@@ -257,17 +227,14 @@ class TPBackend:
             return self._plain[key]
         except KeyError:
             pass
-        route = self.routes.route(inp.numel() * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) \
+        route = self._plain[key] = self.routes.route(inp.numel() * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) \
             if ws.supports(inp) else None
-        self._plain[key] = route
         return route
 
     def _fused_route(self, rows: int, hidden: int, dtype: torch.dtype, admitted: bool):
-        key = (rows, hidden, dtype)
-        if key not in self._fused:
-            self._fused[key] = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype], True) \
-                if admitted else None
-        return self._fused[key]
+        route = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype], True) if admitted else None
+        self._fused[rows, hidden, dtype] = route
+        return route
 
     def fused_route_for(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
         """The route of ours for this fused all-reduce + residual-add + RMSNorm, or None (all-reduce, then norm)."""
@@ -289,10 +256,9 @@ class TPBackend:
         self.stats["sm120_fused"] += 1
         return self.workspace.launch_fused(route, x, residual, weight, eps)
 
-    # ------------------------------------------------------------------------------------------------------
-    def summary(self) -> str:
+    def _summary(self, bound: ByteBound, verify_rows: int) -> str:
         """What the built workspace serves, for the activation line."""
-        ws, gate = self.workspace, self.decision.reason if self.decision else "?"
+        ws, gate = self.workspace, self.decision.reason
         place = (f"transport: {MEMORY_WORDS.get(self.memory, self.memory)}"
                  + (f", because {self.memory_note}" if self.memory_note else "")
                  + f"; islands {self.islands or 'none (flat)'}, link {self.link}")
@@ -306,15 +272,15 @@ class TPBackend:
             schedule = describe_schedule(self.max_bytes, self.world_size, ws.shape.link, ws.shape.num_islands)
         return (f"all-reduces up to {self.max_bytes} B go to the sm120 kernels ({schedule}; fused all-reduce + "
                 f"residual-add + RMSNorm up to {self.max_fused_tokens} tokens x {self.hidden_size}, a few rows "
-                f"{ws.describe_fused_launch()}), larger ones to NCCL{self._versus_nccl()}; {place}; a wait for a "
-                f"peer is logged after {ws.warn_after_s:g} s and fails after {ws.timeout_s:g} s; bound: "
-                f"{self.bound_explanation}; gate: {gate}; {self.routes.source_line()}")
+                f"{ws.describe_fused_launch()}), larger ones to NCCL{self._versus_nccl(verify_rows)}; {place}; a wait "
+                f"for a peer is logged after {ws.warn_after_s:g} s and fails after {ws.timeout_s:g} s; bound: "
+                f"{bound.explanation}; gate: {gate}; {self.routes.source_line()}")
 
-    def _versus_nccl(self) -> str:
+    def _versus_nccl(self, rows: int) -> str:
         """For a table: ours against NCCL at the verify size, as measured."""
         if self.routes.source != TABLE:
             return ""
-        dtype, rows, parts = DTYPE_NAMES[self.dtype], self.verify_rows, []
+        dtype, parts = DTYPE_NAMES[self.dtype], []
         for kind in ("fused", "plain"):
             route, ours, nccl = self.routes.table.versus_nccl(dtype, kind, rows)
             if nccl is None:
@@ -327,9 +293,7 @@ class TPBackend:
 
     def close(self) -> None:
         workspace, self.workspace = self.workspace, None
-        self.fused_tokens = frozenset()
-        self._plain.clear()
-        self._fused.clear()
+        self.fused_tokens, self._plain, self._fused = frozenset(), {}, {}
         if workspace is not None:
             _close_quietly(workspace, collective=True)
 
@@ -342,7 +306,7 @@ class TPBackend:
             return None
 
     def describe(self) -> dict[str, Any]:
-        return {"group": self.name, "mode": self.mode, "enabled": self.gate_enabled,
+        return {"group": self.name, "mode": self.settings.mode, "enabled": self.gate_enabled,
                 "reason": self.decision.reason if self.decision else None, "active": self.active,
                 "build_error": self.build_error, "max_bytes": self.max_bytes,
                 "max_fused_tokens": self.max_fused_tokens, "islands": self.islands, "link": self.link,
@@ -350,20 +314,6 @@ class TPBackend:
                 "fused_clusters": dict(self.workspace.fused_clusters) if self.workspace is not None else None,
                 "routes": self.routes.as_dict(DTYPE_NAMES.get(self.dtype), self.max_bytes),
                 "stats": dict(self.stats), "device_calls": self.device_calls()}
-
-
-def _all_probe_failures(failed: dict[int, dict]) -> bool:
-    return all(o.get("probe") for o in failed.values())
-
-
-def _host_memory_failure(failed: dict[int, dict]) -> str:
-    """The kernel's own sentence when the host-memory workspace does not fit its tmpfs, else ''."""
-    for outcome in failed.values():
-        text = str(outcome.get("error", ""))
-        if outcome.get("host_memory") and "host memory:" in text:
-            return ("the pinned host-memory workspace does not fit: "
-                    + text[text.index("host memory:"):].splitlines()[0].rstrip(")").strip())
-    return ""
 
 
 def _detail(failed: dict[int, dict]) -> str:

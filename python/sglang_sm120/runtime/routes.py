@@ -1,13 +1,6 @@
-"""Which routing table a TP group routes by, decided once its workspace is built, in one agreement round.
-
-Ranks only read tables; `python -m sglang_sm120.tune` writes them (the launcher runs it under
---sm120-allreduce-tune auto when no table of this box exists, and force, before SGLang starts its ranks).
-Every rank computes the key from every rank's key facts (sent in the gate round), the islands, the P2P matrix,
-the workspace's memory and launch facts, reads the cache, and sends what it found with the candidates blamed
-under the key; every rank then takes the same decision from the same list:
-- every rank read the same usable table: route by it, re-derived without the blamed candidates;
-- otherwise NCCL for every size, with one WARNING naming the cause and the command that measures this box; or,
-  with --sm120-allreduce-tune off, the unmeasured seeds.
+"""Which routing table a TP group routes by, decided once its workspace is built, in one agreement round (step 4 of
+docs/overlay.md, "What happens at a launch"): every rank sends what it read under the key, and every rank takes the
+same decision from the same list. Ranks only read tables; `python -m sglang_sm120.tune` writes them.
 The ranks must run one kernel library and launch alike (ranks running different kernels would wait on each other
 until the kernel timeout): a difference sends every size to NCCL whatever the setting.
 """
@@ -21,7 +14,7 @@ from typing import Any
 from sgl_kernel_sm120.policy import KernelLimits, WorkspaceShape
 
 from ..routing import cache
-from ..routing.book import TUNE_COMMAND, RouteBook
+from ..routing.book import TABLE, TUNE_COMMAND, RouteBook
 from ..routing.table import KINDS, RoutingTable, make_key, route_differences
 
 logger = logging.getLogger("sglang_sm120")
@@ -34,7 +27,14 @@ def tune_command(world: int, hidden: int) -> str:
 def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[str, Any] | None],
                    islands, p2p, shape: WorkspaceShape, limits: KernelLimits, hidden: int, dtype: str,
                    max_bytes: int, tune: str, launch: Mapping[str, Any], log: Callable[[int, str], None]) -> RouteBook:
-    """The group's routes (module docstring). Never raises; `log` writes rank 0's lines."""
+    """The group's routes (module docstring): the same RouteBook on every rank, from the agreed views and this
+    rank's copy of the table they agreed on. Never raises; `log` writes rank 0's lines."""
+
+    def all_nccl(why: str) -> RouteBook:
+        log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
+                             f"{tune_command(len(keys), hidden)})")
+        return RouteBook.all_nccl(why)
+
     loaded = None
     try:
         if any(k is None for k in keys):
@@ -50,32 +50,17 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
     try:
         views = agree("routes", local)
     except Exception as exc:
-        return all_nccl(log, f"the ranks could not agree on their routes ({exc})", len(keys), hidden)
-    return decide(views, loaded, shape=shape, limits=limits, hidden=hidden, dtype=dtype, max_bytes=max_bytes,
-                  tune=tune, log=log)
-
-
-def all_nccl(log, why: str, world: int, hidden: int) -> RouteBook:
-    log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
-                         f"{tune_command(world, hidden)})")
-    return RouteBook.all_nccl(why)
-
-
-def decide(views: Sequence[Mapping[str, Any]], loaded: cache.Loaded | None, *, shape, limits, hidden, dtype,
-           max_bytes, tune, log) -> RouteBook:
-    """The same RouteBook on every rank from the agreed views (pure but for `loaded`, this rank's copy of the
-    table all ranks agreed on)."""
-    world = len(views)
+        return all_nccl(f"the ranks could not agree on their routes ({exc})")
     errors = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v.get("error")]
     if errors:
         why = f"the routing-table key could not be computed ({'; '.join(errors)})"
-        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(log, why, world, hidden)
+        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(why)
     libraries = sorted({lib for v in views for lib in v["kernels"]})
     if len(libraries) > 1:
-        return all_nccl(log, f"the ranks do not run the same kernel library ({', '.join(libraries)})", world, hidden)
+        return all_nccl(f"the ranks do not run the same kernel library ({', '.join(libraries)})")
     if any(v["launch"] != views[0]["launch"] for v in views):
         shown = "; ".join(f"rank {r} {v['launch']}" for r, v in enumerate(views))
-        return all_nccl(log, f"the ranks' workspaces launch differently ({shown})", world, hidden)
+        return all_nccl(f"the ranks' workspaces launch differently ({shown})")
     if all(v["status"] == cache.OK for v in views) and len({v["digest"] for v in views}) == 1:
         blamed = [dict(b) for b in {repr(sorted(b.items())): b for v in views for b in v["blamed"]}.values()]
         return _book(loaded.table, loaded.path, blamed, shape, limits, dtype, max_bytes, log)
@@ -85,7 +70,7 @@ def decide(views: Sequence[Mapping[str, Any]], loaded: cache.Loaded | None, *, s
         log(logging.INFO if views[0]["status"] == cache.MISSING else logging.WARNING,
             f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")
         return RouteBook.seeds(shape, limits, why)
-    return all_nccl(log, f"{why} (the launcher's tune gives one: see its lines in the launch log)", world, hidden)
+    return all_nccl(f"{why} (the launcher's tune gives one: see its lines in the launch log)")
 
 
 def _book(table: RoutingTable, path: str, blamed, shape, limits, dtype, max_bytes, log) -> RouteBook:
@@ -100,4 +85,4 @@ def _book(table: RoutingTable, path: str, blamed, shape, limits, dtype, max_byte
         log(logging.WARNING, f"sglang_sm120: routing table {path} measured {dtype} {', '.join(short)} calls up to "
                              f"{min(derived.largest(dtype, k) for k in short)} B, this server's bound is {max_bytes} "
                              "B: larger calls go to NCCL (tune with this server's batch sizes to cover them)")
-    return RouteBook("table", table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
+    return RouteBook(TABLE, table=derived, path=path, shape=shape, limits=limits, blamed=tuple(blamed))
