@@ -73,7 +73,7 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
     from .tuner import Tuner, TuneSpec
 
     with open(spec_path, encoding="utf-8") as handle:
-        spec = TuneSpec.from_dict(json.load(handle))
+        spec = TuneSpec(**json.load(handle))
     torch.cuda.set_device(device_index)
     device = torch.device("cuda", device_index)
     # A debug run that injects NCCL's time (ranks sharing one GPU, where NCCL refuses to start) runs on gloo alone.

@@ -1,12 +1,11 @@
-"""The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size of the spec, every
-candidate (tuning/candidates.py) and NCCL are verified (tuning/burst.py), then timed, and `routing.table.choose`
-turns the times into routes; the caller saves the table.
+"""The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size, NCCL and every
+candidate (tuning/candidates.py) are verified (tuning/burst.py), then timed; `routing.table.choose` turns the times
+into routes.
 
-Every collective step is a gather over the group's CPU (gloo) group, so all ranks see the same lists and take the
-same branches. A candidate that fails (wrong bits, an exception, a kernel wait that timed out) is recorded with
-its reason, never routed to, not tried at larger sizes of that dtype and kind, and the workspaces are rebuilt
-before the next candidate. One that kills its process is found by the parent (tuning/processes.py), excluded
-(`TuneSpec.exclude`), and the tune starts again.
+Every collective step is a gather over the group's gloo group, so all ranks see the same lists and take the same
+branches. A candidate that fails is recorded with its reason, never routed to, not tried at larger sizes of that
+dtype and kind, and the workspaces are rebuilt; one that kills its process is excluded by the parent
+(tuning/processes.py, `TuneSpec.exclude`), which starts the tune again.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ PRUNE_SIZES = 2
 
 
 class TuneError(RuntimeError):
-    pass
+    """The ranks cannot tune together (their answers, workspaces or kernel libraries differ)."""
 
 
 def graph_rows(batch_sizes: Sequence[int], draft_tokens: int = 1) -> list[int]:
@@ -97,14 +96,6 @@ class TuneSpec:
         timing = {"calls": 10, "iters": 10, "warmup": 3} if quick else {}
         return cls(hidden=int(hidden), max_rows=int(max_rows), quick=quick, **{**timing, **kwargs})
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> TuneSpec:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in fields})
-
     def excluded(self, dtype: str, kind: str, candidate: str, nbytes: int) -> str | None:
         for rule in self.exclude:
             if (rule.get("dtype"), rule.get("kind"), rule.get("candidate")) == (dtype, kind, candidate) and \
@@ -141,40 +132,38 @@ class Tuner:
                 raise TuneError(f"ranks see different {what}: {seen}")
         return WorkspaceShape.from_dict(views[0]["shape"]), KernelLimits(**views[0]["limits"])
 
+    def _gathered(self, what: str, measure: Callable[[], Any]) -> list[tuple[str | None, Any]]:
+        """Every rank's (error or None, what `measure` returned): a failure is agreed like a result."""
+        try:
+            local = (None, measure())
+        except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
+            local = (f"{what}: {short_error(exc)}", None)
+        return self._agreed(local)
+
     def _verify_and_time(self, route: Route | None, kind: str, dtype: str,
                          rows: int) -> tuple[float | None, str | None]:
         """(median over replays of the slowest rank's us per call, None) or (None, why it failed): the verdict is
-        reduced across the group before anyone times, so it is the same on every rank."""
+        agreed before anyone times, so it is the same on every rank."""
         if route is not None:
-            local: tuple[str | None, str | None] = (None, None)
-            try:
-                local = (None, self.measurer.verify(route, kind, dtype, rows))
-            except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
-                local = (f"verify: {short_error(exc)}", None)
-            verdict = reduce_verdicts(self._agreed(local))
+            verdict = reduce_verdicts(self._gathered("verify", lambda: self.measurer.verify(route, kind, dtype, rows)))
             if verdict is not None:
                 return None, verdict
-        times, err = None, None
-        try:
-            if route is None and self.spec.debug_nccl_us is not None:
-                times = [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)
-            else:
-                times = self.measurer.time(route, kind, dtype, rows)
-        except Exception as exc:  # noqa: BLE001
-            err = f"timing: {short_error(exc)}"
-        gathered = self._agreed((times, err))
-        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+        if route is None and self.spec.debug_nccl_us is not None:
+            gathered = self._agreed((None, [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)))
+        else:
+            gathered = self._gathered("timing", lambda: self.measurer.time(route, kind, dtype, rows))
+        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
         if errors:
             return None, "; ".join(errors)
         try:
-            return float(aggregate_iteration_times([g[0] for g in gathered])["median_us"]), None
+            return float(aggregate_iteration_times([times for _, times in gathered])["median_us"]), None
         except ValueError as exc:
             return None, f"timing: {exc}"
 
     def _measure(self, dtype: str, kind: str, shape: WorkspaceShape, limits: KernelLimits) -> list[Point]:
         points: list[Point] = []
         sticky: dict[str, str] = {}  # candidate id -> why it is not tried at larger sizes
-        losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL
+        losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL (NCCL: never)
         for rows in self.spec.rows:
             nbytes = rows * self.spec.hidden * ELEMENT_BYTES
             routes = {route_id(r): r for r in [None, *cand.candidates(kind, nbytes, self.spec.hidden, shape, limits,
@@ -203,31 +192,27 @@ class Tuner:
                     self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
                                       "routed to our kernels, for want of an NCCL time to beat")
             nccl = times.get(NCCL)
-            for cid, us in times.items():
-                if cid != NCCL and nccl is not None:
-                    losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
-                    if losing[cid] >= PRUNE_SIZES:
-                        sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive "
-                                       f"sizes up to {nbytes} B")
+            for cid, us in times.items() if nccl is not None else ():
+                losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
+                if losing[cid] >= PRUNE_SIZES:
+                    sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive sizes "
+                                   f"up to {nbytes} B")
             points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
         return points
 
     def run(self) -> RoutingTable:
-        start = self.clock()
+        start, spec = self.clock(), self.spec
         shape, limits = self._agree_setup()
         measurements: dict[tuple[str, str], list[Point]] = {}
-        for dtype in self.spec.dtypes:
+        for dtype in spec.dtypes:
             if dtype not in DTYPES:
                 raise TuneError(f"dtype {dtype!r} is not one the kernels take ({', '.join(DTYPES)})")
-            for kind in self.spec.kinds:
+            for kind in spec.kinds:
                 measurements[(dtype, kind)] = self._measure(dtype, kind, shape, limits)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         clocks = self._agreed((now, self.clock() - start))  # the table's stamp: rank 0's clock
-        notes = list(self.notes)
-        if self.spec.debug_nccl_us is not None:
-            notes.append(f"DEBUG: NCCL was not measured; its time was set to {self.spec.debug_nccl_us} us "
-                         "(plumbing run, these routes mean nothing)")
-        spec = self.spec
+        notes = self.notes + ([f"DEBUG: NCCL was not measured; its time was set to {spec.debug_nccl_us} us (plumbing "
+                               "run, these routes mean nothing)"] if spec.debug_nccl_us is not None else [])
         table = RoutingTable.from_points(
             key=self.key, measured=clocks[0][0], quick=spec.quick, notes=notes,
             workload={"hidden": spec.hidden, "rows": spec.rows, "dtypes": list(spec.dtypes), "kinds": list(spec.kinds),
@@ -239,5 +224,3 @@ class Tuner:
             raise TuneError("the ranks built different tables from the same measurements")
         return table
 
-
-__all__ = ["TuneError", "TuneSpec", "Tuner", "graph_rows", "rows_ladder"]
