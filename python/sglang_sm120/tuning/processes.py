@@ -27,12 +27,6 @@ CHILD_MODULE = "sglang_sm120.tuning.child"
 EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def child_env(base: dict | None = None) -> dict:
     """Ours, with both packages' parent folders first on PYTHONPATH (we may have found them through sys.path)."""
     import sgl_kernel_sm120
@@ -41,9 +35,7 @@ def child_env(base: dict | None = None) -> dict:
     ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../sglang_sm120/tuning
     parents = [ours, os.path.dirname(os.path.dirname(os.path.abspath(sgl_kernel_sm120.__file__)))]
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parents + rest))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(parents + rest)), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclasses.dataclass
@@ -157,18 +149,20 @@ class _Child:
 
 
 def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, timeout_s: float, stall_s: float,
-                 port: int | None = None, on_event: Callable[[int, dict], None] | None = None,
-                 command: Callable[..., list[str]] | None = None, env: dict | None = None) -> list[ChildOutcome]:
+                 on_event: Callable[[int, dict], None] | None = None, command: Callable[..., list[str]] | None = None,
+                 env: dict | None = None) -> list[ChildOutcome]:
     """One child per (rank, device) of `ranks`, awaited within `timeout_s`; all are killed when none made progress
     for `stall_s`, or when one ended badly and the others did not follow within EXIT_GRACE_S. `command(rank,
     device, spec_path)` replaces the child's command line (tests)."""
-    port = free_port() if port is None else port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     command = command or (lambda rank, device, spec_path: [
         sys.executable, "-m", CHILD_MODULE, "--rank", str(rank), "--world", str(world), "--device", str(device),
         "--port", str(port), "--spec", spec_path])
     env = child_env() if env is None else env
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="sm120-tune-spec-", delete=False) as handle:
-        json.dump(spec.as_dict(), handle)
+        json.dump(dataclasses.asdict(spec), handle)
         spec_path = handle.name
     children: list[_Child] = []
     try:
