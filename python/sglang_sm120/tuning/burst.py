@@ -77,7 +77,7 @@ class CandidateRun:
         like = next(iter(bank.base.values()))
         self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
         self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
-        width = len(bank.output_names())
+        width = len(bank.output_names)
         self.outs = {r: [tuple(torch.empty_like(like) for _ in range(width)) for _ in range(self.calls)]
                      for r in self.ranks}
         self.call = {r: [make_call(r, self.x[r][k], self.residual[k] if self.residual else None, self.outs[r][k])
@@ -103,7 +103,7 @@ class CandidateRun:
     def _check(self, where: str, value: int, outputs: dict[int, tuple]) -> None:
         expected = self.bank.expected(value)
         for r in self.ranks:
-            for name, got, want in zip(self.bank.output_names(), outputs[r], expected, strict=True):
+            for name, got, want in zip(self.bank.output_names, outputs[r], expected, strict=True):
                 if not verify.same_values(got, want):
                     raise AssertionError(verify.mismatch(f"{where} rank {r} {name}", got, want) or
                                          f"{where} rank {r} {name}: differs")

@@ -2,7 +2,7 @@
 the comparison, and the group's verdict (torch on the CPU is enough).
 
 Exact: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
-must survive), built from (seed, rank) alone, so every rank can build every rank's inputs; their sums are exact in
+must survive), built from the rank alone, so every rank can build every rank's inputs; their sums are exact in
 bf16/fp16 in any order, and the fused case is built backwards from its expected residual (`fused_target`) so its
 norm is exact too. Zero tolerance (values equal, no NaN; +0 == -0 as values), and the ranks' bits are compared
 (`fingerprint`, `reduce_verdicts`): a candidate fails everywhere when any rank failed or the bits differ.
@@ -34,13 +34,13 @@ def shift(value: int, numel: int) -> int:
     return (int(value) * (ROLL_STEP if ROLL_STEP % numel else 1)) % numel
 
 
-def rank_input(rank: int, rows: int, hidden: int, dtype: str, seed: int = 0):
+def rank_input(rank: int, rows: int, hidden: int, dtype: str):
     """Rank `rank`'s base input: integers in [-3, 3], about one element in eight a -0."""
     import torch
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    generator = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + rows)
+    generator = torch.Generator().manual_seed(7919 * rank + rows)
     values = torch.randint(-3, 4, (rows, hidden), generator=generator).float()
     negative_zero = torch.randint(0, 8, (rows, hidden), generator=generator) == 0
     return torch.where(negative_zero, torch.full_like(values, -0.0), values).to(getattr(torch, dtype))
@@ -66,17 +66,15 @@ class CallBank:
     """One size's base case on `device`, for the ranks in `ranks` (every rank in one process, or this rank); a
     call's tensors are a roll, a subtraction and a product of it on the device, nothing random per call."""
 
-    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device,
-                 seed: int = 0):
+    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device):
         import torch
 
         from sgl_kernel_sm120.reference import reference_all_reduce
 
-        if kind not in ("plain", "fused"):
-            raise ValueError(f"kind must be plain or fused, got {kind!r}")
         self.kind, self.dtype, self.rows, self.hidden = kind, dtype, int(rows), int(hidden)
         self.torch_dtype, self.numel, self.eps = getattr(torch, dtype), self.rows * self.hidden, EPS
-        inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
+        self.output_names = ("norm", "residual") if kind == "fused" else ("sum",)
+        inputs = [rank_input(r, rows, hidden, dtype) for r in range(world)]
         self.total = reference_all_reduce(inputs).float().to(device)  # small integers: exact
         self.base = {r: inputs[r].to(device) for r in ranks}
         self.weight32 = self.weight = None
@@ -101,9 +99,6 @@ class CallBank:
             return (self._roll(self.total, value).to(self.torch_dtype),)
         target, scale = fused_target(self.rows, self.hidden, value, self.total.device)
         return (target * scale * self.weight32).to(self.torch_dtype), target.to(self.torch_dtype)
-
-    def output_names(self) -> tuple[str, ...]:
-        return ("norm", "residual") if self.kind == "fused" else ("sum",)
 
 
 def mismatch(name: str, got, expected) -> str | None:
