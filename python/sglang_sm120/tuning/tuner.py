@@ -77,11 +77,6 @@ class TuneSpec:
     kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
     # Candidates the parent excluded after one killed a process: dtype, kind, candidate, from_bytes, reason.
     exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    # The workspace's set-up, None where the child finds it out (P2P decides memory, NVML the islands).
-    memory: str | None = None
-    islands: list[list[int]] | None = None
-    islands_given: bool = False
-    link: str | None = None
     graph_rows: list[int] = dataclasses.field(default_factory=list)  # graph_rows(), each measured
     if_missing: bool = False  # stop when every rank finds a table of its key
     # Debug only, where NCCL cannot start (ranks sharing a GPU): NCCL's time is this value, and the table says so.

@@ -222,7 +222,7 @@ def test_the_full_ladder_grows_by_a_quarter_at_most_and_ends_at_the_bound():
 
 
 def test_the_spec_survives_json():
-    s = spec(exclude=[{"dtype": "bfloat16"}], islands=[[0], [1]], islands_given=True)
+    s = spec(exclude=[{"dtype": "bfloat16"}], graph_rows=[1, 4], debug_nccl_us=1e6, if_missing=True)
     assert TuneSpec(**json.loads(json.dumps(dataclasses.asdict(s)))) == s
     quick = TuneSpec.make(7168, 16, quick=True, dtypes=["float16"])
     assert (quick.calls, quick.iters, quick.dtypes) == (10, 10, ["float16"])
