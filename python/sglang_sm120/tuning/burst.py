@@ -12,9 +12,12 @@ The fingerprints of every output checked make this process's digest, which the T
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from sgl_kernel_sm120.policy import Route, resolve
+
+from ..routing.table import route_id
 from . import timing, verify
 from .verify import CallBank, salt
 
@@ -62,29 +65,38 @@ class CudaBackend:
 
 
 class CandidateRun:
-    """Slots, graph and checks of one candidate at one size. `make_call(rank, x, residual, outs)` returns the
-    callable that issues rank `rank`'s call of the candidate on those tensors; `check_timeouts()` raises when a
-    kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+    """Slots, graph and checks of `route` at one size, rank r's calls on workspaces[r]. `check_timeouts()` raises
+    when a kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
 
-    def __init__(self, bank: CallBank, candidate_id: str, ranks: Sequence[int], calls: int,
-                 make_call: Callable[[int, Any, Any, tuple], Callable[[], Any]], backend,
+    def __init__(self, bank: CallBank, route: Route, workspaces: Mapping[int, Any], calls: int, backend,
                  check_timeouts: Callable[[], None]):
         import torch
 
-        self.bank, self.ranks, self.calls = bank, list(ranks), max(1, int(calls))
+        self.bank, self.ranks, self.calls = bank, list(workspaces), max(1, int(calls))
         self.backend, self.check_timeouts = backend, check_timeouts
-        self.next_salt = salt(candidate_id)
+        self.next_salt = salt(route_id(route))
         like = next(iter(bank.base.values()))
         self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
         self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
-        width = len(bank.output_names)
-        self.outs = {r: [tuple(torch.empty_like(like) for _ in range(width)) for _ in range(self.calls)]
+        self.outs = {r: [tuple(torch.empty_like(like) for _ in bank.output_names) for _ in range(self.calls)]
                      for r in self.ranks}
-        self.call = {r: [make_call(r, self.x[r][k], self.residual[k] if self.residual else None, self.outs[r][k])
+        self.call = {r: [self._checked_call(workspaces[r], route, self.x[r][k],
+                                            self.residual[k] if self.residual else None, self.outs[r][k])
                          for k in range(self.calls)] for r in self.ranks}
         self.graph = None
         self.fed: list[int] = [0] * self.calls  # the salt whose inputs each slot holds
         self.prints: list[str] = []
+
+    def _checked_call(self, ws, route: Route, x, residual, outs: tuple) -> Callable[[], Any]:
+        """One call, its arguments checked once, here; it launches the route resolved as a server resolves it."""
+        bank, fused = self.bank, self.bank.kind == "fused"
+        why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
+        if why:
+            raise ValueError(f"{route.id} cannot run here: {why}")
+        resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
+        if not fused:
+            return lambda: ws.launch(resolved, x, outs[0])
+        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
 
     def _feed(self, k: int) -> None:
         value, self.next_salt = self.next_salt, self.next_salt + 1
@@ -141,8 +153,6 @@ class CandidateRun:
         return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
 
     def time(self, iters: int, warmup: int) -> list[float]:
-        if self.graph is None:
-            raise RuntimeError("time() before verify(): the graph is captured, and checked, by verify()")
         per_replay = self.backend.replay_times(self.graph, int(iters), int(warmup))
         self._settle()
         for k in range(self.calls):

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape, resolve
+from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
 
 from ..routing.table import route_id
 from . import timing
@@ -43,24 +43,6 @@ def find_fused_add_rmsnorm() -> tuple[str, Callable]:
     return "torch ops (sgl_kernel and flashinfer not importable)", _torch_add_rmsnorm
 
 
-def checked_calls(workspaces: Mapping[int, Any], route: Route, bank: CallBank):
-    """A CandidateRun's `make_call`, rank r's calls on workspaces[r]: the arguments are checked once, at set-up,
-    and the calls launch the route resolved as a server resolves it."""
-    fused = bank.kind == "fused"
-
-    def make(rank: int, x, residual, outs):
-        ws = workspaces[rank]
-        why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
-        if why:
-            raise ValueError(f"{route.id} cannot run here: {why}")
-        resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
-        if not fused:
-            return lambda: ws.launch(resolved, x, outs[0])
-        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
-
-    return make
-
-
 class BurstMeasurer:
     """Our candidates on this process's ranks (`lanes`): one size's CallBank at a time, and the checked CandidateRun
     that `time()` replays, so the checked graph is the timed one."""
@@ -80,11 +62,11 @@ class BurstMeasurer:
     def _verify_run(self, route: Route, kind: str, dtype: str, rows: int, workspaces: Mapping[int, Any],
                     check_timeouts: Callable[[], None]) -> str:
         self._run = None  # the last candidate's graph goes first
-        bank = self._bank_for(kind, dtype, rows)
-        run = CandidateRun(bank, route_id(route), self.lanes, int(self.spec.calls),
-                           checked_calls(workspaces, route, bank), self.backend, check_timeouts)
-        self._run = ((route, kind, dtype, rows), run)
-        return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
+        run = CandidateRun(self._bank_for(kind, dtype, rows), route, workspaces, int(self.spec.calls), self.backend,
+                           check_timeouts)
+        digest = run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
+        self._run = ((route, kind, dtype, rows), run)  # only a checked run is ever timed
+        return digest
 
     def _time_run(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
         if self._run is None or self._run[0] != (route, kind, dtype, rows):
