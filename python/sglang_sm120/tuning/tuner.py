@@ -1,11 +1,8 @@
 """The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size, NCCL and every
-candidate (tuning/candidates.py) are verified (tuning/burst.py), then timed; `routing.table.choose` turns the times
-into routes.
-
+candidate (tuning/candidates.py) are verified, then timed; `routing.table.choose` turns the times into routes.
 Every collective step is a gather over the group's gloo group, so all ranks see the same lists and take the same
-branches. A candidate that fails is recorded with its reason, never routed to, not tried at larger sizes of that
-dtype and kind, and the workspaces are rebuilt; one that kills its process is excluded by the parent
-(tuning/processes.py, `TuneSpec.exclude`), which starts the tune again.
+branches. A candidate that fails is recorded with its reason, never routed to nor tried at larger sizes, and the
+workspaces are rebuilt after it.
 """
 
 from __future__ import annotations
@@ -106,16 +103,13 @@ class Tuner:
     build or free a workspace are collective: the Tuner calls them on every rank at the same point."""
 
     def __init__(self, measurer, spec: TuneSpec, *, rank: int, world: int, gather: Callable[[Any], list],
-                 key: Mapping[str, Any], progress: Callable[[dict], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 key: Mapping[str, Any], progress: Callable[[dict], None] | None = None):
         self.measurer, self.spec, self.rank, self.world = measurer, spec, rank, world
-        self.gather, self.key, self.clock = gather, dict(key), clock
-        self.progress = progress or (lambda event: None)
+        self.gather, self.key, self.progress = gather, dict(key), progress or (lambda event: None)
         self.notes: list[str] = []
 
     def _agreed(self, local: Any) -> list:
-        out = self.gather(local)
-        if len(out) != self.world:
+        if len(out := self.gather(local)) != self.world:
             raise TuneError(f"gather returned {len(out)} answers for {self.world} ranks")
         return out
 
@@ -196,7 +190,7 @@ class Tuner:
         return points
 
     def run(self) -> RoutingTable:
-        start, spec = self.clock(), self.spec
+        start, spec = time.monotonic(), self.spec
         shape, limits = self._agree_setup()
         measurements: dict[tuple[str, str], list[Point]] = {}
         for dtype in spec.dtypes:
@@ -205,7 +199,7 @@ class Tuner:
             for kind in spec.kinds:
                 measurements[(dtype, kind)] = self._measure(dtype, kind, shape, limits)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        clocks = self._agreed((now, self.clock() - start))  # the table's stamp: rank 0's clock
+        clocks = self._agreed((now, time.monotonic() - start))  # the table's stamp: rank 0's clock
         notes = self.notes + ([f"DEBUG: NCCL was not measured; its time was set to {spec.debug_nccl_us} us (plumbing "
                                "run, these routes mean nothing)"] if spec.debug_nccl_us is not None else [])
         table = RoutingTable.from_points(
