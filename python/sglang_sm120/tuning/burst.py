@@ -15,6 +15,8 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from sgl_kernel_sm120.policy import Route, resolve
 
 from ..routing.table import route_id
@@ -26,26 +28,18 @@ class CudaBackend:
     """The device work of a CandidateRun on one CUDA device, one stream per lane (the CPU tests fake it)."""
 
     def __init__(self, device, lanes: int):
-        import torch
-
         self.device = torch.device(device)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)]
 
     def synchronize(self) -> None:
-        import torch
-
         torch.cuda.synchronize(self.device)
 
     def lane(self, index: int):
-        import torch
-
         return torch.cuda.stream(self.streams[index])
 
     def capture(self, lanes: Sequence[Sequence[Callable[[], Any]]]):
         """One graph, one branch per lane (each on its stream, forked from and joined into the capture stream):
         a graph's kernels load at instantiation, so the lanes' first launches cannot wait on one another."""
-        import torch
-
         main = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
@@ -70,8 +64,6 @@ class CandidateRun:
 
     def __init__(self, bank: CallBank, route: Route, workspaces: Mapping[int, Any], calls: int, backend,
                  check_timeouts: Callable[[], None]):
-        import torch
-
         self.bank, self.ranks, self.calls = bank, list(workspaces), max(1, int(calls))
         self.backend, self.check_timeouts = backend, check_timeouts
         self.next_salt = salt(route_id(route))

@@ -11,6 +11,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
 
 from ..routing.table import route_id
@@ -80,8 +83,6 @@ class BurstMeasurer:
 class CudaMeasurer(BurstMeasurer):
     def __init__(self, *, rank: int, world: int, device, cpu_group, nccl_group, spec, islands=None,
                  link: str | None = None, memory: str = "device"):
-        import torch
-
         device = torch.device(device)
         super().__init__(spec, world, [rank], device, CudaBackend(device, 1))
         self.rank, self.cpu_group, self.nccl_group = rank, cpu_group, nccl_group
@@ -92,8 +93,6 @@ class CudaMeasurer(BurstMeasurer):
 
     def _workspace(self):
         if self._ws is None:
-            import torch
-
             from sgl_kernel_sm120 import IpcAllReduce
 
             self._ws = IpcAllReduce(  # bf16-sized: fp16's elements are as large
@@ -125,8 +124,6 @@ class CudaMeasurer(BurstMeasurer):
     def _nccl(self, kind: str, dtype: str, rows: int):
         """NCCL's timed step: an all-reduce of zeros (the sum stays finite), then for the fused kind the incumbent
         add + RMSNorm."""
-        import torch.distributed as dist
-
         bank = self._bank_for(kind, dtype, rows)
         buf, group, norm = bank.base[self.rank].clone().zero_(), self.nccl_group, self.norm
         residual = bank.inputs(0)["residual"] if kind == "fused" else None
