@@ -1,10 +1,10 @@
-"""One candidate at one size as this process runs it, on its ranks as lanes (one in a rank's process, all W in a
-one-process group). The graph holds `calls` calls per lane, call k on input and output slot k, so several calls
-are in flight with distinct buffers, as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
-1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between;
-2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs,
-   its outputs copied aside, then all checked: a candidate that returns the previous call's result, reads the
-   previous call's input or reuses a buffer its peer (or its own previous call) still reads fails here;
+"""One candidate at one size on this process's ranks as lanes (one in a rank's process, all W in a one-process
+group). The graph holds `calls` calls per lane, call k on slot k, so several calls are in flight on distinct buffers
+as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
+1. `verify_calls` eager calls, each checked with the device synchronized in between;
+2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs, then
+   all checked: a candidate that returns the previous call's result, reads the previous call's input or reuses a
+   buffer its peer (or its own previous call) still reads fails here;
 3. the timed replays of the same graph (the checked graph is the timed one), then a check of their outputs.
 The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks.
 """
