@@ -18,7 +18,6 @@ from sgl_kernel_sm120.policy import DTYPES, ELEMENT_BYTES, KernelLimits, Route, 
 from ..routing.table import NCCL, Point, RoutingTable, route_id
 from . import candidates as cand
 from .timing import aggregate_iteration_times, short_error
-from .verify import reduce_verdicts
 
 # Full tune: every row count up to 16 (the decode/verify sizes that matter most), then steps of about 25%; quick:
 # the sizes below, then doubling.
@@ -57,6 +56,19 @@ def rows_ladder(max_rows: int, quick: bool, captured: Sequence[int] = ()) -> lis
         r = max(r + 1, r * (2.0 if quick else 1.25))
         rows.add(min(int(r), max_rows))
     return sorted(rows)
+
+
+def reduce_verdicts(gathered: Sequence[tuple[str | None, Any]]) -> str | None:
+    """Every rank's (error or None, output digest), rank order -> None (passed) or why not; pure, so every rank
+    reaches the same verdict."""
+    if errors := "; ".join(f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err):
+        return errors
+    groups: dict[Any, list[int]] = {}
+    for r, (_, digest) in enumerate(gathered):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) != 1:
+        return f"outputs differ across ranks (ranks with identical bits: {', '.join(map(str, groups.values()))})"
+    return None
 
 
 @dataclasses.dataclass
@@ -141,9 +153,8 @@ class Tuner:
             gathered = self._agreed((None, [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)))
         else:
             gathered = self._gathered("timing", lambda: self.measurer.time(route, kind, dtype, rows))
-        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
-        if errors:
-            return None, "; ".join(errors)
+        if errors := "; ".join(f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err):
+            return None, errors
         try:
             return float(aggregate_iteration_times([times for _, times in gathered])["median_us"]), None
         except ValueError as exc:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from sgl_kernel_sm120.policy import WorkspaceShape, kernel_limits
 from sglang_sm120.core import exchange
 from sglang_sm120.routing import table as tbl
-from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, rows_ladder
+from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, reduce_verdicts, rows_ladder
 
 # The fake workspace is in host memory, where push is the one transport timed, and its one-shot slots hold every
 # size: one candidate per variant.
@@ -141,6 +141,12 @@ def test_a_candidate_failing_on_one_rank_fails_on_all_is_skipped_above_and_the_w
     assert (ONE, 3) not in measurers[0].verified and (ONE, 3) not in measurers[1].verified  # never tried again
     assert tbl.describe(results[0], "bfloat16", "plain") == "NCCL up to 57344 B"  # a one-size run is not enough
     assert results[0].digest() == results[1].digest()  # the same table on every rank, the failure in it
+
+
+def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
+    assert reduce_verdicts([(None, "x"), (None, "x")]) is None
+    assert reduce_verdicts([(None, "x"), ("verify: boom", None)]) == "rank 1: verify: boom"
+    assert reduce_verdicts([(None, "x"), (None, "y")]).startswith("outputs differ across ranks")
 
 
 def test_outputs_that_differ_between_ranks_fail_the_candidate():
