@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         world, devices, spec, retries=args.retries, timeout_s=args.timeout, stall_s=args.stall, on_event=on_event,
         on_retry=lambda attempt: print(f"attempt failed: {attempt.error}; excluding {attempt.culprit['candidate']} "
                                        f"from {attempt.culprit['from_bytes']} B and starting again", flush=True))
-    # Kept under the key the ranks measured, so that no later tune runs them and no server routes to them.
+    # Blamed candidates are kept under the key the ranks measured: no later tune runs them, no server routes to them.
     culprits = [c for c in spec.exclude + [attempt.culprit] if c and c.get("candidate") != NCCL]
     key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
     if culprits and key:

@@ -32,7 +32,7 @@ PRUNE_SIZES = 2
 
 
 class TuneError(RuntimeError):
-    """The ranks cannot tune together (their answers, workspaces or kernel libraries differ)."""
+    """The group cannot tune: its ranks disagree, or the spec names a dtype the kernels do not take."""
 
 
 def graph_rows(batch_sizes: Sequence[int], draft_tokens: int = 1) -> list[int]:
@@ -163,7 +163,7 @@ class Tuner:
     def _measure(self, dtype: str, kind: str, shape: WorkspaceShape, limits: KernelLimits) -> list[Point]:
         points: list[Point] = []
         sticky: dict[str, str] = {}  # candidate id -> why it is not tried at larger sizes
-        losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL (NCCL: never)
+        losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL
         for rows in self.spec.rows:
             nbytes = rows * self.spec.hidden * ELEMENT_BYTES
             routes = {route_id(r): r for r in [None, *cand.candidates(kind, nbytes, self.spec.hidden, shape, limits,
@@ -192,11 +192,12 @@ class Tuner:
                     self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
                                       "routed to our kernels, for want of an NCCL time to beat")
             nccl = times.get(NCCL)
-            for cid, us in times.items() if nccl is not None else ():
-                losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
-                if losing[cid] >= PRUNE_SIZES:
-                    sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive sizes "
-                                   f"up to {nbytes} B")
+            for cid, us in times.items():
+                if cid != NCCL and nccl is not None:
+                    losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
+                    if losing[cid] >= PRUNE_SIZES:
+                        sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive "
+                                       f"sizes up to {nbytes} B")
             points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
         return points
 
