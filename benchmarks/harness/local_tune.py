@@ -42,7 +42,7 @@ class LocalGroupMeasurer(BurstMeasurer):
     """`make_group(device, world, max_numel, spec, islands, link)` / `close_group(comms)` / `backend` default to
     _debug.local_group on CUDA; the CPU tests pass fakes."""
 
-    def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None, seed: int = 0,
+    def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None,
                  make_group: Callable | None = None, close_group: Callable | None = None, backend=None):
         import torch
 
@@ -50,7 +50,7 @@ class LocalGroupMeasurer(BurstMeasurer):
             raise ValueError("a one-process group cannot run NCCL: its time must be injected (debug_nccl_us)")
         device, world = torch.device(device), int(world)
         super().__init__(spec, world, range(world), device,
-                         backend if backend is not None else CudaBackend(device, world), seed)
+                         backend if backend is not None else CudaBackend(device, world))
         self.islands, self.link = islands, link
         self.max_numel = int(spec.max_rows) * int(spec.hidden)
         self._make_group, self._close_group = make_group or _cuda_group, close_group or _close_cuda_group

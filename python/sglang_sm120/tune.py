@@ -1,15 +1,11 @@
-"""`python -m sglang_sm120.tune`: measure, on this box, which all-reduce serves each message size fastest (NCCL or
-one of our kernels' launches), and write the routing table servers on this box route by. The only code that
-measures; a launch with --sm120-allreduce-tune auto runs it when no table of this box exists (hooks/startup.py).
+"""`python -m sglang_sm120.tune`: measure on this box which all-reduce serves each message size fastest (NCCL or
+one of our kernels' launches, each checked exact first), and write the routing table this box's servers route by.
 
     python -m sglang_sm120.tune --model-path moonshotai/Kimi-K2.5 --max-batch 32 --draft-tokens 4
     python -m sglang_sm120.tune --hidden 7168 --tp 8 --quick
 
-One process per rank (GPUs --gpus, default 0..N-1); every candidate and NCCL (for the fused op: NCCL + SGLang's
-own add + RMSNorm) timed at rows 1..max-batch x draft-tokens of the hidden size, each checked exact first; the
-table goes to $SGLANG_SM120_CACHE (default ~/.cache/sglang_sm120), keyed by the GPUs, driver, versions, NCCL's
-settings, TP size, islands, P2P, workspace memory and launch. A candidate that crashes or hangs its rank is
-blamed, excluded and the tune starts again (--retries). Rerun after changing any part of the key.
+The table goes to $SGLANG_SM120_CACHE (default ~/.cache/sglang_sm120), keyed by the GPUs, driver, versions, NCCL's
+settings, TP size, islands, P2P, workspace memory and launch: rerun after changing any of them.
 """
 
 from __future__ import annotations
@@ -26,36 +22,37 @@ from .tuning import processes
 from .tuning.tuner import TuneSpec, graph_rows
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
 def parse_args(argv: Sequence[str] | None):
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
     shape = parser.add_mutually_exclusive_group(required=True)
     shape.add_argument("--model-path", help="model folder or Hugging Face repo id: its config.json's hidden_size")
     shape.add_argument("--hidden", type=int, help="hidden size (Kimi-K2.5: 7168)")
-    parser.add_argument("--tp", type=int, default=None, help="ranks (2, 4 or 8; default: the most GPUs visible)")
-    parser.add_argument("--gpus", default=None, help="comma list of the ranks' CUDA devices (default 0..TP-1)")
-    parser.add_argument("--max-batch", type=int, default=32, help="largest decode/verify batch the server captures")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="speculative draft tokens per request (1: none)")
-    parser.add_argument("--cuda-graph-bs", default=None,
-                        help="comma list of the batch sizes the server captures: each, and each x draft-tokens, is "
-                             "measured")
-    parser.add_argument("--max-rows", type=int, default=None, help="rows to measure up to (default: max-batch x "
-                                                                   "draft-tokens)")
-    parser.add_argument("--dtype", default="bf16,fp16", help="comma list of bf16, fp16")
-    parser.add_argument("--kinds", default="plain,fused", help="comma list of plain, fused")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and replays (what a launch runs)")
-    parser.add_argument("--if-missing", action="store_true",
-                        help="stop at once when a table of this box's key exists (what a launch runs)")
-    parser.add_argument("--out", help="also write the table here")
-    parser.add_argument("--retries", type=int, default=3, help="restarts after a candidate crashed or hung a rank")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one attempt")
-    parser.add_argument("--stall", type=float, default=120.0, help="seconds without progress that count as a hang")
-    parser.add_argument("--kernel-timeout", type=float, default=5.0,
-                        help="seconds a kernel waits for a peer before the candidate fails")
-    parser.add_argument("--share-gpu", action="store_true",
-                        help="let ranks share the visible GPUs (plumbing checks on one GPU; the times mean nothing)")
-    parser.add_argument("--debug-nccl-us", type=float, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("-v", "--verbose", action="store_true", help="print every candidate as it starts")
+    add("--tp", type=int, help="ranks (2, 4 or 8; default: the most GPUs visible)")
+    add("--gpus", help="comma list of the ranks' CUDA devices (default 0..TP-1)")
+    add("--max-batch", type=int, default=32, help="largest decode/verify batch the server captures")
+    add("--draft-tokens", type=int, default=4, help="speculative draft tokens per request (1: none)")
+    add("--cuda-graph-bs",
+        help="comma list of the batch sizes the server captures: each, and each x draft-tokens, is measured")
+    add("--max-rows", type=int, help="rows to measure up to (default: max-batch x draft-tokens)")
+    add("--dtype", default="bf16,fp16", help="comma list of bf16, fp16")
+    add("--kinds", default="plain,fused", help="comma list of plain, fused")
+    add("--quick", action="store_true", help="fewer sizes and replays (what a launch runs)")
+    add("--if-missing", action="store_true",
+        help="stop at once when a table of this box's key exists (what a launch runs)")
+    add("--out", help="also write the table here")
+    add("--retries", type=int, default=3, help="restarts after a candidate crashed or hung a rank")
+    add("--timeout", type=float, default=900.0, help="seconds for one attempt")
+    add("--stall", type=float, default=120.0, help="seconds without progress that count as a hang")
+    add("--kernel-timeout", type=float, default=5.0,
+        help="seconds a kernel waits for a peer before the candidate fails")
+    add("--share-gpu", action="store_true",
+        help="let ranks share the visible GPUs (plumbing checks on one GPU; the times mean nothing)")
+    add("--debug-nccl-us", type=float, help=argparse.SUPPRESS)
+    add("-v", "--verbose", action="store_true", help="print every candidate as it starts")
     args = parser.parse_args(argv)
     try:
         args.dtypes = list(dict.fromkeys(DTYPES[d.strip().lower()] for d in args.dtype.split(",") if d.strip()))
@@ -122,14 +119,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + (f": {event['candidate']}" if args.verbose else ""), flush=True)
         last["where"] = where
 
-    def on_retry(attempt) -> None:
-        print(f"attempt failed: {attempt.error}; excluding {attempt.culprit['candidate']} from "
-              f"{attempt.culprit['from_bytes']} B and starting again", flush=True)
-
     start = time.monotonic()
-    attempt = processes.tune_with_retries(world, devices, spec, retries=args.retries, timeout_s=args.timeout,
-                                          stall_s=args.stall, on_event=on_event, on_retry=on_retry)
-    remember_blames(attempt, spec)
+    attempt = processes.tune_with_retries(
+        world, devices, spec, retries=args.retries, timeout_s=args.timeout, stall_s=args.stall, on_event=on_event,
+        on_retry=lambda attempt: print(f"attempt failed: {attempt.error}; excluding {attempt.culprit['candidate']} "
+                                       f"from {attempt.culprit['from_bytes']} B and starting again", flush=True))
+    # Blamed candidates are kept under the key the ranks measured: no later tune runs them, no server routes to them.
+    culprits = [c for c in spec.exclude + [attempt.culprit] if c and c.get("candidate") != NCCL]
+    key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
+    if culprits and key:
+        path = cache.record_blames(key, culprits, time.strftime("%Y-%m-%d %H:%M:%S"))
+        print(f"blamed for a crash or hang, never tuned or routed again on this box: "
+              f"{', '.join(sorted({c['candidate'] for c in culprits}))} ({path})", flush=True)
     if attempt.found is not None:
         print(f"a routing table of this box exists: {attempt.found} (nothing measured)")
         return 0
@@ -148,19 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwritten to {path}{f' and {args.out}' if args.out else ''}; measuring took "
           f"{table.durations.get('measure', 0):.1f} s, the whole tune {table.durations['total']:.1f} s")
     return 0
-
-
-def remember_blames(attempt: processes.Attempt, spec: TuneSpec) -> str | None:
-    """Keep the candidates this tune blamed for a crash or hang in the cache under the key the ranks measured, so
-    no later tune runs them and no server routes to them. Returns the file written, or None."""
-    culprits = [c for c in list(spec.exclude) + [attempt.culprit] if c and c.get("candidate") != NCCL]
-    key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
-    if not culprits or not key:
-        return None
-    path = cache.record_blames(key, culprits, time.strftime("%Y-%m-%d %H:%M:%S"))
-    print(f"blamed for a crash or hang, never tuned or routed again on this box: "
-          f"{', '.join(sorted({c['candidate'] for c in culprits}))} ({path})", flush=True)
-    return path
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""One candidate at one size as this process runs it, on its ranks as lanes (one in a rank's process, all W in a
-one-process group). The graph holds `calls` calls per lane, call k on input and output slot k, so several calls
-are in flight with distinct buffers, as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
-1. `verify_calls` eager calls, each fed, run and checked with the device synchronized in between;
-2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs,
-   its outputs copied aside, then all checked: a candidate that returns the previous call's result, reads the
-   previous call's input or reuses a buffer its peer (or its own previous call) still reads fails here;
+"""One candidate at one size on this process's ranks as lanes (one in a rank's process, all W in a one-process
+group). The graph holds `calls` calls per lane, call k on slot k, so several calls are in flight on distinct buffers
+as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
+1. `verify_calls` eager calls, each checked with the device synchronized in between;
+2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs, then
+   all checked: a candidate that returns the previous call's result, reads the previous call's input or reuses a
+   buffer its peer (or its own previous call) still reads fails here;
 3. the timed replays of the same graph (the checked graph is the timed one), then a check of their outputs.
 The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks.
 """
@@ -12,9 +12,14 @@ The fingerprints of every output checked make this process's digest, which the T
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
+from sgl_kernel_sm120.policy import Route, resolve
+
+from ..routing.table import route_id
 from . import timing, verify
 from .verify import CallBank, salt
 
@@ -23,26 +28,18 @@ class CudaBackend:
     """The device work of a CandidateRun on one CUDA device, one stream per lane (the CPU tests fake it)."""
 
     def __init__(self, device, lanes: int):
-        import torch
-
         self.device = torch.device(device)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)]
 
     def synchronize(self) -> None:
-        import torch
-
         torch.cuda.synchronize(self.device)
 
     def lane(self, index: int):
-        import torch
-
         return torch.cuda.stream(self.streams[index])
 
     def capture(self, lanes: Sequence[Sequence[Callable[[], Any]]]):
         """One graph, one branch per lane (each on its stream, forked from and joined into the capture stream):
         a graph's kernels load at instantiation, so the lanes' first launches cannot wait on one another."""
-        import torch
-
         main = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
@@ -62,29 +59,36 @@ class CudaBackend:
 
 
 class CandidateRun:
-    """Slots, graph and checks of one candidate at one size. `make_call(rank, x, residual, outs)` returns the
-    callable that issues rank `rank`'s call of the candidate on those tensors; `check_timeouts()` raises when a
-    kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+    """Slots, graph and checks of `route` at one size, rank r's calls on workspaces[r]. `check_timeouts()` raises
+    when a kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
 
-    def __init__(self, bank: CallBank, candidate_id: str, ranks: Sequence[int], calls: int,
-                 make_call: Callable[[int, Any, Any, tuple], Callable[[], Any]], backend,
+    def __init__(self, bank: CallBank, route: Route, workspaces: Mapping[int, Any], calls: int, backend,
                  check_timeouts: Callable[[], None]):
-        import torch
-
-        self.bank, self.ranks, self.calls = bank, list(ranks), max(1, int(calls))
+        self.bank, self.ranks, self.calls = bank, list(workspaces), max(1, int(calls))
         self.backend, self.check_timeouts = backend, check_timeouts
-        self.next_salt = salt(candidate_id)
+        self.next_salt = salt(route_id(route))
         like = next(iter(bank.base.values()))
         self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
         self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
-        width = len(bank.output_names())
-        self.outs = {r: [tuple(torch.empty_like(like) for _ in range(width)) for _ in range(self.calls)]
+        self.outs = {r: [tuple(torch.empty_like(like) for _ in bank.output_names) for _ in range(self.calls)]
                      for r in self.ranks}
-        self.call = {r: [make_call(r, self.x[r][k], self.residual[k] if self.residual else None, self.outs[r][k])
+        self.call = {r: [self._checked_call(workspaces[r], route, self.x[r][k],
+                                            self.residual[k] if self.residual else None, self.outs[r][k])
                          for k in range(self.calls)] for r in self.ranks}
         self.graph = None
         self.fed: list[int] = [0] * self.calls  # the salt whose inputs each slot holds
         self.prints: list[str] = []
+
+    def _checked_call(self, ws, route: Route, x, residual, outs: tuple) -> Callable[[], Any]:
+        """One call, its arguments checked once, here; it launches the route resolved as a server resolves it."""
+        bank, fused = self.bank, self.bank.kind == "fused"
+        why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
+        if why:
+            raise ValueError(f"{route.id} cannot run here: {why}")
+        resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
+        if not fused:
+            return lambda: ws.launch(resolved, x, outs[0])
+        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
 
     def _feed(self, k: int) -> None:
         value, self.next_salt = self.next_salt, self.next_salt + 1
@@ -103,7 +107,7 @@ class CandidateRun:
     def _check(self, where: str, value: int, outputs: dict[int, tuple]) -> None:
         expected = self.bank.expected(value)
         for r in self.ranks:
-            for name, got, want in zip(self.bank.output_names(), outputs[r], expected, strict=True):
+            for name, got, want in zip(self.bank.output_names, outputs[r], expected, strict=True):
                 if not verify.same_values(got, want):
                     raise AssertionError(verify.mismatch(f"{where} rank {r} {name}", got, want) or
                                          f"{where} rank {r} {name}: differs")
@@ -141,8 +145,6 @@ class CandidateRun:
         return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
 
     def time(self, iters: int, warmup: int) -> list[float]:
-        if self.graph is None:
-            raise RuntimeError("time() before verify(): the graph is captured, and checked, by verify()")
         per_replay = self.backend.replay_times(self.graph, int(iters), int(warmup))
         self._settle()
         for k in range(self.calls):

@@ -3,15 +3,11 @@
 `candidates()` is a pure function of group-identical inputs (the agreed WorkspaceShape and KernelLimits, the size,
 the kind), so every rank times the same candidates in the same order: a rank with another list would wait in a
 collective its peers never enter. Every candidate is a route the workspace runs as it is (policy.refusal), so what
-was timed is what a server runs. Timed:
-- ONESHOT always; TWOSHOT from 4 ranks (at 2 it moves one-shot's bytes in twice the hops); ISLAND with two or
-  more islands in device memory; every transport in device memory, push only in host memory (every byte goes
-  through the shared host buffer: pacing and peer loads gain nothing);
-- a few CTA caps up to the SM budget (staged push: from STAGED_FEW_CTAS), and on the whole budget a few CTA sizes
-  of the plain kernels (a fixed one was up to 1.24x off the best: bench_tuner_pick.py); the fused one-shot at every
-  agreed cluster size whose clusters all fit the CTAs at once (rows x cluster <= CTAs: past that the split
-  loses); shapes that launch the same grid at this size once, at the largest cap (the kernels' own default);
-- staged push with one pass in flight and with all W - 1 (and 2 in a full tune).
+was timed is what a server runs. TWOSHOT only from 4 ranks: at 2 it moves one-shot's bytes in twice the hops. Host
+memory pushes only: every byte goes through the shared host buffer, so pacing and peer loads gain nothing. The plain
+kernels' CTA size is tuned on the whole budget: a fixed one was up to 1.24x off the best (bench_tuner_pick.py). The
+fused one-shot's clusters only where rows x cluster <= CTAs: past that the split loses. Shapes that launch the same
+grid are timed once, at the largest cap (the kernels' own default).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ from __future__ import annotations
 from sgl_kernel_sm120 import policy
 from sgl_kernel_sm120.policy import KernelLimits, Route, Schedule, Transport, WorkspaceShape
 
-# The CTA caps tried, as fractions of the SM budget; the plain kernels' CTA sizes tried on the whole budget: the
-# seed size times QUICK_THREAD_STEPS in a quick tune, the seed and FULL_THREAD_SIZES in a full one.
+# CTA caps as fractions of the SM budget; the plain kernels' CTA sizes on the whole budget (quick: the seed's multiples)
 QUICK_CTA_FRACTIONS = (2, 1)
 FULL_CTA_FRACTIONS = (4, 2, 1)
 QUICK_THREAD_STEPS = (1, 2, 4)
@@ -37,12 +32,6 @@ def cta_caps(transport: Transport, shape: WorkspaceShape, quick: bool) -> list[i
     cap = max(1, min(policy.STAGED_FEW_CTAS, budget))
     more = () if quick else (cap * 2, cap * 4, budget // 2)
     return sorted({cap, budget} | {c for c in more if cap < c < budget})
-
-
-def staged_windows(world_size: int, quick: bool) -> list[int]:
-    """The windows (passes in flight before the pacing waits) staged push is timed at, ascending."""
-    last = max(1, world_size - 1)
-    return sorted({1, last} | (set() if quick else {min(2, last)}))
 
 
 def thread_sizes(nbytes: int, transport: Transport, ctas: int, limits: KernelLimits, quick: bool) -> list[int]:
@@ -102,16 +91,15 @@ def candidates(kind: str, nbytes: int, hidden: int, shape: WorkspaceShape, limit
                   or nbytes % (policy.ELEMENT_BYTES * hidden)):
         return []
     rows = nbytes // (policy.ELEMENT_BYTES * hidden) if hidden > 0 else 0
-    schedules = [Schedule.ONESHOT]
-    if shape.world_size > 2:
-        schedules.append(Schedule.TWOSHOT)
-    if shape.num_islands >= 2 and shape.memory is policy.Memory.DEVICE:
-        schedules.append(Schedule.ISLAND)
-    transports = list(Transport) if shape.memory is policy.Memory.DEVICE else [Transport.PUSH]
+    device = shape.memory is policy.Memory.DEVICE
+    schedules = [s for s, wanted in ((Schedule.ONESHOT, True), (Schedule.TWOSHOT, shape.world_size > 2),
+                                     (Schedule.ISLAND, shape.num_islands >= 2 and device)) if wanted]
+    last = max(1, shape.world_size - 1)  # staged push's passes in flight before the pacing waits: 1, all, 2 (full)
+    staged_windows = sorted({1, last} | (set() if quick else {min(2, last)}))
     routes: list[Route] = []
     for schedule in schedules:
-        for transport in transports:
-            windows = staged_windows(shape.world_size, quick) if transport is Transport.STAGED else [None]
+        for transport in list(Transport) if device else [Transport.PUSH]:
+            windows = staged_windows if transport is Transport.STAGED else [None]
             for ctas, cluster, threads in launch_shapes(kind, schedule, transport, nbytes, rows, shape, limits, quick):
                 for window in windows:
                     route = Route(schedule, transport, shape.memory, ctas, cluster, threads, window)

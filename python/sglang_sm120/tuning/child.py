@@ -1,9 +1,8 @@
-"""One rank of a tune as its own process (`python -m sglang_sm120.tuning.child --rank R --world W --device D
---port P --spec FILE`, started by tuning/processes.py), so that a candidate that kills its CUDA context kills this
-process only. It joins the other ranks on 127.0.0.1:P (NCCL for the incumbent, gloo for every agreement), computes
-the table key as a server's ranks do, and stops with `if_missing` when every rank finds a table of that key;
-otherwise it runs the Tuner without the candidates blamed under the key. It reports one JSON object per line after
-MARKER: "setup" once, "begin" before every candidate, then "done" (the table), "found" or "error".
+"""One rank of a tune as its own process (started by tuning/processes.py), so that a candidate that kills its CUDA
+context kills this process only. It joins the other ranks on 127.0.0.1:PORT (NCCL for the incumbent, gloo for
+every agreement) and computes the table key as a server's ranks do; with `if_missing` it stops when every rank finds
+a table of that key, else it runs the Tuner without the candidates blamed under the key. It reports one JSON object
+a line after MARKER: "setup" once, "begin" before every candidate, then "done" (the table), "found" or "error".
 """
 
 from __future__ import annotations
@@ -23,44 +22,29 @@ def emit(event: dict) -> None:
     print(MARKER + json.dumps(event, sort_keys=True), flush=True)
 
 
-def _setup(rank: int, world: int, gather, spec, device) -> tuple[dict, list | None, str, str]:
+def _setup(rank: int, world: int, gather, device) -> tuple[dict, list | None, str, str]:
     """(key, islands, link, memory) of this group as a server computes them, agreed (rank 0's probe)."""
     from ..core import config
     from ..core.facts import group_facts, key_facts, p2p_row
     from ..core.topology import kernel_islands, probe
     from ..routing.table import make_key
 
-    local = key_facts(device)
-    everyone = gather({"key": local, "p2p": p2p_row(device.index), "uuid": local["uuid"]})
-    p2p = group_facts([{"uuid": e["uuid"], "p2p": e["p2p"], "capability": [0, 0]} for e in everyone]).p2p
-    memory = spec.memory
-    if memory is None:
-        connected = p2p is not None and all(all(row) for row in p2p)
-        if not connected and config.settings_from_environment().hostmem == "off":
-            raise RuntimeError(f"CUDA P2P is missing between some GPUs and {config.HOSTMEM_ENV}=off refuses the "
-                               "host-memory workspace: nothing of ours to tune")
-        memory = "device" if connected else "host"
-    if spec.islands_given or memory == "host":
-        islands, link = (spec.islands if memory == "device" else None), spec.link or "auto"
-    else:
+    everyone = gather({"key": key_facts(device), "p2p": p2p_row(device.index)})
+    p2p = group_facts([{"uuid": e["key"]["uuid"], "p2p": e["p2p"], "capability": [0, 0]} for e in everyone]).p2p
+    connected = p2p is not None and all(all(row) for row in p2p)
+    if not connected and config.settings_from_environment().hostmem == "off":
+        raise RuntimeError(f"CUDA P2P is missing between some GPUs and {config.HOSTMEM_ENV}=off refuses the "
+                           "host-memory workspace: nothing of ours to tune")
+    memory, islands, link = ("device" if connected else "host"), None, "auto"
+    if connected:
         probed = None
         if rank == 0:
-            topo = probe([e["uuid"] for e in everyone])
+            topo = probe([e["key"]["uuid"] for e in everyone])
             probed = {"islands": kernel_islands(topo.islands(), world), "link": topo.link}
         agreed = gather(probed)[0]
-        islands, link = agreed["islands"], spec.link or agreed["link"]
+        islands, link = agreed["islands"], agreed["link"]
     key = make_key([e["key"] for e in everyone], islands=islands, p2p=p2p, memory=memory)
     return key, islands, link, memory
-
-
-def _exclude_blamed(spec, everyone: list) -> None:
-    """Add the candidates blamed under this key (every rank's read of the cache: all exclude the same) to the
-    spec's exclusions, once each."""
-    for blamed in everyone:
-        for entry in blamed or []:
-            rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
-            if not any({f: r.get(f) for f in rule} == rule for r in spec.exclude):
-                spec.exclude.append({**rule, "reason": f"blamed before: {entry.get('reason')}"})
 
 
 def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> int:
@@ -73,7 +57,7 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
     from .tuner import Tuner, TuneSpec
 
     with open(spec_path, encoding="utf-8") as handle:
-        spec = TuneSpec.from_dict(json.load(handle))
+        spec = TuneSpec(**json.load(handle))
     torch.cuda.set_device(device_index)
     device = torch.device("cuda", device_index)
     # A debug run that injects NCCL's time (ranks sharing one GPU, where NCCL refuses to start) runs on gloo alone.
@@ -89,7 +73,7 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
             dist.all_gather_object(out, obj, group=gloo)
             return out
 
-        key, islands, link, memory = _setup(rank, world, gather, spec, device)
+        key, islands, link, memory = _setup(rank, world, gather, device)
         measurer = CudaMeasurer(rank=rank, world=world, device=device, cpu_group=gloo,
                                 nccl_group=None if backend == "gloo" else dist.group.WORLD, spec=spec,
                                 islands=islands, link=link, memory=memory)
@@ -102,7 +86,11 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
             if all(found.ok for found in loaded) and all(view == views[0] for view in views):
                 emit({"event": "found", "path": loaded[0].path})
                 return 0
-        _exclude_blamed(spec, gather(cache.blames(key)))
+        # Every rank's read of the blamed candidates, so that every rank excludes the same.
+        for entry in [entry for blamed in gather(cache.blames(key)) for entry in blamed]:
+            rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
+            if not any({f: r.get(f) for f in rule} == rule for r in spec.exclude):
+                spec.exclude.append({**rule, "reason": f"blamed before: {entry.get('reason')}"})
         table = Tuner(measurer, spec, rank=rank, world=world, gather=gather, key=key, progress=emit).run()
         emit({"event": "done", "table": table.to_dict(), "digest": table.digest()})
         return 0

@@ -1,8 +1,7 @@
-"""The CUDA side of a tune for one rank (the Tuner's measurer): the workspace, our candidates' check and timing
-(tuning/burst.py), and NCCL's timing. A candidate is a policy.Route, which IpcAllReduce.launch / launch_fused run
-as given once `refusal` accepted the call's arguments. The workspace is built with on_timeout="exit" and a short
-wait bound, so a candidate that hangs on this fabric fails in seconds and leaves the CUDA context usable; after
-any failure the Tuner calls `reset()` on every rank and the next candidate builds a fresh workspace.
+"""One rank's CUDA side of a tune (the Tuner's measurer): the workspace, our candidates' check and timing
+(tuning/burst.py), and NCCL's timing. The workspace waits with on_timeout="exit" and a short bound, so a candidate
+that hangs on this fabric fails in seconds and leaves the CUDA context usable; after any failure the Tuner calls
+`reset()` on every rank and the next candidate builds a fresh workspace.
 """
 
 from __future__ import annotations
@@ -12,7 +11,10 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape, resolve
+import torch
+import torch.distributed as dist
+
+from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
 
 from ..routing.table import route_id
 from . import timing
@@ -33,9 +35,9 @@ def _torch_add_rmsnorm(x, residual, weight, eps):
 
 
 def find_fused_add_rmsnorm() -> tuple[str, Callable]:
-    """(name, kernel) of what the fused kind's incumbent runs after NCCL: SGLang's RMSNorm layer's own kernel
-    (sgl_kernel's, else FlashInfer's; a torch composition as the last resort, named in the table). In place:
-    `fn(x, residual, weight, eps)` leaves residual <- x + residual and x <- rmsnorm(residual) * weight."""
+    """(name, kernel) the fused kind's incumbent runs after NCCL: SGLang's RMSNorm layer's own (sgl_kernel's, else
+    FlashInfer's; torch ops as the last resort, named in the table). In place: `fn(x, residual, weight, eps)` leaves
+    residual <- x + residual and x <- rmsnorm(residual) * weight."""
     for module, attribute in (("sgl_kernel", "fused_add_rmsnorm"), ("flashinfer.norm", "fused_add_rmsnorm")):
         try:
             return f"{module}.{attribute}", getattr(importlib.import_module(module), attribute)
@@ -44,50 +46,30 @@ def find_fused_add_rmsnorm() -> tuple[str, Callable]:
     return "torch ops (sgl_kernel and flashinfer not importable)", _torch_add_rmsnorm
 
 
-def checked_calls(workspaces: Mapping[int, Any], route: Route, bank: CallBank):
-    """`make_call` of a CandidateRun, rank r's calls on workspaces[r]: each call's arguments are checked once, when
-    the run is set up (raising on a route or tensor the workspace cannot run), and the calls launch the route
-    resolved as a server resolves it (every launch field named), unchecked."""
-    fused = bank.kind == "fused"
-
-    def make(rank: int, x, residual, outs):
-        ws = workspaces[rank]
-        why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
-        if why:
-            raise ValueError(f"{route.id} cannot run here: {why}")
-        resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
-        if not fused:
-            return lambda: ws.launch(resolved, x, outs[0])
-        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
-
-    return make
-
-
 class BurstMeasurer:
-    """How a measurer of this process's ranks (`lanes`) runs our candidates: one size's CallBank at a time, and the
-    checked CandidateRun that `time()` replays: the checked graph is the timed one."""
+    """Our candidates on this process's ranks (`lanes`): one size's CallBank at a time, and the checked CandidateRun
+    that `time()` replays, so the checked graph is the timed one."""
 
-    def __init__(self, spec, world: int, lanes: Sequence[int], device, backend, seed: int = 0):
-        self.spec, self.world, self.lanes, self.device = spec, int(world), list(lanes), device
-        self.backend, self.seed = backend, seed
-        self._bank: tuple[tuple, CallBank] | None = None
-        self._run: tuple[tuple, CandidateRun] | None = None
+    def __init__(self, spec, world: int, lanes: Sequence[int], device, backend):
+        self.spec, self.world, self.lanes, self.device, self.backend = spec, int(world), list(lanes), device, backend
+        self._bank: tuple[tuple, CallBank] | None = None  # (kind, dtype, rows), its bank
+        self._run: tuple[tuple, CandidateRun] | None = None  # (route, kind, dtype, rows), its checked run
 
     def _bank_for(self, kind: str, dtype: str, rows: int) -> CallBank:
         if self._bank is None or self._bank[0] != (kind, dtype, rows):
             self._bank = None  # one size at a time (the Tuner measures a size's candidates together)
             self._bank = ((kind, dtype, rows), CallBank(kind, dtype, rows, int(self.spec.hidden), self.world,
-                                                        self.lanes, self.device, self.seed))
+                                                        self.lanes, self.device))
         return self._bank[1]
 
     def _verify_run(self, route: Route, kind: str, dtype: str, rows: int, workspaces: Mapping[int, Any],
                     check_timeouts: Callable[[], None]) -> str:
         self._run = None  # the last candidate's graph goes first
-        bank = self._bank_for(kind, dtype, rows)
-        run = CandidateRun(bank, route_id(route), self.lanes, int(self.spec.calls),
-                           checked_calls(workspaces, route, bank), self.backend, check_timeouts)
-        self._run = ((route, kind, dtype, rows), run)
-        return run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
+        run = CandidateRun(self._bank_for(kind, dtype, rows), route, workspaces, int(self.spec.calls), self.backend,
+                           check_timeouts)
+        digest = run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
+        self._run = ((route, kind, dtype, rows), run)  # only a checked run is ever timed
+        return digest
 
     def _time_run(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
         if self._run is None or self._run[0] != (route, kind, dtype, rows):
@@ -100,11 +82,9 @@ class BurstMeasurer:
 
 class CudaMeasurer(BurstMeasurer):
     def __init__(self, *, rank: int, world: int, device, cpu_group, nccl_group, spec, islands=None,
-                 link: str | None = None, memory: str = "device", seed: int = 0):
-        import torch
-
+                 link: str | None = None, memory: str = "device"):
         device = torch.device(device)
-        super().__init__(spec, world, [rank], device, CudaBackend(device, 1), seed)
+        super().__init__(spec, world, [rank], device, CudaBackend(device, 1))
         self.rank, self.cpu_group, self.nccl_group = rank, cpu_group, nccl_group
         self.islands, self.link, self.memory = islands, link, memory
         self.norm_name, self.norm = find_fused_add_rmsnorm()
@@ -113,8 +93,6 @@ class CudaMeasurer(BurstMeasurer):
 
     def _workspace(self):
         if self._ws is None:
-            import torch
-
             from sgl_kernel_sm120 import IpcAllReduce
 
             self._ws = IpcAllReduce(  # bf16-sized: fp16's elements are as large
@@ -145,9 +123,7 @@ class CudaMeasurer(BurstMeasurer):
 
     def _nccl(self, kind: str, dtype: str, rows: int):
         """NCCL's timed step: an all-reduce of zeros (the sum stays finite), then for the fused kind the incumbent
-        add + RMSNorm on a residual of the verify case."""
-        import torch.distributed as dist
-
+        add + RMSNorm."""
         bank = self._bank_for(kind, dtype, rows)
         buf, group, norm = bank.base[self.rank].clone().zero_(), self.nccl_group, self.norm
         residual = bank.inputs(0)["residual"] if kind == "fused" else None
@@ -164,15 +140,8 @@ class CudaMeasurer(BurstMeasurer):
         return self._verify_run(route, kind, dtype, rows, {self.rank: ws}, ws.synchronize)
 
     def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
-        import torch
-
         if route is not None:
             return self._time_run(route, kind, dtype, rows)
         calls = int(self.spec.calls)
-        graph, _ = timing.capture_graph(self._nccl(kind, dtype, rows), calls, eager_warmup=1)
-        try:
-            per_replay = timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))
-        finally:
-            del graph
-        torch.cuda.synchronize(self.device)
-        return [t / calls for t in per_replay]
+        graph, _ = timing.capture_graph(self._nccl(kind, dtype, rows), calls)
+        return [t / calls for t in timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))]

@@ -1,8 +1,7 @@
-"""The parent side of a tune (`python -m sglang_sm120.tune`): one process per rank (tuning/child.py), followed, and
-one outcome made of what they reported. A fault (or our kernels' trap) ends the CUDA context of the process that
-ran it, so candidates run in children while the parent watches: a child that dies, or a group that makes no
-progress for `stall_s`, is blamed on the candidate its last `begin` named, which `tune_with_retries` excludes from
-its size up before it starts the group again. A child's own Python error is no candidate's fault: not retried.
+"""The parent side of a tune: one process per rank (tuning/child.py), watched. A fault (or our kernels' trap) ends
+the CUDA context of the process that ran it, so candidates run in children: a child that dies, or a group that
+makes no progress for `stall_s`, is blamed on the candidate last begun, which `tune_with_retries` excludes from its
+size up before it starts the group again. A child's own Python error is no candidate's fault: not retried.
 """
 
 from __future__ import annotations
@@ -27,12 +26,6 @@ CHILD_MODULE = "sglang_sm120.tuning.child"
 EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def child_env(base: dict | None = None) -> dict:
     """Ours, with both packages' parent folders first on PYTHONPATH (we may have found them through sys.path)."""
     import sgl_kernel_sm120
@@ -41,9 +34,7 @@ def child_env(base: dict | None = None) -> dict:
     ours = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../sglang_sm120/tuning
     parents = [ours, os.path.dirname(os.path.dirname(os.path.abspath(sgl_kernel_sm120.__file__)))]
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parents + rest))
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(parents + rest)), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclasses.dataclass
@@ -101,10 +92,8 @@ def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
 
 
 class _Child:
-    def __init__(self, rank: int, command: list[str], env: dict, on_event: Callable[[int, dict], None] | None):
-        self.outcome = ChildOutcome(rank)
-        self.on_event = on_event
-        self.last_event = time.monotonic()
+    def __init__(self, rank: int, command: list[str], env: dict, on_event: Callable[[int, dict], None]):
+        self.outcome, self.on_event, self.last_event = ChildOutcome(rank), on_event, time.monotonic()
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         # Its own session, so that killing it ends whatever it started too (by its process-group id).
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -137,8 +126,7 @@ class _Child:
             elif kind == "error":
                 self.outcome.error = str(event.get("error"))
                 self.tail.extend(str(event.get("trace", "")).splitlines()[-5:])
-            if self.on_event is not None:
-                self.on_event(self.outcome.rank, event)
+            self.on_event(self.outcome.rank, event)
 
     def kill(self, why: str) -> None:
         if self.proc.poll() is None:
@@ -157,18 +145,21 @@ class _Child:
 
 
 def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, timeout_s: float, stall_s: float,
-                 port: int | None = None, on_event: Callable[[int, dict], None] | None = None,
-                 command: Callable[..., list[str]] | None = None, env: dict | None = None) -> list[ChildOutcome]:
+                 on_event: Callable[[int, dict], None] | None = None, command: Callable[..., list[str]] | None = None,
+                 env: dict | None = None) -> list[ChildOutcome]:
     """One child per (rank, device) of `ranks`, awaited within `timeout_s`; all are killed when none made progress
     for `stall_s`, or when one ended badly and the others did not follow within EXIT_GRACE_S. `command(rank,
     device, spec_path)` replaces the child's command line (tests)."""
-    port = free_port() if port is None else port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     command = command or (lambda rank, device, spec_path: [
         sys.executable, "-m", CHILD_MODULE, "--rank", str(rank), "--world", str(world), "--device", str(device),
         "--port", str(port), "--spec", spec_path])
     env = child_env() if env is None else env
+    on_event = on_event or (lambda rank, event: None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="sm120-tune-spec-", delete=False) as handle:
-        json.dump(spec.as_dict(), handle)
+        json.dump(dataclasses.asdict(spec), handle)
         spec_path = handle.name
     children: list[_Child] = []
     try:
@@ -205,11 +196,10 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
                       command=None, env=None) -> Attempt:
     """All ranks' children, again (at most `retries` times) after a candidate killed one, with that candidate
     excluded from its size up: the last attempt's outcome."""
-    attempt = None
+    ranks, attempt = list(zip(range(world), devices, strict=True)), None
     for _ in range(retries + 1):
-        outcomes = run_children(list(zip(range(world), devices, strict=True)), world, spec, timeout_s=timeout_s,
-                                stall_s=stall_s, on_event=on_event, command=command, env=env)
-        attempt = summarize(outcomes)
+        attempt = summarize(run_children(ranks, world, spec, timeout_s=timeout_s, stall_s=stall_s, on_event=on_event,
+                                         command=command, env=env))
         if attempt.table is not None or attempt.found is not None or attempt.culprit is None:
             return attempt
         if any(dict(rule, reason=None) == dict(attempt.culprit, reason=None) for rule in spec.exclude):

@@ -27,9 +27,7 @@ def calls_per_replay(nbytes: int, base: int = 20) -> int:
     return base if nbytes <= 1 << 20 else max(1, base // (2 if nbytes <= 8 << 20 else 5))
 
 
-def capture_graph(
-    step: Callable[[int], Any], calls: int, *, eager_warmup: int = 1, stream: Any = None
-) -> tuple[Any, list]:
+def capture_graph(step: Callable[[int], Any], calls: int, *, eager_warmup: int = 1, stream: Any = None) -> tuple:
     """(graph, outputs): ``step(k)`` for k in range(calls), run eagerly ``eager_warmup`` times, then captured into
     one graph (on ``stream`` if given, e.g. SGLang's graph_capture stream)."""
     import torch
@@ -50,19 +48,18 @@ def replay_times(graph: Any, iters: int, *, warmup: int = 0, sync_each: bool = F
     (the warmup absorbs the ranks' host skew), or each awaited before the next with ``sync_each``."""
     import torch
 
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     torch.cuda.synchronize()
     for _ in range(warmup):
         graph.replay()
-    for i in range(iters):
-        starts[i].record()
+    for start, end in events:
+        start.record()
         graph.replay()
-        ends[i].record()
+        end.record()
         if sync_each:
-            ends[i].synchronize()
+            end.synchronize()
     torch.cuda.synchronize()
-    return [starts[i].elapsed_time(ends[i]) * 1000.0 for i in range(iters)]
+    return [start.elapsed_time(end) * 1000.0 for start, end in events]
 
 
 def short_error(exc: BaseException, limit: int = 400) -> str:

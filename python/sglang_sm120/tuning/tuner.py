@@ -1,12 +1,8 @@
-"""The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size of the spec, every
-candidate (tuning/candidates.py) and NCCL are verified (tuning/burst.py), then timed, and `routing.table.choose`
-turns the times into routes; the caller saves the table.
-
-Every collective step is a gather over the group's CPU (gloo) group, so all ranks see the same lists and take the
-same branches. A candidate that fails (wrong bits, an exception, a kernel wait that timed out) is recorded with
-its reason, never routed to, not tried at larger sizes of that dtype and kind, and the workspaces are rebuilt
-before the next candidate. One that kills its process is found by the parent (tuning/processes.py), excluded
-(`TuneSpec.exclude`), and the tune starts again.
+"""The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size, NCCL and every
+candidate (tuning/candidates.py) are verified, then timed; `routing.table.choose` turns the times into routes.
+Every collective step is a gather over the group's gloo group, so all ranks see the same lists and take the same
+branches. A candidate that fails is recorded with its reason, never routed to nor tried at larger sizes, and the
+workspaces are rebuilt after it.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from sgl_kernel_sm120.policy import DTYPES, ELEMENT_BYTES, KernelLimits, Route, 
 from ..routing.table import NCCL, Point, RoutingTable, route_id
 from . import candidates as cand
 from .timing import aggregate_iteration_times, short_error
-from .verify import reduce_verdicts
 
 # Full tune: every row count up to 16 (the decode/verify sizes that matter most), then steps of about 25%; quick:
 # the sizes below, then doubling.
@@ -37,7 +32,7 @@ PRUNE_SIZES = 2
 
 
 class TuneError(RuntimeError):
-    pass
+    """The group cannot tune: its ranks disagree, or the spec names a dtype the kernels do not take."""
 
 
 def graph_rows(batch_sizes: Sequence[int], draft_tokens: int = 1) -> list[int]:
@@ -63,6 +58,19 @@ def rows_ladder(max_rows: int, quick: bool, captured: Sequence[int] = ()) -> lis
     return sorted(rows)
 
 
+def reduce_verdicts(gathered: Sequence[tuple[str | None, Any]]) -> str | None:
+    """Every rank's (error or None, output digest), rank order -> None (passed) or why not; pure, so every rank
+    reaches the same verdict."""
+    if errors := "; ".join(f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err):
+        return errors
+    groups: dict[Any, list[int]] = {}
+    for r, (_, digest) in enumerate(gathered):
+        groups.setdefault(digest, []).append(r)
+    if len(groups) != 1:
+        return f"outputs differ across ranks (ranks with identical bits: {', '.join(map(str, groups.values()))})"
+    return None
+
+
 @dataclasses.dataclass
 class TuneSpec:
     hidden: int
@@ -78,11 +86,6 @@ class TuneSpec:
     kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
     # Candidates the parent excluded after one killed a process: dtype, kind, candidate, from_bytes, reason.
     exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    # The workspace's set-up, None where the child finds it out (P2P decides memory, NVML the islands).
-    memory: str | None = None
-    islands: list[list[int]] | None = None
-    islands_given: bool = False
-    link: str | None = None
     graph_rows: list[int] = dataclasses.field(default_factory=list)  # graph_rows(), each measured
     if_missing: bool = False  # stop when every rank finds a table of its key
     # Debug only, where NCCL cannot start (ranks sharing a GPU): NCCL's time is this value, and the table says so.
@@ -96,14 +99,6 @@ class TuneSpec:
     def make(cls, hidden: int, max_rows: int, *, quick: bool, **kwargs) -> TuneSpec:
         timing = {"calls": 10, "iters": 10, "warmup": 3} if quick else {}
         return cls(hidden=int(hidden), max_rows=int(max_rows), quick=quick, **{**timing, **kwargs})
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> TuneSpec:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in fields})
 
     def excluded(self, dtype: str, kind: str, candidate: str, nbytes: int) -> str | None:
         for rule in self.exclude:
@@ -120,16 +115,13 @@ class Tuner:
     build or free a workspace are collective: the Tuner calls them on every rank at the same point."""
 
     def __init__(self, measurer, spec: TuneSpec, *, rank: int, world: int, gather: Callable[[Any], list],
-                 key: Mapping[str, Any], progress: Callable[[dict], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 key: Mapping[str, Any], progress: Callable[[dict], None] | None = None):
         self.measurer, self.spec, self.rank, self.world = measurer, spec, rank, world
-        self.gather, self.key, self.clock = gather, dict(key), clock
-        self.progress = progress or (lambda event: None)
+        self.gather, self.key, self.progress = gather, dict(key), progress or (lambda event: None)
         self.notes: list[str] = []
 
     def _agreed(self, local: Any) -> list:
-        out = self.gather(local)
-        if len(out) != self.world:
+        if len(out := self.gather(local)) != self.world:
             raise TuneError(f"gather returned {len(out)} answers for {self.world} ranks")
         return out
 
@@ -141,33 +133,30 @@ class Tuner:
                 raise TuneError(f"ranks see different {what}: {seen}")
         return WorkspaceShape.from_dict(views[0]["shape"]), KernelLimits(**views[0]["limits"])
 
+    def _gathered(self, what: str, measure: Callable[[], Any]) -> list[tuple[str | None, Any]]:
+        """Every rank's (error or None, what `measure` returned): a failure is agreed like a result."""
+        try:
+            local = (None, measure())
+        except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
+            local = (f"{what}: {short_error(exc)}", None)
+        return self._agreed(local)
+
     def _verify_and_time(self, route: Route | None, kind: str, dtype: str,
                          rows: int) -> tuple[float | None, str | None]:
         """(median over replays of the slowest rank's us per call, None) or (None, why it failed): the verdict is
-        reduced across the group before anyone times, so it is the same on every rank."""
+        agreed before anyone times, so it is the same on every rank."""
         if route is not None:
-            local: tuple[str | None, str | None] = (None, None)
-            try:
-                local = (None, self.measurer.verify(route, kind, dtype, rows))
-            except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
-                local = (f"verify: {short_error(exc)}", None)
-            verdict = reduce_verdicts(self._agreed(local))
+            verdict = reduce_verdicts(self._gathered("verify", lambda: self.measurer.verify(route, kind, dtype, rows)))
             if verdict is not None:
                 return None, verdict
-        times, err = None, None
+        if route is None and self.spec.debug_nccl_us is not None:
+            gathered = self._agreed((None, [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)))
+        else:
+            gathered = self._gathered("timing", lambda: self.measurer.time(route, kind, dtype, rows))
+        if errors := "; ".join(f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err):
+            return None, errors
         try:
-            if route is None and self.spec.debug_nccl_us is not None:
-                times = [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)
-            else:
-                times = self.measurer.time(route, kind, dtype, rows)
-        except Exception as exc:  # noqa: BLE001
-            err = f"timing: {short_error(exc)}"
-        gathered = self._agreed((times, err))
-        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-        if errors:
-            return None, "; ".join(errors)
-        try:
-            return float(aggregate_iteration_times([g[0] for g in gathered])["median_us"]), None
+            return float(aggregate_iteration_times([times for _, times in gathered])["median_us"]), None
         except ValueError as exc:
             return None, f"timing: {exc}"
 
@@ -213,21 +202,18 @@ class Tuner:
         return points
 
     def run(self) -> RoutingTable:
-        start = self.clock()
+        start, spec = time.monotonic(), self.spec
         shape, limits = self._agree_setup()
         measurements: dict[tuple[str, str], list[Point]] = {}
-        for dtype in self.spec.dtypes:
+        for dtype in spec.dtypes:
             if dtype not in DTYPES:
                 raise TuneError(f"dtype {dtype!r} is not one the kernels take ({', '.join(DTYPES)})")
-            for kind in self.spec.kinds:
+            for kind in spec.kinds:
                 measurements[(dtype, kind)] = self._measure(dtype, kind, shape, limits)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        clocks = self._agreed((now, self.clock() - start))  # the table's stamp: rank 0's clock
-        notes = list(self.notes)
-        if self.spec.debug_nccl_us is not None:
-            notes.append(f"DEBUG: NCCL was not measured; its time was set to {self.spec.debug_nccl_us} us "
-                         "(plumbing run, these routes mean nothing)")
-        spec = self.spec
+        clocks = self._agreed((now, time.monotonic() - start))  # the table's stamp: rank 0's clock
+        notes = self.notes + ([f"DEBUG: NCCL was not measured; its time was set to {spec.debug_nccl_us} us (plumbing "
+                               "run, these routes mean nothing)"] if spec.debug_nccl_us is not None else [])
         table = RoutingTable.from_points(
             key=self.key, measured=clocks[0][0], quick=spec.quick, notes=notes,
             workload={"hidden": spec.hidden, "rows": spec.rows, "dtypes": list(spec.dtypes), "kinds": list(spec.kinds),
@@ -239,5 +225,3 @@ class Tuner:
             raise TuneError("the ranks built different tables from the same measurements")
         return table
 
-
-__all__ = ["TuneError", "TuneSpec", "Tuner", "graph_rows", "rows_ladder"]

@@ -1,11 +1,11 @@
 """The exactness check every candidate passes before it is timed: each call's inputs and exact expected outputs,
-the comparison, and the group's verdict (torch on the CPU is enough).
+and the comparison.
 
 Exact: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
-must survive), built from (seed, rank) alone, so every rank can build every rank's inputs; their sums are exact in
-bf16/fp16 in any order, and the fused case is built backwards from its expected residual (`fused_target`) so its
-norm is exact too. Zero tolerance (values equal, no NaN; +0 == -0 as values), and the ranks' bits are compared
-(`fingerprint`, `reduce_verdicts`): a candidate fails everywhere when any rank failed or the bits differ.
+must survive), built from the rank alone, so every rank can build every rank's inputs; their sums are exact in
+bf16/fp16 in any order, and the fused case is built backwards from its expected residual so its norm is exact too.
+Zero tolerance (+0 == -0 as values), and the ranks' bits are compared: a candidate fails everywhere when any rank
+failed or the bits differ.
 
 Every call its own inputs: a candidate that returns the previous call's result, reads the previous call's input
 or reuses a buffer too early passes any check whose calls all see the same inputs. So call j of candidate c uses
@@ -18,7 +18,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from sgl_kernel_sm120.policy import DTYPES
+from sgl_kernel_sm120.reference import reference_all_reduce
 
 EPS = 2.0 ** -20  # about the models' 1e-6; its effect on the expected norm rounds away
 ROLL_STEP = 9973  # a prime: consecutive salts roll by different amounts
@@ -34,13 +37,11 @@ def shift(value: int, numel: int) -> int:
     return (int(value) * (ROLL_STEP if ROLL_STEP % numel else 1)) % numel
 
 
-def rank_input(rank: int, rows: int, hidden: int, dtype: str, seed: int = 0):
+def rank_input(rank: int, rows: int, hidden: int, dtype: str):
     """Rank `rank`'s base input: integers in [-3, 3], about one element in eight a -0."""
-    import torch
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    generator = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + rows)
+    generator = torch.Generator().manual_seed(7919 * rank + rows)
     values = torch.randint(-3, 4, (rows, hidden), generator=generator).float()
     negative_zero = torch.randint(0, 8, (rows, hidden), generator=generator) == 0
     return torch.where(negative_zero, torch.full_like(values, -0.0), values).to(getattr(torch, dtype))
@@ -50,8 +51,6 @@ def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
     """(R, its RMSNorm scale 2^-k) in float32. Each row of R holds +-2^(k+1) on every fourth element and signed
     zeros elsewhere, k = (row + phase) % 3, so mean(R^2) = 4^k and rsqrt(mean + eps) is 2^-k far within half an
     ulp; R * 2^-k * weight is a small integer times a power of two."""
-    import torch
-
     if hidden % 4:
         raise ValueError("hidden must be a multiple of 4")
     row = torch.arange(rows, device=device).unsqueeze(1) + int(phase)
@@ -66,17 +65,11 @@ class CallBank:
     """One size's base case on `device`, for the ranks in `ranks` (every rank in one process, or this rank); a
     call's tensors are a roll, a subtraction and a product of it on the device, nothing random per call."""
 
-    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device,
-                 seed: int = 0):
-        import torch
-
-        from sgl_kernel_sm120.reference import reference_all_reduce
-
-        if kind not in ("plain", "fused"):
-            raise ValueError(f"kind must be plain or fused, got {kind!r}")
+    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device):
         self.kind, self.dtype, self.rows, self.hidden = kind, dtype, int(rows), int(hidden)
         self.torch_dtype, self.numel, self.eps = getattr(torch, dtype), self.rows * self.hidden, EPS
-        inputs = [rank_input(r, rows, hidden, dtype, seed) for r in range(world)]
+        self.output_names = ("norm", "residual") if kind == "fused" else ("sum",)
+        inputs = [rank_input(r, rows, hidden, dtype) for r in range(world)]
         self.total = reference_all_reduce(inputs).float().to(device)  # small integers: exact
         self.base = {r: inputs[r].to(device) for r in ranks}
         self.weight32 = self.weight = None
@@ -102,15 +95,10 @@ class CallBank:
         target, scale = fused_target(self.rows, self.hidden, value, self.total.device)
         return (target * scale * self.weight32).to(self.torch_dtype), target.to(self.torch_dtype)
 
-    def output_names(self) -> tuple[str, ...]:
-        return ("norm", "residual") if self.kind == "fused" else ("sum",)
-
 
 def mismatch(name: str, got, expected) -> str | None:
     """None when `got` equals `expected` exactly, else the first difference in words; compared on the CPU (the
     tuner's tensors live on the GPU)."""
-    import torch
-
     got, expected = got.detach().to("cpu"), expected.detach().to("cpu")
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return f"{name}: shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
@@ -125,8 +113,6 @@ def mismatch(name: str, got, expected) -> str | None:
 
 def same_values(got, expected) -> bool:
     """`mismatch` is None, computed on the tensors' own device."""
-    import torch
-
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return False
     g = got.float()
@@ -136,25 +122,9 @@ def same_values(got, expected) -> bool:
 def fingerprint(tensors) -> str:
     """A digest of outputs computed where they are: a position-weighted sum of their 16-bit patterns, so one
     flipped bit (a zero's sign included) changes it. For comparing ranks' bits, not for security."""
-    import torch
-
     total = 0
     for t in tensors:
         bits = t.detach().contiguous().view(torch.int16).reshape(-1).to(torch.int64)
         weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
         total = (total * 1_000_003 + int((bits * weights).sum().item())) % (1 << 61)
     return f"weighted:{total:x}"
-
-
-def reduce_verdicts(gathered: Sequence[tuple[str | None, str | None]]) -> str | None:
-    """Every rank's (error or None, output digest), rank order -> None (passed) or why not; pure, so every rank
-    reaches the same verdict."""
-    errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err]
-    if errors:
-        return "; ".join(errors)
-    groups: dict[Any, list[int]] = {}
-    for r, (_, digest) in enumerate(gathered):
-        groups.setdefault(digest, []).append(r)
-    if len(groups) != 1:
-        return f"outputs differ across ranks (ranks with identical bits: {', '.join(map(str, groups.values()))})"
-    return None

@@ -3,7 +3,9 @@ a fake measurer with injected times and failures."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import multiprocessing
 import socket
 import threading
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from sgl_kernel_sm120.policy import WorkspaceShape, kernel_limits
 from sglang_sm120.core import exchange
 from sglang_sm120.routing import table as tbl
-from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, rows_ladder
+from sglang_sm120.tuning.tuner import TuneError, Tuner, TuneSpec, reduce_verdicts, rows_ladder
 
 # The fake workspace is in host memory, where push is the one transport timed, and its one-shot slots hold every
 # size: one candidate per variant.
@@ -141,6 +143,12 @@ def test_a_candidate_failing_on_one_rank_fails_on_all_is_skipped_above_and_the_w
     assert results[0].digest() == results[1].digest()  # the same table on every rank, the failure in it
 
 
+def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
+    assert reduce_verdicts([(None, "x"), (None, "x")]) is None
+    assert reduce_verdicts([(None, "x"), ("verify: boom", None)]) == "rank 1: verify: boom"
+    assert reduce_verdicts([(None, "x"), (None, "y")]).startswith("outputs differ across ranks")
+
+
 def test_outputs_that_differ_between_ranks_fail_the_candidate():
     digests = {(ONE, 1, 1): "other bits"}
     results, errors, _ = run_threads(2, lambda r: FakeMeasurer(r, crossover_times, digests=digests), spec(max_rows=1))
@@ -193,8 +201,6 @@ def test_ranks_that_see_different_workspaces_refuse_to_tune():
 
 
 def test_ranks_whose_kernel_libraries_differ_refuse_to_tune():
-    import dataclasses
-
     def make(rank):
         m = FakeMeasurer(rank, crossover_times)
         if rank == 1:
@@ -222,8 +228,8 @@ def test_the_full_ladder_grows_by_a_quarter_at_most_and_ends_at_the_bound():
 
 
 def test_the_spec_survives_json():
-    s = spec(exclude=[{"dtype": "bfloat16"}], islands=[[0], [1]], islands_given=True)
-    assert TuneSpec.from_dict(s.as_dict()) == s
+    s = spec(exclude=[{"dtype": "bfloat16"}], graph_rows=[1, 4], debug_nccl_us=1e6, if_missing=True)
+    assert TuneSpec(**json.loads(json.dumps(dataclasses.asdict(s)))) == s
     quick = TuneSpec.make(7168, 16, quick=True, dtypes=["float16"])
     assert (quick.calls, quick.iters, quick.dtypes) == (10, 10, ["float16"])
 

@@ -1,4 +1,4 @@
-"""The exactness check: its inputs, its expected results (against the kernel package's reference), its verdict."""
+"""The exactness check: its inputs and its expected results (against the kernel package's reference)."""
 
 from __future__ import annotations
 
@@ -81,12 +81,6 @@ def test_the_fingerprint_sees_the_sign_of_zero_and_any_one_bit():
         flipped = x.clone().view(torch.int16).reshape(-1)
         flipped[i] ^= 1
         assert verify.fingerprint([x]) != verify.fingerprint([flipped.view(torch.bfloat16).reshape(x.shape)])
-
-
-def test_the_verdict_fails_everywhere_when_one_rank_failed_or_bits_differ():
-    assert verify.reduce_verdicts([(None, "x"), (None, "x")]) is None
-    assert verify.reduce_verdicts([(None, "x"), ("verify: boom", None)]) == "rank 1: verify: boom"
-    assert verify.reduce_verdicts([(None, "x"), (None, "y")]).startswith("outputs differ across ranks")
 
 
 def test_the_fused_case_needs_a_hidden_size_in_fours():
