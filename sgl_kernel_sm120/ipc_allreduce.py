@@ -1,11 +1,8 @@
 """`IpcAllReduce`: the workspace of one group and the two ops that run a route on it.
 
-Construction is collective over the group's exchange (exchange.py): each step is one round in which every rank's
-outcome is gathered and every rank raises together if any failed, leaving nothing built. Rounds: 1 (the arguments,
-their agreement and the NVLink vote; host memory: the tmpfs check and the shared file's name too), then
-construction.build's (device memory 2, host memory 2 + W), then one per data-path probe round (none at one rank;
-2 x (4 + ceil(region / chunk / W)) write and 2 read rounds: 16 at two ranks without islands), plus a barrier when
-the probe fails.
+Construction is collective (exchange.agree: when one rank fails, every rank raises, leaving nothing built). Rounds:
+1 (the arguments, their agreement and the NVLink vote; host memory: the tmpfs check and the shared file's name
+too), then construction.build's, then one per data-path probe round (none at one rank).
 
     ar = IpcAllReduce(gloo_group_or_exchange, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                       # x is not written; the seed route of its size
@@ -31,7 +28,7 @@ from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
 from .exchange import agree, attempt, exchange_of
 from .link import local_gpu_has_nvlink
 from .policy import Link, Memory, Route, Transport, WorkspaceShape
-from .watchdog import ON_TIMEOUT_MODES, Watchdog
+from .watchdog import ON_TIMEOUT_MODES, ErrorRecord, SlowRecord, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +51,6 @@ class IpcAllReduce:
         bad switch on one rank fails every rank."""
         self.exchange = exchange_of(group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
-        self._handle, self._watchdog, self._shape = 0, None, None
-        self.probe_rounds, self.probe_read_rounds = 0, ()
         ops = None
 
         def check() -> dict:
@@ -71,9 +66,9 @@ class IpcAllReduce:
             return {"signature": signature, "nvlink": nvlink, "name": name}
 
         every_rank = agree(self.exchange, "argument check", *attempt(check))
-        if any(entry["signature"] != every_rank[0]["signature"] for entry in every_rank):
-            shown = [entry["signature"] for entry in every_rank]
-            raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {shown}")
+        signatures = [entry["signature"] for entry in every_rank]
+        if any(signature != signatures[0] for signature in signatures):
+            raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {signatures}")
         self.link = Link.HOST if self.memory is Memory.HOST else (
             Link.NVLINK if all(entry["nvlink"] for entry in every_rank) else Link.PCIE)
         self._handle, agreed = construction.build(ops, self.exchange, self._config(), self.settings,
@@ -89,7 +84,9 @@ class IpcAllReduce:
 
     def _set_fields(self, device, max_numel, dtype, islands, link, memory, timeout_s, warn_after_s, on_timeout,
                     transport, settings: switches.KernelSettings) -> None:
-        """This rank's fields from the constructor's arguments; ValueError on a bad one."""
+        """This rank's fields from the constructor's arguments, nothing built yet; ValueError on a bad one."""
+        self._handle, self._watchdog, self._shape = 0, None, None
+        self.probe_rounds, self.probe_read_rounds = 0, ()
         self.settings = settings
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.type != "cuda":
@@ -98,9 +95,7 @@ class IpcAllReduce:
         self.timeout_s = float(settings.timeout_s if timeout_s is None else timeout_s)
         self.warn_after_s = float(settings.warn_after_s if warn_after_s is None else warn_after_s)
         self.abort_after_s, self.use_pdl, self.shm_dir = settings.abort_after_s, settings.pdl, settings.shm_dir
-        self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
-        self.sm_budget = 0
-        limits = policy.kernel_limits()  # the library loads, and was built from these sources
+        self.limits = limits = policy.kernel_limits()  # the library loads, and was built from these sources
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(policy.DTYPES)}, got {dtype}")
         if self.world_size not in policy.WORLD_SIZES:
@@ -139,14 +134,13 @@ class IpcAllReduce:
         """The agreed launch limits and shape, the watchdog, the log line."""
         self.sm_budget = int(agreed["sm_budget"])
         self.fused_clusters = {"clusters": list(agreed["clusters"]), "reason": agreed["reason"]}
-        self.limits = policy.kernel_limits()
         self._shape = WorkspaceShape(self.world_size, self.memory, self.link, self.num_islands,
                                      self.oneshot_max_numel * policy.ELEMENT_BYTES, tuple(agreed["clusters"]),
                                      self.sm_budget)
-        self._watchdog = Watchdog.at(
-            self.rank, int(ops.ws_error_record_address(self._handle)), int(ops.ws_slow_record_address(self._handle)),
-            timeout_s=self.timeout_s, on_timeout=self.on_timeout, abort_after_s=self.abort_after_s,
-            context_alive=self._context_alive)
+        self._watchdog = Watchdog(
+            self.rank, ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle))),
+            SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle))), timeout_s=self.timeout_s,
+            on_timeout=self.on_timeout, abort_after_s=self.abort_after_s, context_alive=self._context_alive)
         self._watchdog.start()
         logger.info("IpcAllReduce rank %d/%d on %s: memory=%s link=%s islands=%s max_numel=%d timeout=%.1fs (%s) "
                     "warn=%.1fs; launch: %d SMs (group minimum), fused rows %s", self.rank, self.world_size,
@@ -188,14 +182,11 @@ class IpcAllReduce:
                              weight: torch.Tensor | None = None) -> bool:
         """supports(inp) for the fused op (admits_fused of its shape); a residual like `inp` and a weight [hidden] of
         its device and dtype when given."""
-        if inp.dim() != 2 or not (self.supports(inp) and self.admits_fused(*inp.shape, inp.dtype)):
-            return False
-        hidden = inp.shape[-1]
-        if residual is not None and (residual.shape != inp.shape or residual.dtype != inp.dtype
-                                     or residual.device != inp.device):
-            return False
-        return weight is None or (tuple(weight.shape) == (hidden,) and weight.dtype == inp.dtype
-                                  and weight.device == inp.device)
+        def like_inp(t: torch.Tensor | None, shape: tuple) -> bool:
+            return t is None or (tuple(t.shape) == shape and t.dtype == inp.dtype and t.device == inp.device)
+
+        return (inp.dim() == 2 and self.supports(inp) and self.admits_fused(*inp.shape, inp.dtype)
+                and like_inp(residual, tuple(inp.shape)) and like_inp(weight, (inp.shape[-1],)))
 
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, route: Route | None = None,
                    schedule=None, transport=None, ctas: int | None = None, threads: int | None = None,
@@ -353,7 +344,7 @@ class IpcAllReduce:
             self._watchdog.forget_records()  # both records live in the pinned block ws_destroy frees
         if self._handle:
             handle, self._handle = self._handle, 0
-            construction.destroy(_ext.ops(), handle)
+            _ext.ops().ws_destroy(handle)
 
     def _describe(self, t: torch.Tensor) -> str:
         return (f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device} contiguous={t.is_contiguous()} "

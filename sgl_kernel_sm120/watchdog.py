@@ -51,11 +51,6 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @classmethod
-    def at(cls, rank: int, error_address: int, slow_address: int, **kwargs) -> Watchdog:
-        """The watchdog of the records at these host addresses (ws_error_record_address, ws_slow_record_address)."""
-        return cls(rank, ErrorRecord.from_address(error_address), SlowRecord.from_address(slow_address), **kwargs)
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sgl-sm120-ar-watchdog", daemon=True)
         self._thread.start()
