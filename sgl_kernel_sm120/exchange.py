@@ -32,19 +32,16 @@ class GlooExchange:
     def __init__(self, group):
         import torch.distributed as dist
 
-        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self._dist, self.group = dist, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(self, obj: Any) -> list:
-        import torch.distributed as dist
-
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, json.dumps(obj), group=self.group)
+        self._dist.all_gather_object(gathered, json.dumps(obj), group=self.group)
         return [json.loads(text) for text in gathered]
 
     def barrier(self, timeout_s: float) -> None:
-        import torch.distributed as dist
-
-        dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
+        self._dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def exchange_of(group_or_exchange) -> Exchange:
