@@ -26,7 +26,6 @@ from . import _ext, construction, data_path_probe, policy
 from . import settings as switches
 from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
 from .exchange import agree, attempt, exchange_of
-from .link import local_gpu_has_nvlink
 from .policy import Link, Memory, Route, Transport, WorkspaceShape
 from .watchdog import ON_TIMEOUT_MODES, ErrorRecord, SlowRecord, Watchdog
 
@@ -51,18 +50,15 @@ class IpcAllReduce:
         bad switch on one rank fails every rank."""
         self.exchange = exchange_of(group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
-        ops = None
 
         def check() -> dict:
-            nonlocal ops
             self._set_fields(device, max_numel, dtype, islands, link, memory, timeout_s, warn_after_s, on_timeout,
                              transport, switches.read() if settings is None else settings)
-            ops = _ext.ops()
             host = self.memory is Memory.HOST
             signature = [self.world_size, self.max_numel, str(dtype), self.islands, link, self.memory.value,
                          self.timeout_s, self.warn_after_s, on_timeout, self.shm_dir if host else "", transport]
-            nvlink = not host and (link == "nvlink" or (link == AUTO and local_gpu_has_nvlink(self.device)))
-            name = construction.host_file_name(ops, self._config(), self.settings) if host else ""
+            nvlink = not host and (link == "nvlink" or (link == AUTO and _has_nvlink(self.device)))
+            name = construction.host_file_name(_ext.ops(), self._config(), self.settings) if host else ""
             return {"signature": signature, "nvlink": nvlink, "name": name}
 
         every_rank = agree(self.exchange, "argument check", *attempt(check))
@@ -71,6 +67,7 @@ class IpcAllReduce:
             raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {signatures}")
         self.link = Link.HOST if self.memory is Memory.HOST else (
             Link.NVLINK if all(entry["nvlink"] for entry in every_rank) else Link.PCIE)
+        ops = _ext.ops()
         self._handle, agreed = construction.build(ops, self.exchange, self._config(), self.settings,
                                                   every_rank[0]["name"])
         try:
@@ -229,8 +226,7 @@ class IpcAllReduce:
                 weight: torch.Tensor | None = None, outs=()) -> str | None:
         """The one Python check of a call: why this workspace cannot run `route` on these tensors, or None. Raises
         nothing but the workspace's own timeout (a timed-out workspace runs nothing)."""
-        err = self.timeout_error()
-        if err is not None:
+        if (err := self.timeout_error()) is not None:
             raise err
         if self._handle == 0:
             return "this workspace is closed"
@@ -320,12 +316,10 @@ class IpcAllReduce:
         try:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
-            err = self.timeout_error()
-            if err is not None:
+            if (err := self.timeout_error()) is not None:
                 raise err from exc
             raise
-        err = self.timeout_error()
-        if err is not None:
+        if (err := self.timeout_error()) is not None:
             raise err
 
     def scratch_dirty_count(self) -> int:
@@ -369,3 +363,26 @@ def _aligned(t: torch.Tensor) -> bool:
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return t if _aligned(t) else t.clone()
 
+
+
+def _has_nvlink(device: torch.device) -> bool:
+    """Whether NVML sees an active NVLink on this GPU. A hint for the seed schedules only: a wrong answer costs
+    speed, never correctness, so any failure answers no (PCIe, the label that claims less)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
+                        return True
+                except pynvml.NVMLError:
+                    break
+            return False
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # no pynvml or NVML, an old driver, an unknown UUID format: claim less
+        logger.debug("NVLink probe failed (%s); assuming PCIe", exc)
+        return False
