@@ -26,11 +26,9 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this function
+    globals()[name] = value = getattr(importlib.import_module(_LAZY[name], __name__), name)  # later lookups skip this
     return value
 
 

@@ -64,7 +64,8 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
         return ClusterVerdict(False, f"cluster launch switched off ({VARIABLES['fused_clusters']}=off)", "off")
     os.makedirs(settings.cache_dir, exist_ok=True)
     path, key = os.path.join(settings.cache_dir, CACHE_FILE), cache_key(uuid, library_path)
-    with open(gpu_lock_path(settings.cache_dir, uuid), "w") as lock:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid) or "unknown"
+    with open(f"{path}.{safe}.lock", "w") as lock:  # the GPU's own lock, its UUID in a safe name
         fcntl.flock(lock, fcntl.LOCK_EX)  # the debug check too: trapping kernels never run in two processes at once
         if settings.debug_cluster_check:
             return _run_child(device_index, settings.debug_cluster_check)
@@ -83,12 +84,6 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
                 json.dump(table, f, indent=1, sort_keys=True)
             os.replace(tmp, path)
     return verdict
-
-
-def gpu_lock_path(folder: str, uuid: str) -> str:
-    """The lock one GPU's check runs under (its UUID in the name, made safe for a file name)."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid) or "unknown"
-    return os.path.join(folder, f"{CACHE_FILE}.{safe}.lock")
 
 
 def _run_child(device_index: int, debug: str) -> ClusterVerdict:

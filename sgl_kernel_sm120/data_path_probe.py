@@ -1,11 +1,10 @@
 """The data-path probe at construction, host side (the device side is csrc/probe.cu, rounds R1-R4 there).
 
 `cudaDeviceCanAccessPeer` can say yes where the data does not arrive intact (PCIe ACS redirection, a translating
-IOMMU, a mapping broken for part of a slab). So in rounds every rank writes tagged packs at the edges of every area
-the kernels write in every peer's scratch, then loads tagged packs from the edges of every peer's pull area, through
-the kernels' own paths (bounded polls that never trap). One exchange round per probe round gathers what arrived and
-is the barrier between rounds; the first failed round raises IpcAllReduceProbeError on every rank, naming the pairs,
-the direction and the area.
+IOMMU, a mapping broken for part of a slab), so every rank writes tagged packs to the edges of every area the kernels
+write in every peer's scratch, then loads them from the edges of every peer's pull area, through the kernels' own
+paths. One exchange round per probe round is the barrier between them; the first failed round raises
+IpcAllReduceProbeError on every rank, naming the pairs, the direction and the area.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ PROBE_TIMEOUT_S = 5.0
 UNMAP_BARRIER_TIMEOUT_S = 60.0
 OK = 1
 OUTCOMES = {  # csrc/ar_types.h ProbeOutcome; in a read round the sender is the rank whose slab the receiver loaded
-    OK: "ok",
     2: "write never arrived",
     3: "wrong data arrived",
     4: "rank {receiver}'s loads from rank {sender} never returned the pattern",
@@ -38,9 +36,8 @@ def drop_target(drop: ProbeDrop | None, rank: int, round_index: int, memory: str
     memory needs a clean probe there)."""
     if drop is None or drop.src != rank or drop.memory not in (memory, "any"):
         return -1
-    if drop.round == DEBUG_PROBE_DROP_READS:
-        return drop.dst if reads else -1
-    return drop.dst if drop.round is None or drop.round == round_index else -1
+    hit = reads if drop.round == DEBUG_PROBE_DROP_READS else drop.round in (None, round_index)
+    return drop.dst if hit else -1
 
 
 def failed_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list[tuple[int, int, str]]:

@@ -1,18 +1,16 @@
 """`IpcAllReduce`: the workspace of one group and the two ops that run a route on it.
 
-Construction is collective (exchange.agree: when one rank fails, every rank raises, leaving nothing built). Rounds:
-1 (the arguments, their agreement and the NVLink vote; host memory: the tmpfs check and the shared file's name
-too), then construction.build's, then one per data-path probe round (none at one rank).
-
     ar = IpcAllReduce(gloo_group_or_exchange, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                       # x is not written; the seed route of its size
     norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6)  # fresh outputs unless given
     ar.close()
 
-The checked ops check a call once (`refusal`, which explains), then resolve and launch its route; `launch` and
-`launch_fused` run a route the caller checked and resolved (policy.resolve), checking nothing themselves: the C++
-ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh I6), and every rank
-makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical inputs, keep so.
+Construction is collective: one round for the arguments (their agreement, the NVLink vote, the tmpfs check), then
+construction.build's, then one per data-path probe round. The checked ops check a call once (`refusal`, which
+explains); `launch` and `launch_fused` run a route the caller checked and resolved (policy.resolve), checking
+nothing: the C++ ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh
+I6), and every rank makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical
+inputs, keep so.
 """
 
 from __future__ import annotations
@@ -128,7 +126,6 @@ class IpcAllReduce:
                                    self.islands, self.memory, self.shm_dir)
 
     def _start(self, ops, agreed: dict) -> None:
-        """The agreed launch limits and shape, the watchdog, the log line."""
         self.sm_budget = int(agreed["sm_budget"])
         self.fused_clusters = {"clusters": list(agreed["clusters"]), "reason": agreed["reason"]}
         self._shape = WorkspaceShape(self.world_size, self.memory, self.link, self.num_islands,
@@ -177,8 +174,7 @@ class IpcAllReduce:
 
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor | None = None,
                              weight: torch.Tensor | None = None) -> bool:
-        """supports(inp) for the fused op (admits_fused of its shape); a residual like `inp` and a weight [hidden] of
-        its device and dtype when given."""
+        """supports(inp) and admits_fused of its shape; a residual like `inp`, a weight [hidden] of its kind."""
         def like_inp(t: torch.Tensor | None, shape: tuple) -> bool:
             return t is None or (tuple(t.shape) == shape and t.dtype == inp.dtype and t.device == inp.device)
 
@@ -304,7 +300,7 @@ class IpcAllReduce:
                            "released when the process ends", self.rank, exc)
 
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
-        """The timeout a kernel of this workspace recorded, if any (a CPU read; works after the trap)."""
+        """The timeout a kernel recorded, if any (a CPU read: works after the trap)."""
         return self._watchdog.timeout_error() if self._watchdog is not None else None
 
     def slow_wait(self) -> tuple[int, int, str, float] | None:
