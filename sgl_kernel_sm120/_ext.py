@@ -22,7 +22,6 @@ BUILD_HINT = (
 
 
 def expected_module() -> str:
-    """The extension module built for the running torch and CUDA."""
     return _abi.extension_module(torch.__version__, torch.version.cuda)
 
 

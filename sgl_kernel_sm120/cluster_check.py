@@ -1,11 +1,9 @@
-"""Does cluster launch work on this GPU? Found out in a child process, cached per GPU, driver and library.
-
-Public reports disagree on cluster launch on compute capability 12.x (docs/design.md), so the box answers. An
-illegal instruction ends the CUDA context that hits it, so a child process runs the fused one-shot's cluster kernel
-on a one-rank workspace and compares it bit for bit with the one-CTA kernel; a failed or unknown verdict means no
-clusters: slower, never another result. One lock per GPU: ranks sharing a GPU run one check, other GPUs check at
-the same time. A verdict that says nothing about the GPU (no answer in time, no start) is `transient`, not cached;
-debug_cluster_check "trap" makes the child trap first (the negative control) and bypasses the cache.
+"""Does cluster launch work on this GPU? Public reports disagree on compute capability 12.x, so the box answers
+(docs/design.md): an illegal instruction ends the CUDA context that hits it, so a child process runs the cluster
+kernel and compares it bit for bit with the one-CTA kernel. A failed or unknown verdict means no clusters: slower,
+never another result. Verdicts are cached per GPU, driver and library under one lock per GPU (ranks sharing a GPU
+run one check, other GPUs check at once), except a `transient` one that says nothing about the GPU (no answer in
+time, no start); debug_cluster_check "trap" makes the child trap first (the negative control), past the cache.
 """
 
 from __future__ import annotations
@@ -88,8 +86,7 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
 
 def _run_child(device_index: int, debug: str) -> ClusterVerdict:
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_parent, os.environ.get("PYTHONPATH"))))}
     command = [sys.executable, "-m", "sgl_kernel_sm120.cluster_check", str(device_index), *([debug] if debug else [])]
     source = "debug" if debug else "checked"
     try:

@@ -15,7 +15,7 @@ import secrets
 import torch
 
 from . import _ext, cluster_check
-from .exchange import HOST_MEMORY_ERROR, Exchange, agree, attempt
+from .exchange import HOST_MEMORY_ERROR, agree, attempt
 from .policy import CLUSTER_SIZES, Memory
 from .settings import VARIABLES, KernelSettings
 
@@ -113,7 +113,7 @@ def agree_launch_limits(every_rank: list[dict]) -> dict:
             "reason": "; ".join(reasons) if reasons else every_rank[0]["reason"]}
 
 
-def build(ops, exchange: Exchange, config: Config, settings: KernelSettings, shared_name: str = "") -> tuple[int, dict]:
+def build(ops, exchange, config: Config, settings: KernelSettings, shared_name: str = "") -> tuple[int, dict]:
     """Collective: this rank's workspace, mapped to every peer's, with the group's launch limits installed. Returns
     (handle, agreed launch limits)."""
     handle = 0

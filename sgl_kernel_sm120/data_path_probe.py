@@ -1,10 +1,6 @@
-"""The data-path probe at construction, host side (the device side is csrc/probe.cu, rounds R1-R4 there).
-
-`cudaDeviceCanAccessPeer` can say yes where the data does not arrive intact (PCIe ACS redirection, a translating
-IOMMU, a mapping broken for part of a slab), so every rank writes tagged packs to the edges of every area the kernels
-write in every peer's scratch, then loads them from the edges of every peer's pull area, through the kernels' own
-paths. One exchange round per probe round is the barrier between them; the first failed round raises
-IpcAllReduceProbeError on every rank, naming the pairs, the direction and the area.
+"""The data-path probe at construction, host side (the device side is csrc/probe.cu, rounds R1-R4 there; what it
+writes and loads where, and why `cudaDeviceCanAccessPeer` is not enough: docs/design.md). One exchange round per
+probe round is the barrier between them; the first failed round raises IpcAllReduceProbeError on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from .errors import IpcAllReduceProbeError
-from .exchange import Exchange, agree, attempt
+from .exchange import agree, attempt
 from .settings import DEBUG_PROBE_DROP_READS, ProbeDrop
 
 logger = logging.getLogger(__name__)
@@ -49,7 +45,7 @@ def failed_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list
             for sender, outcome in enumerate(row) if sender != receiver and outcome != OK]
 
 
-def run(ops, handle: int, exchange: Exchange, memory: str, timeout_s: float,
+def run(ops, handle: int, exchange, memory: str, timeout_s: float,
         drop: ProbeDrop | None = None) -> tuple[int, tuple[int, ...]]:
     """Every round of the probe on a built workspace (collective). Returns (rounds, the read rounds among them).
     On a failed round every rank unmaps its peers, waits until all have, and raises IpcAllReduceProbeError (a write

@@ -10,20 +10,11 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import IpcAllReduceError, IpcAllReduceHostMemoryError
 
 HOST_MEMORY_ERROR = "host memory:"  # how a failure of the host-memory workspace's size begins
-
-
-class Exchange(Protocol):
-    rank: int
-    world_size: int
-
-    def all_gather(self, obj: Any) -> list: ...
-
-    def barrier(self, timeout_s: float) -> None: ...
 
 
 class GlooExchange:
@@ -44,7 +35,7 @@ class GlooExchange:
         self._dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def exchange_of(group_or_exchange) -> Exchange:
+def exchange_of(group_or_exchange):
     """An exchange as it is; a process group wrapped in GlooExchange (a ProcessGroup's rank is a method, not an int)."""
     if isinstance(getattr(group_or_exchange, "rank", None), int):
         return group_or_exchange
@@ -59,7 +50,7 @@ def attempt(step: Callable[[], Any]) -> tuple[str | None, Any]:
         return f"{type(exc).__name__}: {exc}", None
 
 
-def agree(exchange: Exchange, step: str, error: str | None, payload: Any = None) -> list:
+def agree(exchange, step: str, error: str | None, payload: Any = None) -> list:
     """One round: every rank's (error, payload) gathered. If any rank failed, every rank raises the same error
     naming each failed rank, so no rank waits in a later round for a peer that gave up; else every rank's payload,
     in rank order."""

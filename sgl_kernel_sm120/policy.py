@@ -296,9 +296,8 @@ def plain_grid(nbytes: int, ctas: int, threads: int, limits: KernelLimits) -> in
 def fused_grid(rows: int, ctas: int, cluster: int) -> int:
     """The CTAs a fused one-shot call of `rows` rows launches under a cap of `ctas` (csrc/ar_launch.h): one CTA per
     row, or one cluster of `cluster` CTAs per row, as many as fit at once (where the group holds that many)."""
-    if cluster > 1:
-        return max(1, min(rows, ctas // cluster)) * cluster
-    return max(1, min(rows, ctas))
+    per_row = max(cluster, 1)
+    return max(1, min(rows, ctas // per_row)) * per_row
 
 
 def choose_schedule(nbytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> Schedule:

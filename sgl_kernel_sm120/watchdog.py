@@ -1,10 +1,8 @@
-"""A workspace's wait records and the thread that watches them.
-
-The kernels bound every spin-wait (csrc/ar_protocol.cuh): a wait past its warning bound is reported in host-mapped
-memory and is no error (I9: a peer still compiling can be that late); a wait past its timeout records rank, call,
-phase and missing peer, then traps or poisons the workspace (I7). Both records are plain CPU loads, which work after
-a trap, so the log names the missing peer even when the CUDA error surfaces elsewhere first; in trap mode the thread
-aborts a process whose trap never arrived (seen with several processes on one GPU), as PyTorch's NCCL watchdog does.
+"""A workspace's wait records and the thread that watches them (docs/design.md, "Waits are bounded"): a slow wait
+(I9: a peer still compiling can be that late) is logged once per call, a timeout (I7) as soon as it is recorded,
+read with plain CPU loads that work after a trap, so the log names the missing peer even when the CUDA error
+surfaces elsewhere first; in trap mode a process whose trap never arrived is aborted (seen with several processes
+on one GPU), as PyTorch's NCCL watchdog does.
 """
 
 from __future__ import annotations
