@@ -69,9 +69,8 @@ class Config:
 
 
 def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
-    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else an error that
-    begins with HOST_MEMORY_ERROR, naming the folder, its free space and the size needed); a fresh name for its
-    shared file (rank 0's is used)."""
+    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else a HOST_MEMORY_ERROR
+    naming the folder, its free space and the size needed); a fresh name for its shared file (rank 0's is used)."""
     try:
         need = int(ops.host_shared_bytes_for(config.world_size, config.max_numel, config.oneshot_max_numel))
         stat = os.statvfs(config.shm_dir)
@@ -114,8 +113,7 @@ def agree_launch_limits(every_rank: list[dict]) -> dict:
 
 
 def build(ops, exchange, config: Config, settings: KernelSettings, shared_name: str = "") -> tuple[int, dict]:
-    """Collective: this rank's workspace, mapped to every peer's, with the group's launch limits installed. Returns
-    (handle, agreed launch limits)."""
+    """Collective: (this rank's workspace mapped to every peer's with the group's limits installed, the limits)."""
     handle = 0
 
     def create(shared_create: bool = False) -> dict:

@@ -167,8 +167,7 @@ class IpcAllReduce:
                 and 0 < inp.numel() <= self.max_numel and inp.numel() % self.limits.elems_per_pack == 0)
 
     def admits_fused(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
-        """The fused op's shape rule without a tensor: [rows, hidden] of `dtype` within the bound, a hidden size of
-        whole packs up to the widest row the fused kernels take."""
+        """The fused op's shape rule without a tensor, for a caller that decides before it has one."""
         return (dtype in SUPPORTED_DTYPES and 0 < rows * hidden <= self.max_numel
                 and hidden % self.limits.elems_per_pack == 0 and hidden <= self.limits.max_fused_hidden)
 
@@ -191,7 +190,7 @@ class IpcAllReduce:
         why = self.refusal(inp, route, fused=False, outs=(out,))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
-        return self.launch(policy.resolve(route, _nbytes(inp), self.shape, self.limits, False), inp, out)
+        return self.launch(policy.resolve(route, inp.nbytes, self.shape, self.limits, False), inp, out)
 
     def all_reduce_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                norm_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, *,
@@ -206,7 +205,7 @@ class IpcAllReduce:
         why = self.refusal(inp, route, fused=True, residual=residual, weight=weight, outs=(norm_out, residual_out))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
-        route = policy.resolve(route, _nbytes(inp), self.shape, self.limits, True)
+        route = policy.resolve(route, inp.nbytes, self.shape, self.limits, True)
         return self.launch_fused(route, inp, residual, weight, eps, norm_out, residual_out)
 
     def _route(self, inp: torch.Tensor, route: Route | None, **fields) -> Route:
@@ -215,7 +214,7 @@ class IpcAllReduce:
         if "transport" in given:
             given["transport"] = self.transport if given["transport"] == AUTO else _transport(given["transport"])
         if route is None:
-            route = policy.seed_route(_nbytes(inp), self.shape, given.pop("transport", self.transport))
+            route = policy.seed_route(inp.nbytes, self.shape, given.pop("transport", self.transport))
         return dataclasses.replace(route, **given) if given else route
 
     def refusal(self, inp: torch.Tensor, route: Route, *, fused: bool, residual: torch.Tensor | None = None,
@@ -226,16 +225,18 @@ class IpcAllReduce:
             raise err
         if self._handle == 0:
             return "this workspace is closed"
-        if fused and not self.supports_add_rmsnorm(inp, residual, weight):
+        if not (self.supports_add_rmsnorm(inp, residual, weight) if fused else self.supports(inp)):
+            shown = (f"shape={tuple(inp.shape)} dtype={inp.dtype} device={inp.device} contiguous={inp.is_contiguous()} "
+                     f"numel={inp.numel()} max_numel={self.max_numel}")
+            if not fused:
+                return f"this workspace cannot take the tensor ({shown}); check supports() first"
             return (f"the fused op takes [rows, hidden] with hidden a multiple of {self.limits.elems_per_pack} up to "
                     f"{self.limits.max_fused_hidden}, the residual like the input and the weight [hidden], on this "
-                    f"workspace's device and dtype ({self._describe(inp)}); check supports_add_rmsnorm() first")
-        if not fused and not self.supports(inp):
-            return f"this workspace cannot take the tensor ({self._describe(inp)}); check supports() first"
+                    f"workspace's device and dtype ({shown}); check supports_add_rmsnorm() first")
         if any(out is not None and (out.shape != inp.shape or out.dtype != inp.dtype or not out.is_contiguous()
                                     or out.device != inp.device) for out in outs):
             return "every output must be contiguous, with the input's shape, dtype and device"
-        return policy.refusal(self.shape, route, _nbytes(inp), fused=fused, limits=self.limits)
+        return policy.refusal(self.shape, route, inp.nbytes, fused=fused, limits=self.limits)
 
     # The launches: a fresh tensor of torch's allocators is 16-byte aligned, so only a caller's own tensors are
     # checked; an odd offset is one rank's, not the group's, so it is copied, never declined.
@@ -335,14 +336,6 @@ class IpcAllReduce:
         if self._handle:
             handle, self._handle = self._handle, 0
             _ext.ops().ws_destroy(handle)
-
-    def _describe(self, t: torch.Tensor) -> str:
-        return (f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device} contiguous={t.is_contiguous()} "
-                f"numel={t.numel()} max_numel={self.max_numel}")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _transport(value) -> Transport:

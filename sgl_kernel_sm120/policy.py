@@ -301,8 +301,7 @@ def fused_grid(rows: int, ctas: int, cluster: int) -> int:
 
 
 def choose_schedule(nbytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> Schedule:
-    """The seed schedule of a message of `nbytes` bytes: one-shot up to oneshot_max_bytes(); past it the island
-    schedule on PCIe with two or more islands, else flat two-shot."""
+    """The seed schedule of `nbytes` bytes: ONESHOT up to oneshot_max_bytes(), then ISLAND on PCIe with islands."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     link = _as_enum(Link, link)
@@ -333,8 +332,7 @@ def oneshot_max_numel(world_size: int, memory: Memory | str, max_numel: int, lim
 
 
 def seed_route(nbytes: int, shape: WorkspaceShape, transport: Transport | str = SEED_TRANSPORT) -> Route:
-    """The route of `nbytes` bytes before anything was measured: the seed schedule over `transport`, every launch
-    field left to its seed rule."""
+    """The route of `nbytes` bytes before anything was measured: every launch field left to its seed rule."""
     return Route(choose_schedule(nbytes, shape.world_size, shape.link, shape.num_islands), transport, shape.memory)
 
 

@@ -1,8 +1,4 @@
-"""Pure-torch references of the two ops, with the numerics the kernels promise (docs/design.md, "Numerics").
-
-Sums are accumulated in fp32 in rank order and rounded once; the fused op rounds residual_out once and
-computes the RMSNorm in fp32 from the rounded residual, as SGLang's unfused add + RMSNorm does.
-"""
+"""Pure-torch references of the two ops, with the numerics the kernels promise (docs/design.md, "Numerics")."""
 
 from __future__ import annotations
 
