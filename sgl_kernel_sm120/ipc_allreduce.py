@@ -353,7 +353,6 @@ def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return t if _aligned(t) else t.clone()
 
 
-
 def _has_nvlink(device: torch.device) -> bool:
     """Whether NVML sees an active NVLink on this GPU. A hint for the seed schedules only: a wrong answer costs
     speed, never correctness, so any failure answers no (PCIe, the label that claims less)."""
