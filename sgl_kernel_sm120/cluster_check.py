@@ -86,7 +86,8 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
 
 def _run_child(device_index: int, debug: str) -> ClusterVerdict:
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_parent, os.environ.get("PYTHONPATH"))))}
+    env = dict(os.environ)  # a copy, handed on whole: the child's switches are read by settings.py there
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_parent, env.get("PYTHONPATH"))))
     command = [sys.executable, "-m", "sgl_kernel_sm120.cluster_check", str(device_index), *([debug] if debug else [])]
     source = "debug" if debug else "checked"
     try:
