@@ -1,10 +1,9 @@
 """sgl_kernel_sm120: CUDA IPC all-reduce, plain and fused with residual-add + RMSNorm, for small tensors.
 
-Importing this package never needs the compiled extension or a GPU; calling a kernel without the
-extension raises KernelsNotBuiltError with the command that builds it. This package knows nothing of SGLang.
-
-The public names are loaded on first use (PEP 562), so the pure-Python modules (`policy`, `errors`, `settings`)
-import without torch: the overlay reads them on machines that have no torch.
+Importing this package needs no compiled extension, no GPU (a kernel called without the extension raises
+KernelsNotBuiltError with the command that builds it) and no torch: the public names load on first use (PEP 562), so
+the overlay reads the pure-Python modules (`policy`, `errors`, `settings`) on machines without torch. This package
+knows nothing of SGLang.
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this function
+    globals()[name] = value = getattr(importlib.import_module(_LAZY[name], __name__), name)  # later lookups skip this
     return value
 
 

@@ -21,7 +21,6 @@ def extension_tag(torch_version: str, cuda_version: str | None) -> str:
 
 
 def extension_module(torch_version: str, cuda_version: str | None) -> str:
-    """Module name (inside the package) of the library built for this torch and CUDA."""
     return "_C_" + extension_tag(torch_version, cuda_version)
 
 

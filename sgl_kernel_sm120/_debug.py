@@ -27,8 +27,6 @@ def local_group(device, world_size: int, max_numel: int, dtype: torch.dtype = to
     for rank in range(world_size):
         comm = IpcAllReduce.__new__(IpcAllReduce)
         comm.exchange, comm.rank, comm.world_size = None, rank, world_size
-        comm._handle, comm._watchdog, comm._shape = 0, None, None
-        comm.probe_rounds, comm.probe_read_rounds = 0, ()
         comm._set_fields(device, max_numel, dtype, islands, link, "device", timeout_s, warn_after_s, on_timeout,
                          transport, settings)
         comm.link = Link(link) if link != AUTO else Link.PCIE

@@ -20,36 +20,20 @@ BUILD_HINT = (
     "(`make build` builds only for the checkout's test environments under .venvs/, which this one does not load.)"
 )
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
 
 def expected_module() -> str:
-    """The extension module built for the running torch and CUDA."""
     return _abi.extension_module(torch.__version__, torch.version.cuda)
 
 
-def built_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
-    """Extension modules present in the package, for any torch."""
-    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=len, reverse=True)  # ".cpython-...so" before ".so"
-    found = set()
-    for path in glob.glob(os.path.join(package_dir, _abi.PREFIX + "*")):
-        name = os.path.basename(path)
-        suffix = next((s for s in suffixes if name.endswith(s)), None)
-        if suffix is not None:
-            found.add(name[: -len(suffix)])
-    return sorted(found)
-
-
-def missing_reason(package_dir: str = PACKAGE_DIR) -> str:
+def missing_reason(package_dir: str = os.path.dirname(os.path.abspath(__file__))) -> str:
     """Why there is no library for this torch: none at all, or only ones built for another torch."""
     here = f"torch {torch.__version__.split('+')[0]}, CUDA {torch.version.cuda or 'none'}"
-    others = built_modules(package_dir)
-    if others:
-        built_for = "; ".join(_abi.describe_tag(m) for m in others)
-        return (
-            f"sgl_kernel_sm120's kernels were built for another torch ({built_for}); this environment runs "
-            f"{here}. {BUILD_HINT}"
-        )
+    libraries = [os.path.basename(path) for path in glob.glob(os.path.join(package_dir, _abi.PREFIX + "*"))
+                 if path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
+    if libraries:  # a module name has no dot (_abi), so its file's suffix begins at the first
+        built_for = "; ".join(_abi.describe_tag(name) for name in sorted({f.split(".")[0] for f in libraries}))
+        return (f"sgl_kernel_sm120's kernels were built for another torch ({built_for}); this environment runs "
+                f"{here}. {BUILD_HINT}")
     return f"sgl_kernel_sm120's kernels are not built (no {expected_module()} for {here}). {BUILD_HINT}"
 
 

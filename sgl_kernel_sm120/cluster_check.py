@@ -1,13 +1,9 @@
-"""Does cluster launch work on this GPU? Found out in a child process, cached per GPU, driver and library.
-
-Public reports disagree on cluster launch on compute capability 12.x (docs/design.md), so the box answers. An
-illegal instruction ends the CUDA context that hits it, so a CHILD process (`python -m
-sgl_kernel_sm120.cluster_check DEVICE`) runs the fused one-shot's cluster kernel on a one-rank workspace and
-compares it bit for bit with the grouped one-CTA kernel. Whatever happens there the caller reads a verdict; a
-failed or unknown one means no clusters: slower, never another result. Verdicts are cached in the settings' cache
-folder under one lock per GPU (ranks sharing a GPU run one check; other GPUs check at the same time); a verdict that
-says nothing about the GPU (no answer in time, no start) is `transient` and not cached. fused_clusters off runs no
-check; debug_cluster_check "trap" makes the child trap first (the negative control) and bypasses the cache.
+"""Does cluster launch work on this GPU? Public reports disagree on compute capability 12.x, so the box answers
+(docs/design.md): an illegal instruction ends the CUDA context that hits it, so a child process runs the cluster
+kernel and compares it bit for bit with the one-CTA kernel. A failed or unknown verdict means no clusters: slower,
+never another result. Verdicts are cached per GPU, driver and library under one lock per GPU (ranks sharing a GPU
+run one check, other GPUs check at once), except a `transient` one that says nothing about the GPU (no answer in
+time, no start); debug_cluster_check "trap" makes the child trap first (the negative control), past the cache.
 """
 
 from __future__ import annotations
@@ -64,47 +60,35 @@ def verdict_for(device_index: int, uuid: str, library_path: str, settings: Kerne
     """The verdict for one local GPU: cached, or found out now in a child process (and cached)."""
     if not settings.fused_clusters:
         return ClusterVerdict(False, f"cluster launch switched off ({VARIABLES['fused_clusters']}=off)", "off")
-    debug = settings.debug_cluster_check
-    folder = settings.cache_dir
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, CACHE_FILE)
-    key = cache_key(uuid, library_path)
-    with open(gpu_lock_path(folder, uuid), "w") as lock:
+    os.makedirs(settings.cache_dir, exist_ok=True)
+    path, key = os.path.join(settings.cache_dir, CACHE_FILE), cache_key(uuid, library_path)
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid) or "unknown"
+    with open(f"{path}.{safe}.lock", "w") as lock:  # the GPU's own lock, its UUID in a safe name
         fcntl.flock(lock, fcntl.LOCK_EX)  # the debug check too: trapping kernels never run in two processes at once
-        if debug:
-            return _run_child(device_index, debug)
+        if settings.debug_cluster_check:
+            return _run_child(device_index, settings.debug_cluster_check)
         cached = _read_cache(path).get(key)
         if isinstance(cached, dict) and {"ok", "reason"} <= cached.keys():
             return ClusterVerdict(bool(cached["ok"]), str(cached["reason"]), "cache")
         verdict = _run_child(device_index, "")
-        if not verdict.transient:
-            _store(path, key, {"ok": verdict.ok, "reason": verdict.reason, "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+        if verdict.transient:
+            return verdict
+        with open(path + ".lock", "w") as table_lock:  # the shared file's own short lock: other GPUs keep theirs
+            fcntl.flock(table_lock, fcntl.LOCK_EX)
+            table = _read_cache(path)
+            table[key] = {"ok": verdict.ok, "reason": verdict.reason, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
     return verdict
-
-
-def gpu_lock_path(folder: str, uuid: str) -> str:
-    """The lock one GPU's check runs under (its UUID in the name, made safe for a file name)."""
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid) or "unknown"
-    return os.path.join(folder, f"{CACHE_FILE}.{safe}.lock")
-
-
-def _store(path: str, key: str, entry: dict) -> None:
-    """Add one verdict to the shared cache file under the file's own short lock (other GPUs' checks keep theirs)."""
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        table = _read_cache(path)
-        table[key] = entry
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
 
 
 def _run_child(device_index: int, debug: str) -> ClusterVerdict:
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = package_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    command = [sys.executable, "-m", "sgl_kernel_sm120.cluster_check", str(device_index)] + ([debug] if debug else [])
+    env = dict(os.environ)  # a copy, handed on whole: the child's switches are read by settings.py there
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_parent, env.get("PYTHONPATH"))))
+    command = [sys.executable, "-m", "sgl_kernel_sm120.cluster_check", str(device_index), *([debug] if debug else [])]
     source = "debug" if debug else "checked"
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
@@ -152,20 +136,18 @@ def _child(device_index: int, debug: str) -> dict:
                     return torch.randint(low, high, shape, generator=generator).to(dtype).cuda()
 
                 x, residual, weight = ints(rows, hidden), ints(rows, hidden), ints(hidden, low=1, high=4)
+                expected = (x.float() + residual.float()).to(dtype).view(torch.int16)
                 for cluster in sizes:
-                    outs = {}
-                    for launch in ("cluster", "grouped"):
-                        caps = capacity if launch == "cluster" else [0] * len(capacity)
+                    outs = []  # norm and residual rows, as bits: the cluster kernel's, then the one-CTA kernel's
+                    for caps in (capacity, [0] * len(capacity)):
                         ops.ws_set_launch_limits(handle, sm_budget, caps)
                         norm, res = torch.empty_like(x), torch.empty_like(x)
                         ops.all_reduce_add_rmsnorm(handle, x, residual, weight, 1e-6, norm, res,
                                                    int(Schedule.ONESHOT), sm_budget, False, cluster,
                                                    Transport.PUSH.code)
                         torch.cuda.synchronize()
-                        outs[launch] = (norm.view(torch.int16).clone(), res.view(torch.int16).clone())
-                    same = all(torch.equal(a, b) for a, b in zip(outs["cluster"], outs["grouped"], strict=True))
-                    expected = (x.float() + residual.float()).to(dtype).view(torch.int16)
-                    if not same or not torch.equal(outs["cluster"][1], expected):
+                        outs.append(torch.cat([norm, res]).view(torch.int16))
+                    if not torch.equal(*outs) or not torch.equal(outs[0][rows:], expected):
                         return {"ok": False, "reason": f"clusters of {cluster} CTAs ran but gave other bits than one "
                                                        f"CTA per row ({dtype}, [{rows}, {hidden}])"}
         return {"ok": True, "reason": f"clusters of {', '.join(map(str, sizes))} CTAs ran and matched one CTA "
@@ -175,6 +157,4 @@ def _child(device_index: int, debug: str) -> dict:
 
 
 if __name__ == "__main__":
-    _device = int(sys.argv[1])
-    _debug = sys.argv[2] if len(sys.argv) > 2 else ""
-    print(json.dumps(_child(_device, _debug)), flush=True)
+    print(json.dumps(_child(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")), flush=True)

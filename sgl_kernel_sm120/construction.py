@@ -1,8 +1,6 @@
 """Building one group's workspace, host side (the device side is csrc/workspace.cu): every rank's slab in its own GPU
 reached by the peers over CUDA IPC, or every rank's slab in one shared, pinned host-memory buffer; and the launch
-limits every rank agrees on. Every step is one round of exchange.agree: each rank's outcome is gathered and every
-rank raises together if any failed; a rank that fails frees what it built before it raises.
-
+limits every rank agrees on. Every step is one exchange.agree round; a rank that fails frees what it built first.
 Rounds: device memory 2 (allocation with the launch limits; opening the peers); host memory 2 + W (creation by rank
 0, mapping by the others, each with the launch limits; pinning, one rank at a time).
 """
@@ -17,12 +15,9 @@ import secrets
 import torch
 
 from . import _ext, cluster_check
-from .exchange import HOST_MEMORY_ERROR, Exchange, agree, attempt
+from .exchange import HOST_MEMORY_ERROR, agree, attempt
 from .policy import CLUSTER_SIZES, Memory
 from .settings import VARIABLES, KernelSettings
-
-SHM_ADVICE = ("enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
-              f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +68,9 @@ class Config:
                 self.shm_dir if self.memory is Memory.HOST else "", shared_name, shared_create)
 
 
-def destroy(ops, handle: int) -> None:
-    if handle:
-        ops.ws_destroy(handle)
-
-
 def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
-    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else an error that
-    begins with HOST_MEMORY_ERROR, naming the folder, its free space and the size needed); a fresh name for its
-    shared file (rank 0's is used)."""
+    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else a HOST_MEMORY_ERROR
+    naming the folder, its free space and the size needed); a fresh name for its shared file (rank 0's is used)."""
     try:
         need = int(ops.host_shared_bytes_for(config.world_size, config.max_numel, config.oneshot_max_numel))
         stat = os.statvfs(config.shm_dir)
@@ -92,7 +81,9 @@ def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
     if free < need and not settings.debug_shm_no_precheck:
         raise RuntimeError(f"{HOST_MEMORY_ERROR} {config.shm_dir} has {free / 2**20:.1f} MiB free, the workspace "
                            f"needs {need / 2**20:.1f} MiB ({config.world_size} slabs of "
-                           f"{need / config.world_size / 2**20:.1f} MiB); {SHM_ADVICE}")
+                           f"{need / config.world_size / 2**20:.1f} MiB); enlarge it (docker run --shm-size=1g; "
+                           "Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or point "
+                           f"{VARIABLES['shm_dir']} at a larger tmpfs")
     return f"sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}"
 
 
@@ -121,9 +112,8 @@ def agree_launch_limits(every_rank: list[dict]) -> dict:
             "reason": "; ".join(reasons) if reasons else every_rank[0]["reason"]}
 
 
-def build(ops, exchange: Exchange, config: Config, settings: KernelSettings, shared_name: str = "") -> tuple[int, dict]:
-    """Collective: this rank's workspace, mapped to every peer's, with the group's launch limits installed. Returns
-    (handle, agreed launch limits)."""
+def build(ops, exchange, config: Config, settings: KernelSettings, shared_name: str = "") -> tuple[int, dict]:
+    """Collective: (this rank's workspace mapped to every peer's with the group's limits installed, the limits)."""
     handle = 0
 
     def create(shared_create: bool = False) -> dict:
@@ -151,22 +141,19 @@ def build(ops, exchange: Exchange, config: Config, settings: KernelSettings, sha
             for turn in range(config.world_size):  # pinning one rank at a time, the order every run passed with
                 agree(exchange, f"pinning the host-memory workspace (rank {turn})",
                       *attempt(lambda turn=turn: ops.ws_register_shared(handle) if config.rank == turn else None))
-            if config.rank == 0:
-                _unlink(ops, handle, config, shared_name)
+            # Every rank has the buffer pinned; only the name is left in the folder. After the last round, so a
+            # failure here is a warning: it must not end rank 0's construction while its peers go on.
+            try:
+                if config.rank == 0:
+                    ops.ws_unlink_shared(handle)
+            except Exception as exc:
+                logger.warning("sgl_kernel_sm120: removing the host-memory workspace's file %s/%s failed (%s: %s); "
+                               "the workspace works, remove the file by hand once the server stops", config.shm_dir,
+                               shared_name, type(exc).__name__, exc)
         agreed = agree_launch_limits(every_rank)
         ops.ws_set_launch_limits(handle, agreed["sm_budget"], agreed["capacity"])
     except Exception:
-        destroy(ops, handle)
+        if handle:
+            ops.ws_destroy(handle)
         raise
     return handle, agreed
-
-
-def _unlink(ops, handle: int, config: Config, name: str) -> None:
-    # After the last round, on rank 0 only: a failure here must not end this rank's construction while its peers go
-    # on. Every rank has the buffer pinned; only the name is left in the folder.
-    try:
-        ops.ws_unlink_shared(handle)
-    except Exception as exc:
-        logger.warning("sgl_kernel_sm120: removing the host-memory workspace's file %s/%s failed (%s: %s); the "
-                       "workspace works, remove the file by hand once the server stops", config.shm_dir, name,
-                       type(exc).__name__, exc)

@@ -1,11 +1,6 @@
-"""The data-path probe at construction, host side (the device side is csrc/probe.cu, rounds R1-R4 there).
-
-`cudaDeviceCanAccessPeer` can say yes where the data does not arrive intact (PCIe ACS redirection, a translating
-IOMMU, a mapping broken for part of a slab). So in rounds every rank writes tagged packs at the edges of every area
-the kernels write in every peer's scratch, then loads tagged packs from the edges of every peer's pull area, through
-the kernels' own paths (bounded polls that never trap). One exchange round per probe round gathers what arrived and
-is the barrier between rounds; the first failed round raises IpcAllReduceProbeError on every rank, naming the pairs,
-the direction and the area.
+"""The data-path probe at construction, host side (the device side is csrc/probe.cu, rounds R1-R4 there; what it
+writes and loads where, and why `cudaDeviceCanAccessPeer` is not enough: docs/design.md). One exchange round per
+probe round is the barrier between them; the first failed round raises IpcAllReduceProbeError on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from .errors import IpcAllReduceProbeError
-from .exchange import Exchange, agree, attempt
+from .exchange import agree, attempt
 from .settings import DEBUG_PROBE_DROP_READS, ProbeDrop
 
 logger = logging.getLogger(__name__)
@@ -24,7 +19,6 @@ PROBE_TIMEOUT_S = 5.0
 UNMAP_BARRIER_TIMEOUT_S = 60.0
 OK = 1
 OUTCOMES = {  # csrc/ar_types.h ProbeOutcome; in a read round the sender is the rank whose slab the receiver loaded
-    OK: "ok",
     2: "write never arrived",
     3: "wrong data arrived",
     4: "rank {receiver}'s loads from rank {sender} never returned the pattern",
@@ -38,9 +32,8 @@ def drop_target(drop: ProbeDrop | None, rank: int, round_index: int, memory: str
     memory needs a clean probe there)."""
     if drop is None or drop.src != rank or drop.memory not in (memory, "any"):
         return -1
-    if drop.round == DEBUG_PROBE_DROP_READS:
-        return drop.dst if reads else -1
-    return drop.dst if drop.round is None or drop.round == round_index else -1
+    hit = reads if drop.round == DEBUG_PROBE_DROP_READS else drop.round in (None, round_index)
+    return drop.dst if hit else -1
 
 
 def failed_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list[tuple[int, int, str]]:
@@ -52,7 +45,7 @@ def failed_pairs(outcomes_by_receiver: list[list[int]], where: str = "") -> list
             for sender, outcome in enumerate(row) if sender != receiver and outcome != OK]
 
 
-def run(ops, handle: int, exchange: Exchange, memory: str, timeout_s: float,
+def run(ops, handle: int, exchange, memory: str, timeout_s: float,
         drop: ProbeDrop | None = None) -> tuple[int, tuple[int, ...]]:
     """Every round of the probe on a built workspace (collective). Returns (rounds, the read rounds among them).
     On a failed round every rank unmaps its peers, waits until all have, and raises IpcAllReduceProbeError (a write

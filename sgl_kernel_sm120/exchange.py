@@ -10,20 +10,11 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from .errors import IpcAllReduceError, IpcAllReduceHostMemoryError
 
 HOST_MEMORY_ERROR = "host memory:"  # how a failure of the host-memory workspace's size begins
-
-
-class Exchange(Protocol):
-    rank: int
-    world_size: int
-
-    def all_gather(self, obj: Any) -> list: ...
-
-    def barrier(self, timeout_s: float) -> None: ...
 
 
 class GlooExchange:
@@ -32,22 +23,19 @@ class GlooExchange:
     def __init__(self, group):
         import torch.distributed as dist
 
-        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self._dist, self.group = dist, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(self, obj: Any) -> list:
-        import torch.distributed as dist
-
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, json.dumps(obj), group=self.group)
+        self._dist.all_gather_object(gathered, json.dumps(obj), group=self.group)
         return [json.loads(text) for text in gathered]
 
     def barrier(self, timeout_s: float) -> None:
-        import torch.distributed as dist
-
-        dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
+        self._dist.monitored_barrier(self.group, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def exchange_of(group_or_exchange) -> Exchange:
+def exchange_of(group_or_exchange):
     """An exchange as it is; a process group wrapped in GlooExchange (a ProcessGroup's rank is a method, not an int)."""
     if isinstance(getattr(group_or_exchange, "rank", None), int):
         return group_or_exchange
@@ -62,7 +50,7 @@ def attempt(step: Callable[[], Any]) -> tuple[str | None, Any]:
         return f"{type(exc).__name__}: {exc}", None
 
 
-def agree(exchange: Exchange, step: str, error: str | None, payload: Any = None) -> list:
+def agree(exchange, step: str, error: str | None, payload: Any = None) -> list:
     """One round: every rank's (error, payload) gathered. If any rank failed, every rank raises the same error
     naming each failed rank, so no rank waits in a later round for a peer that gave up; else every rank's payload,
     in rank order."""

@@ -1,21 +1,16 @@
 """`IpcAllReduce`: the workspace of one group and the two ops that run a route on it.
 
-Construction is collective over the group's exchange (exchange.py): each step is one round in which every rank's
-outcome is gathered and every rank raises together if any failed, leaving nothing built. Rounds: 1 (the arguments,
-their agreement and the NVLink vote; host memory: the tmpfs check and the shared file's name too), then
-construction.build's (device memory 2, host memory 2 + W), then one per data-path probe round (none at one rank;
-2 x (4 + ceil(region / chunk / W)) write and 2 read rounds: 16 at two ranks without islands), plus a barrier when
-the probe fails.
-
     ar = IpcAllReduce(gloo_group_or_exchange, device, max_numel=64 * 7168)
     out = ar.all_reduce(x)                                       # x is not written; the seed route of its size
     norm, res = ar.all_reduce_add_rmsnorm(x, residual, w, 1e-6)  # fresh outputs unless given
     ar.close()
 
-The checked ops check a call once (`refusal`, which explains), then resolve and launch its route; `launch` and
-`launch_fused` run a route the caller checked and resolved (policy.resolve), checking nothing themselves: the C++
-ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh I6), and every rank
-makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical inputs, keep so.
+Construction is collective: one round for the arguments (their agreement, the NVLink vote, the tmpfs check), then
+construction.build's, then one per data-path probe round. The checked ops check a call once (`refusal`, which
+explains); `launch` and `launch_fused` run a route the caller checked and resolved (policy.resolve), checking
+nothing: the C++ ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh
+I6), and every rank makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical
+inputs, keep so.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ from . import _ext, construction, data_path_probe, policy
 from . import settings as switches
 from .errors import IpcAllReduceError, IpcAllReduceTimeoutError
 from .exchange import agree, attempt, exchange_of
-from .link import local_gpu_has_nvlink
 from .policy import Link, Memory, Route, Transport, WorkspaceShape
-from .watchdog import ON_TIMEOUT_MODES, Watchdog
+from .watchdog import ON_TIMEOUT_MODES, ErrorRecord, SlowRecord, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -54,28 +48,24 @@ class IpcAllReduce:
         bad switch on one rank fails every rank."""
         self.exchange = exchange_of(group)
         self.rank, self.world_size = self.exchange.rank, self.exchange.world_size
-        self._handle, self._watchdog, self._shape = 0, None, None
-        self.probe_rounds, self.probe_read_rounds = 0, ()
-        ops = None
 
         def check() -> dict:
-            nonlocal ops
             self._set_fields(device, max_numel, dtype, islands, link, memory, timeout_s, warn_after_s, on_timeout,
                              transport, switches.read() if settings is None else settings)
-            ops = _ext.ops()
             host = self.memory is Memory.HOST
             signature = [self.world_size, self.max_numel, str(dtype), self.islands, link, self.memory.value,
                          self.timeout_s, self.warn_after_s, on_timeout, self.shm_dir if host else "", transport]
-            nvlink = not host and (link == "nvlink" or (link == AUTO and local_gpu_has_nvlink(self.device)))
-            name = construction.host_file_name(ops, self._config(), self.settings) if host else ""
+            nvlink = not host and (link == "nvlink" or (link == AUTO and _has_nvlink(self.device)))
+            name = construction.host_file_name(_ext.ops(), self._config(), self.settings) if host else ""
             return {"signature": signature, "nvlink": nvlink, "name": name}
 
         every_rank = agree(self.exchange, "argument check", *attempt(check))
-        if any(entry["signature"] != every_rank[0]["signature"] for entry in every_rank):
-            shown = [entry["signature"] for entry in every_rank]
-            raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {shown}")
+        signatures = [entry["signature"] for entry in every_rank]
+        if any(signature != signatures[0] for signature in signatures):
+            raise IpcAllReduceError(f"IpcAllReduce arguments differ across ranks: {signatures}")
         self.link = Link.HOST if self.memory is Memory.HOST else (
             Link.NVLINK if all(entry["nvlink"] for entry in every_rank) else Link.PCIE)
+        ops = _ext.ops()
         self._handle, agreed = construction.build(ops, self.exchange, self._config(), self.settings,
                                                   every_rank[0]["name"])
         try:
@@ -89,7 +79,9 @@ class IpcAllReduce:
 
     def _set_fields(self, device, max_numel, dtype, islands, link, memory, timeout_s, warn_after_s, on_timeout,
                     transport, settings: switches.KernelSettings) -> None:
-        """This rank's fields from the constructor's arguments; ValueError on a bad one."""
+        """This rank's fields from the constructor's arguments, nothing built yet; ValueError on a bad one."""
+        self._handle, self._watchdog, self._shape = 0, None, None
+        self.probe_rounds, self.probe_read_rounds = 0, ()
         self.settings = settings
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.type != "cuda":
@@ -98,9 +90,7 @@ class IpcAllReduce:
         self.timeout_s = float(settings.timeout_s if timeout_s is None else timeout_s)
         self.warn_after_s = float(settings.warn_after_s if warn_after_s is None else warn_after_s)
         self.abort_after_s, self.use_pdl, self.shm_dir = settings.abort_after_s, settings.pdl, settings.shm_dir
-        self.fused_clusters: dict = {"clusters": [], "reason": "not checked yet"}
-        self.sm_budget = 0
-        limits = policy.kernel_limits()  # the library loads, and was built from these sources
+        self.limits = limits = policy.kernel_limits()  # the library loads, and was built from these sources
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(policy.DTYPES)}, got {dtype}")
         if self.world_size not in policy.WORLD_SIZES:
@@ -136,17 +126,15 @@ class IpcAllReduce:
                                    self.islands, self.memory, self.shm_dir)
 
     def _start(self, ops, agreed: dict) -> None:
-        """The agreed launch limits and shape, the watchdog, the log line."""
         self.sm_budget = int(agreed["sm_budget"])
         self.fused_clusters = {"clusters": list(agreed["clusters"]), "reason": agreed["reason"]}
-        self.limits = policy.kernel_limits()
         self._shape = WorkspaceShape(self.world_size, self.memory, self.link, self.num_islands,
                                      self.oneshot_max_numel * policy.ELEMENT_BYTES, tuple(agreed["clusters"]),
                                      self.sm_budget)
-        self._watchdog = Watchdog.at(
-            self.rank, int(ops.ws_error_record_address(self._handle)), int(ops.ws_slow_record_address(self._handle)),
-            timeout_s=self.timeout_s, on_timeout=self.on_timeout, abort_after_s=self.abort_after_s,
-            context_alive=self._context_alive)
+        self._watchdog = Watchdog(
+            self.rank, ErrorRecord.from_address(int(ops.ws_error_record_address(self._handle))),
+            SlowRecord.from_address(int(ops.ws_slow_record_address(self._handle))), timeout_s=self.timeout_s,
+            on_timeout=self.on_timeout, abort_after_s=self.abort_after_s, context_alive=self._context_alive)
         self._watchdog.start()
         logger.info("IpcAllReduce rank %d/%d on %s: memory=%s link=%s islands=%s max_numel=%d timeout=%.1fs (%s) "
                     "warn=%.1fs; launch: %d SMs (group minimum), fused rows %s", self.rank, self.world_size,
@@ -179,23 +167,18 @@ class IpcAllReduce:
                 and 0 < inp.numel() <= self.max_numel and inp.numel() % self.limits.elems_per_pack == 0)
 
     def admits_fused(self, rows: int, hidden: int, dtype: torch.dtype) -> bool:
-        """The fused op's shape rule without a tensor: [rows, hidden] of `dtype` within the bound, a hidden size of
-        whole packs up to the widest row the fused kernels take."""
+        """The fused op's shape rule without a tensor, for a caller that decides before it has one."""
         return (dtype in SUPPORTED_DTYPES and 0 < rows * hidden <= self.max_numel
                 and hidden % self.limits.elems_per_pack == 0 and hidden <= self.limits.max_fused_hidden)
 
     def supports_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor | None = None,
                              weight: torch.Tensor | None = None) -> bool:
-        """supports(inp) for the fused op (admits_fused of its shape); a residual like `inp` and a weight [hidden] of
-        its device and dtype when given."""
-        if inp.dim() != 2 or not (self.supports(inp) and self.admits_fused(*inp.shape, inp.dtype)):
-            return False
-        hidden = inp.shape[-1]
-        if residual is not None and (residual.shape != inp.shape or residual.dtype != inp.dtype
-                                     or residual.device != inp.device):
-            return False
-        return weight is None or (tuple(weight.shape) == (hidden,) and weight.dtype == inp.dtype
-                                  and weight.device == inp.device)
+        """supports(inp) and admits_fused of its shape; a residual like `inp`, a weight [hidden] of its kind."""
+        def like_inp(t: torch.Tensor | None, shape: tuple) -> bool:
+            return t is None or (tuple(t.shape) == shape and t.dtype == inp.dtype and t.device == inp.device)
+
+        return (inp.dim() == 2 and self.supports(inp) and self.admits_fused(*inp.shape, inp.dtype)
+                and like_inp(residual, tuple(inp.shape)) and like_inp(weight, (inp.shape[-1],)))
 
     def all_reduce(self, inp: torch.Tensor, out: torch.Tensor | None = None, *, route: Route | None = None,
                    schedule=None, transport=None, ctas: int | None = None, threads: int | None = None,
@@ -207,7 +190,7 @@ class IpcAllReduce:
         why = self.refusal(inp, route, fused=False, outs=(out,))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
-        return self.launch(policy.resolve(route, _nbytes(inp), self.shape, self.limits, False), inp, out)
+        return self.launch(policy.resolve(route, inp.nbytes, self.shape, self.limits, False), inp, out)
 
     def all_reduce_add_rmsnorm(self, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                norm_out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, *,
@@ -222,7 +205,7 @@ class IpcAllReduce:
         why = self.refusal(inp, route, fused=True, residual=residual, weight=weight, outs=(norm_out, residual_out))
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
-        route = policy.resolve(route, _nbytes(inp), self.shape, self.limits, True)
+        route = policy.resolve(route, inp.nbytes, self.shape, self.limits, True)
         return self.launch_fused(route, inp, residual, weight, eps, norm_out, residual_out)
 
     def _route(self, inp: torch.Tensor, route: Route | None, **fields) -> Route:
@@ -231,28 +214,29 @@ class IpcAllReduce:
         if "transport" in given:
             given["transport"] = self.transport if given["transport"] == AUTO else _transport(given["transport"])
         if route is None:
-            route = policy.seed_route(_nbytes(inp), self.shape, given.pop("transport", self.transport))
+            route = policy.seed_route(inp.nbytes, self.shape, given.pop("transport", self.transport))
         return dataclasses.replace(route, **given) if given else route
 
     def refusal(self, inp: torch.Tensor, route: Route, *, fused: bool, residual: torch.Tensor | None = None,
                 weight: torch.Tensor | None = None, outs=()) -> str | None:
         """The one Python check of a call: why this workspace cannot run `route` on these tensors, or None. Raises
         nothing but the workspace's own timeout (a timed-out workspace runs nothing)."""
-        err = self.timeout_error()
-        if err is not None:
+        if (err := self.timeout_error()) is not None:
             raise err
         if self._handle == 0:
             return "this workspace is closed"
-        if fused and not self.supports_add_rmsnorm(inp, residual, weight):
+        if not (self.supports_add_rmsnorm(inp, residual, weight) if fused else self.supports(inp)):
+            shown = (f"shape={tuple(inp.shape)} dtype={inp.dtype} device={inp.device} contiguous={inp.is_contiguous()} "
+                     f"numel={inp.numel()} max_numel={self.max_numel}")
+            if not fused:
+                return f"this workspace cannot take the tensor ({shown}); check supports() first"
             return (f"the fused op takes [rows, hidden] with hidden a multiple of {self.limits.elems_per_pack} up to "
                     f"{self.limits.max_fused_hidden}, the residual like the input and the weight [hidden], on this "
-                    f"workspace's device and dtype ({self._describe(inp)}); check supports_add_rmsnorm() first")
-        if not fused and not self.supports(inp):
-            return f"this workspace cannot take the tensor ({self._describe(inp)}); check supports() first"
+                    f"workspace's device and dtype ({shown}); check supports_add_rmsnorm() first")
         if any(out is not None and (out.shape != inp.shape or out.dtype != inp.dtype or not out.is_contiguous()
                                     or out.device != inp.device) for out in outs):
             return "every output must be contiguous, with the input's shape, dtype and device"
-        return policy.refusal(self.shape, route, _nbytes(inp), fused=fused, limits=self.limits)
+        return policy.refusal(self.shape, route, inp.nbytes, fused=fused, limits=self.limits)
 
     # The launches: a fresh tensor of torch's allocators is 16-byte aligned, so only a caller's own tensors are
     # checked; an odd offset is one rank's, not the group's, so it is copied, never declined.
@@ -317,7 +301,7 @@ class IpcAllReduce:
                            "released when the process ends", self.rank, exc)
 
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
-        """The timeout a kernel of this workspace recorded, if any (a CPU read; works after the trap)."""
+        """The timeout a kernel recorded, if any (a CPU read: works after the trap)."""
         return self._watchdog.timeout_error() if self._watchdog is not None else None
 
     def slow_wait(self) -> tuple[int, int, str, float] | None:
@@ -329,12 +313,10 @@ class IpcAllReduce:
         try:
             torch.cuda.synchronize(self.device)
         except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
-            err = self.timeout_error()
-            if err is not None:
+            if (err := self.timeout_error()) is not None:
                 raise err from exc
             raise
-        err = self.timeout_error()
-        if err is not None:
+        if (err := self.timeout_error()) is not None:
             raise err
 
     def scratch_dirty_count(self) -> int:
@@ -353,15 +335,7 @@ class IpcAllReduce:
             self._watchdog.forget_records()  # both records live in the pinned block ws_destroy frees
         if self._handle:
             handle, self._handle = self._handle, 0
-            construction.destroy(_ext.ops(), handle)
-
-    def _describe(self, t: torch.Tensor) -> str:
-        return (f"shape={tuple(t.shape)} dtype={t.dtype} device={t.device} contiguous={t.is_contiguous()} "
-                f"numel={t.numel()} max_numel={self.max_numel}")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+            _ext.ops().ws_destroy(handle)
 
 
 def _transport(value) -> Transport:
@@ -378,3 +352,25 @@ def _aligned(t: torch.Tensor) -> bool:
 def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return t if _aligned(t) else t.clone()
 
+
+def _has_nvlink(device: torch.device) -> bool:
+    """Whether NVML sees an active NVLink on this GPU. A hint for the seed schedules only: a wrong answer costs
+    speed, never correctness, so any failure answers no (PCIe, the label that claims less)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
+                        return True
+                except pynvml.NVMLError:
+                    break
+            return False
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # no pynvml or NVML, an old driver, an unknown UUID format: claim less
+        logger.debug("NVLink probe failed (%s); assuming PCIe", exc)
+        return False

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import functools
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,27 +25,26 @@ class Schedule(enum.IntEnum):
     ISLAND = 2  # reduce-scatter inside each island, fp32 exchange between twins, all-gather: three hops
 
 
-class Transport(str, enum.Enum):
+class _Coded(str, enum.Enum):
+    @property
+    def code(self) -> int:
+        """The C++ enum's value: the member's position (parse_kernel_limits holds it to the library's)."""
+        return list(type(self)).index(self)
+
+
+class Transport(_Coded):
     """How a call's data travels (csrc/transports/; codes: csrc/ar_types.h enum Transport)."""
 
     PUSH = "push"  # every rank stores into every peer's scratch at once
     STAGED = "staged"  # the same stores in W-1 permutation passes, one destination per pass
     PULL = "pull"  # every rank stores into its own slab and the peers load from it; readiness by flags
 
-    @property
-    def code(self) -> int:
-        return _CODES[self]
 
-
-class Memory(str, enum.Enum):
+class Memory(_Coded):
     """Where the scratch lives (codes: csrc/ar_launch.h enum class Memory)."""
 
     DEVICE = "device"  # each rank's slab in its GPU, reached by the peers over CUDA IPC
     HOST = "host"  # every rank's slab in one pinned shared host buffer mapped into every GPU (no P2P)
-
-    @property
-    def code(self) -> int:
-        return _CODES[self]
 
 
 class Link(str, enum.Enum):
@@ -54,9 +54,6 @@ class Link(str, enum.Enum):
     PCIE = "pcie"
     HOST = "host"  # no P2P: every byte goes through pinned host memory (Memory.HOST)
 
-
-_CODES: dict[enum.Enum, int] = {Transport.PUSH: 0, Transport.STAGED: 1, Transport.PULL: 2,
-                                Memory.DEVICE: 0, Memory.HOST: 1}
 
 WORLD_SIZES = (1, 2, 4, 8)  # csrc/ar_types.h kWorldSizes (1: a no-op)
 DTYPES = ("bfloat16", "float16")  # torch's names of the element types the kernels take
@@ -108,18 +105,14 @@ def parse_kernel_limits(text: str) -> KernelLimits:
     raw = json.loads(text)
     if not isinstance(raw, Mapping) or not all(isinstance(v, int) for v in raw.values()):
         raise ValueError(f"kernel_limits() must be a JSON object of integers, got {text!r}")
-    expected = {f"schedule_{s.name.lower()}": int(s) for s in Schedule}
-    expected.update({f"transport_{t.value}": t.code for t in Transport})
-    expected.update({f"memory_{m.value}": m.code for m in Memory})
-    differing = {name: (code, raw.get(name)) for name, code in expected.items() if raw.get(name) != code}
-    if differing:
-        shown = ", ".join(f"{name} is {theirs} there, {ours} here"
-                          for name, (ours, theirs) in sorted(differing.items()))
-        raise ValueError(f"the kernel library's enum codes differ from sgl_kernel_sm120.policy's ({shown}): rebuild "
-                         "the library from this checkout")
+    ours = {f"schedule_{s.name.lower()}": int(s) for s in Schedule}
+    ours.update({f"{kind.__name__.lower()}_{m.value}": m.code for kind in (Transport, Memory) for m in kind})
+    if differing := ", ".join(f"{name} is {raw.get(name)} there, {code} here"
+                              for name, code in sorted(ours.items()) if raw.get(name) != code):
+        raise ValueError(f"the kernel library's enum codes differ from sgl_kernel_sm120.policy's ({differing}): "
+                         "rebuild the library from this checkout")
     fields = [f.name for f in dataclasses.fields(KernelLimits)]
-    missing = [name for name in fields if name not in raw]
-    if missing:
+    if missing := [name for name in fields if name not in raw]:
         raise ValueError(f"kernel_limits() lacks {missing}: rebuild the library from this checkout")
     return KernelLimits(**{name: int(raw[name]) for name in fields})
 
@@ -144,6 +137,7 @@ def _as_enum(kind: type[enum.Enum], value: Any) -> Any:
 
 # The launch fields of a route id after schedule/transport/memory, each /<letter><number>, in this order.
 LAUNCH_FIELDS = (("ctas", "b"), ("cluster", "c"), ("threads", "t"), ("window", "w"))
+_LAUNCH_TAIL = re.compile("".join(rf"(?:/{letter}(\d+))?" for _, letter in LAUNCH_FIELDS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +155,8 @@ class Route:
     window: int | None = None  # staged push: passes in flight before their pacing waits, 1 .. world - 1
 
     def __post_init__(self):
-        object.__setattr__(self, "schedule", _as_enum(Schedule, self.schedule))
-        object.__setattr__(self, "transport", _as_enum(Transport, self.transport))
-        object.__setattr__(self, "memory", _as_enum(Memory, self.memory))
+        for name, kind in (("schedule", Schedule), ("transport", Transport), ("memory", Memory)):
+            object.__setattr__(self, name, _as_enum(kind, getattr(self, name)))
         for name, _ in LAUNCH_FIELDS:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -195,20 +188,15 @@ class Route:
     @classmethod
     def parse(cls, text: str) -> Route:
         """The route of an id (ValueError naming what is wrong)."""
-        parts = str(text).split("/")
+        parts = str(text).split("/", 3)
         if len(parts) < 3:
             raise ValueError(f"bad route {text!r}: expected 'SCHEDULE/TRANSPORT/MEMORY[/bN][/cN][/tN][/wN]'")
-        letters = [letter for _, letter in LAUNCH_FIELDS]
-        launch: dict[str, int] = {}
-        last = -1
-        for part in parts[3:]:
-            letter, number = part[:1], part[1:]
-            if letter not in letters or not number.isdigit() or letters.index(letter) <= last:
-                raise ValueError(f"bad route {text!r}: the launch parts are " +
-                                 ", ".join(f"/{x}N" for x in letters) + ", each at most once, in that order")
-            last = letters.index(letter)
-            launch[LAUNCH_FIELDS[last][0]] = int(number)
-        return cls(parts[0], parts[1], parts[2], **launch)
+        tail = _LAUNCH_TAIL.fullmatch("/" + parts[3] if len(parts) > 3 else "")
+        if tail is None:
+            raise ValueError(f"bad route {text!r}: the launch parts are /bN, /cN, /tN, /wN, each at most once, in "
+                             "that order")
+        launch = {name: int(number) for (name, _), number in zip(LAUNCH_FIELDS, tail.groups(), strict=True) if number}
+        return cls(*parts[:3], **launch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,14 +296,12 @@ def plain_grid(nbytes: int, ctas: int, threads: int, limits: KernelLimits) -> in
 def fused_grid(rows: int, ctas: int, cluster: int) -> int:
     """The CTAs a fused one-shot call of `rows` rows launches under a cap of `ctas` (csrc/ar_launch.h): one CTA per
     row, or one cluster of `cluster` CTAs per row, as many as fit at once (where the group holds that many)."""
-    if cluster > 1:
-        return max(1, min(rows, ctas // cluster)) * cluster
-    return max(1, min(rows, ctas))
+    per_row = max(cluster, 1)
+    return max(1, min(rows, ctas // per_row)) * per_row
 
 
 def choose_schedule(nbytes: int, world_size: int, link: Link | str, num_islands: int = 1) -> Schedule:
-    """The seed schedule of a message of `nbytes` bytes: one-shot up to oneshot_max_bytes(); past it the island
-    schedule on PCIe with two or more islands, else flat two-shot."""
+    """The seed schedule of `nbytes` bytes: ONESHOT up to oneshot_max_bytes(), then ISLAND on PCIe with islands."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     link = _as_enum(Link, link)
@@ -346,8 +332,7 @@ def oneshot_max_numel(world_size: int, memory: Memory | str, max_numel: int, lim
 
 
 def seed_route(nbytes: int, shape: WorkspaceShape, transport: Transport | str = SEED_TRANSPORT) -> Route:
-    """The route of `nbytes` bytes before anything was measured: the seed schedule over `transport`, every launch
-    field left to its seed rule."""
+    """The route of `nbytes` bytes before anything was measured: every launch field left to its seed rule."""
     return Route(choose_schedule(nbytes, shape.world_size, shape.link, shape.num_islands), transport, shape.memory)
 
 

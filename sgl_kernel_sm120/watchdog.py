@@ -1,11 +1,8 @@
-"""A workspace's wait records and the thread that watches them.
-
-The kernels bound every spin-wait (csrc/ar_protocol.cuh): a wait past its warning bound is reported in host-mapped
-memory and is no error (I9: a peer still compiling can be that late); a wait past its timeout records rank, call,
-phase and missing peer, then traps or poisons the workspace (I7). Both records are read with plain CPU loads, which
-work after a trap. The thread logs a slow wait once per call and a timeout as soon as it is recorded, so the log
-names the missing peer even when the CUDA error surfaces elsewhere first; in trap mode it aborts a process whose
-trap never arrived (seen with several processes on one GPU), as PyTorch's NCCL watchdog does.
+"""A workspace's wait records and the thread that watches them (docs/design.md, "Waits are bounded"): a slow wait
+(I9: a peer still compiling can be that late) is logged once per call, a timeout (I7) as soon as it is recorded,
+read with plain CPU loads that work after a trap, so the log names the missing peer even when the CUDA error
+surfaces elsewhere first; in trap mode a process whose trap never arrived is aborted (seen with several processes
+on one GPU), as PyTorch's NCCL watchdog does.
 """
 
 from __future__ import annotations
@@ -44,17 +41,10 @@ class Watchdog:
     def __init__(self, rank: int, error: ErrorRecord, slow: SlowRecord, *, timeout_s: float, on_timeout: str,
                  abort_after_s: float, context_alive: Callable[[], bool]):
         self.rank, self.timeout_s, self.on_timeout, self.abort_after_s = rank, timeout_s, on_timeout, abort_after_s
-        self._error: ErrorRecord | None = error
-        self._slow: SlowRecord | None = slow
-        self._context_alive = context_alive
+        self._error, self._slow, self._context_alive = error, slow, context_alive  # records: None once freed
         self._last_slow_call = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @classmethod
-    def at(cls, rank: int, error_address: int, slow_address: int, **kwargs) -> Watchdog:
-        """The watchdog of the records at these host addresses (ws_error_record_address, ws_slow_record_address)."""
-        return cls(rank, ErrorRecord.from_address(error_address), SlowRecord.from_address(slow_address), **kwargs)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="sgl-sm120-ar-watchdog", daemon=True)
@@ -72,7 +62,6 @@ class Watchdog:
         self._error = self._slow = None
 
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
-        """The timeout a kernel of this workspace recorded, if any."""
         rec = self._error
         if rec is None or not rec.flag:
             return None
@@ -94,8 +83,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            err = self.timeout_error()
-            if err is not None:
+            if (err := self.timeout_error()) is not None:
                 logger.error("%s", err)
                 if self.on_timeout == "trap" and self.abort_after_s > 0:
                     self._abort_if_trap_never_arrives(err)

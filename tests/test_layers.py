@@ -1,7 +1,7 @@
 """The import graph of the kernel package, the overlay and the benchmarks: every import (module level or inside a
 function) points down the layers or sideways within one, and no group of modules imports itself in a loop.
 
-    sgl_kernel_sm120:     _abi, errors, settings  <  _ext, link, reference, watchdog, exchange  <  policy (which
+    sgl_kernel_sm120:     _abi, errors, settings  <  _ext, reference, watchdog, exchange  <  policy (which
                           reads the kernel limits from _ext's library on first use)  <  cluster_check  <  construction
                           <  data_path_probe  <  ipc_allreduce  <  _debug  <  __init__; imports nothing of the
                           overlay; _abi, errors, settings, watchdog, exchange, policy and cluster_check import torch in
@@ -22,7 +22,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-KERNEL_LAYERS = {"_abi": 0, "errors": 0, "settings": 0, "_ext": 1, "link": 1, "reference": 1, "watchdog": 1,
+KERNEL_LAYERS = {"_abi": 0, "errors": 0, "settings": 0, "_ext": 1, "reference": 1, "watchdog": 1,
                  "exchange": 1, "policy": 2, "cluster_check": 3, "construction": 4, "data_path_probe": 5,
                  "ipc_allreduce": 6, "_debug": 7, "": 8}
 # no torch when imported

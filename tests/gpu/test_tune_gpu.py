@@ -150,7 +150,7 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
     # The workspaces' cluster-check verdict is cached per GPU and driver (sgl_kernel_sm120/cluster_check.py), as
     # in any process that builds a workspace; no routing table may land there.
     cached = set(os.listdir(tmp_path / "cache")) if (tmp_path / "cache").exists() else set()
-    # (and its locks: the shared file's, and each GPU's own, cluster_check.gpu_lock_path)
+    # (and its locks: the shared file's, and each GPU's own, cluster_check.verdict_for)
     assert all(name == cluster_check.CACHE_FILE or (name.startswith(cluster_check.CACHE_FILE + ".")
                                                     and name.endswith(".lock")) for name in cached), sorted(cached)
     table = RoutingTable.from_dict(json.loads(out.read_text()))
