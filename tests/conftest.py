@@ -112,5 +112,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     n = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
     reason = _skip_reason(int(n))
-    if reason:
+    # SGLang-level GPU tests whose harness has a CPU dry run (gloo, stand-in kernels) run without GPUs there.
+    if reason and not (os.environ.get("SGL_SM120_TEST_DRY_RUN") == "1" and getattr(item.module, "DRY_RUN_OK", False)):
         pytest.skip(reason)

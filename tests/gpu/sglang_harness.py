@@ -445,25 +445,24 @@ def _install_dry_run_kernel() -> None:
 
 
 class _DryRunIpcAllReduce:
-    """Exact fp32 sums over the gloo group it is built on; the reference add + RMSNorm. CPU tensors only. What it
-    runs is decided as the real workspace decides it (sgl_kernel_sm120.policy, with the loaded library's limits)."""
+    """Exact fp32 sums over the harness's gloo world (the TP group); the reference add + RMSNorm. CPU tensors only.
+    What it runs is decided as the real workspace decides it (sgl_kernel_sm120.policy, with the loaded library's
+    limits)."""
 
     fused_clusters = {"clusters": [], "reason": "CPU dry run: no clusters"}
+    sm_budget, use_pdl, warn_after_s = 1, False, 5.0
 
-    def __init__(self, group, device, max_numel, dtype=None, *, islands=None, link="auto", memory="device",
-                 timeout_s=None, warn_after_s=None):
-        import torch.distributed as dist
-
+    def __init__(self, exchange, device, max_numel, dtype=None, *, islands=None, link="auto", memory="device",
+                 timeout_s=None):
         from sgl_kernel_sm120 import policy
         from sgl_kernel_sm120.settings import read
 
-        self.group, self.device, self.max_numel = group, device, int(max_numel)
-        self.memory, self.islands, self.num_islands = memory, islands, 1
-        self.link = policy.Link.HOST if memory == "host" else policy.Link.PCIE
-        self.world_size = dist.get_world_size(group)
-        self.shape = policy.WorkspaceShape(self.world_size, memory, self.link, sm_budget=1)
+        self.device, self.max_numel, self.islands, self.memory = device, int(max_numel), islands, memory
+        self.world_size = exchange.world_size
+        link = policy.Link.HOST if memory == "host" else policy.Link.PCIE
+        self.shape = policy.WorkspaceShape(self.world_size, memory, link, sm_budget=self.sm_budget)
         self.limits = policy.kernel_limits()
-        self.timeout_s = None
+        self.timeout_s = 300.0 if timeout_s is None else timeout_s
         drop = read().debug_probe_drop  # the kernel's probe debug switch
         if drop is not None and memory == "device":
             from sgl_kernel_sm120.errors import IpcAllReduceProbeError
@@ -471,6 +470,13 @@ class _DryRunIpcAllReduce:
             raise IpcAllReduceProbeError([(drop.src, drop.dst, "write never arrived")])
         self.calls = 0
         self._closed = False
+
+    def describe_fused_launch(self) -> str:
+        return "one CTA per row (CPU dry run)"
+
+    def admits_fused(self, rows, hidden, dtype) -> bool:
+        return (str(dtype) in ("torch.bfloat16", "torch.float16") and 0 < rows * hidden <= self.max_numel
+                and hidden % self.limits.elems_per_pack == 0 and hidden <= self.limits.max_fused_hidden)
 
     def supports(self, inp) -> bool:
         return (not self._closed and str(inp.dtype) in ("torch.bfloat16", "torch.float16") and inp.is_contiguous()
@@ -484,7 +490,7 @@ class _DryRunIpcAllReduce:
         import torch.distributed as dist
 
         acc = inp.float().clone()
-        dist.all_reduce(acc, group=self.group)
+        dist.all_reduce(acc)  # the harness's default group: gloo over the TP ranks
         return acc
 
     def launch(self, route, inp, out=None):
@@ -509,17 +515,19 @@ def _attach_dry_run_backend(tp, mode: str) -> None:
     """The overlay attaches nothing to a CPU group; attach it as the GroupCoordinator.__init__ seam would on a
     GPU whose gate passed (and set SGLang's PCIe-IPC communicator aside, as the 0.5.23 seam does)."""
     from sglang_sm120.core import config
+    from sglang_sm120.core.facts import group_facts
     from sglang_sm120.core.gate import GateDecision
     from sglang_sm120.hooks import upstream_pcie
     from sglang_sm120.hooks.distributed import default_store
-    from sglang_sm120.runtime.communicator import Sm120Communicator
-    from sglang_sm120.runtime.registry import set_group_communicator
+    from sglang_sm120.runtime.backend import TPBackend
+    from sglang_sm120.runtime.registry import set_group_backend
 
     settings = dataclasses.replace(config.settings_from_environment(), mode=mode)
-    comm = Sm120Communicator.for_group(tp, settings, deterministic=False, store=default_store(),
-                                       upstream_note=upstream_pcie.activation_note)
-    comm.decision = GateDecision(True, "CPU dry run: gate bypassed by the test harness")
-    comm.memory = "device"
-    set_group_communicator(tp, comm)
+    backend = TPBackend.for_group(tp, settings, deterministic=False, store=default_store(),
+                                  upstream_note=upstream_pcie.activation_note)
+    backend.decision = GateDecision(True, "CPU dry run: gate bypassed by the test harness")
+    # no GPU facts: no key either, so the routes are the seeds (the harness runs with the tune off)
+    backend.facts = group_facts([{"mode": mode, "node": "dry-run", "p2p": None}] * tp.world_size)
+    set_group_backend(tp, backend)
     if getattr(tp, "pcie_ipc_comm", None) is not None:
         upstream_pcie.set_aside_upstream(tp)

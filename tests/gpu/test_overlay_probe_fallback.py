@@ -19,6 +19,7 @@ import pytest
 from tests.gpu import sglang_harness
 from tests.gpu.sglang_harness import Checks, exact_sum, ints
 
+DRY_RUN_OK = True  # runs on a CPU with SGL_SM120_TEST_DRY_RUN=1 (tests/gpu/sglang_harness.py)
 WORLD = 2
 HIDDEN = 7168
 

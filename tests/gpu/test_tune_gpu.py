@@ -71,11 +71,10 @@ def test_the_tool_writes_a_table_whose_every_routed_candidate_passed_verificatio
 
 def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
     from sglang_sm120.core.config import ByteBound, OverlaySettings
-    from sglang_sm120.runtime.communicator import Sm120Communicator
+    from sglang_sm120.runtime.backend import TPBackend
 
     os.environ["SGLANG_SM120_CACHE"] = cache_dir
     lines = []
@@ -86,27 +85,31 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str)
 
     logging.getLogger("sglang_sm120").addHandler(Collect(level=logging.WARNING))
     device = torch.device("cuda", rank % torch.cuda.device_count())
-    comm = Sm120Communicator(name="tp:tune", ranks=list(range(world)), rank_in_group=rank, world_size=world,
-                             cpu_group=dist.group.WORLD, device=device, deterministic=False,
-                             settings=OverlaySettings(mode="on", agreement_timeout_s=120.0),
-                             store=_get_default_store())
+    comm = TPBackend(name="tp:tune", ranks=list(range(world)), rank_in_group=rank, world_size=world, device=device,
+                     deterministic=False, settings=OverlaySettings(mode="on", agreement_timeout_s=120.0),
+                     store=_get_default_store())
     assert comm.resolve_gate().enabled, comm.decision
     bound = ByteBound(4 * HIDDEN * 2, "4 rows")
     assert comm.build(HIDDEN, torch.bfloat16, bound, kernel_timeout_s=30.0, tune=tune), comm.build_error
     try:
+        if expect == "all-nccl":  # no table of this box: the ranks never measure, they name the command that does
+            assert comm.routes.source == "nccl", (comm.routes.source, comm.routes.why)
+            assert rank != 0 or any("ALL SIZES ON NCCL" in line for line in lines), lines
+            assert rank != 0 or any("python -m sglang_sm120.tune --tp 2" in line for line in lines), lines
+            return
         assert comm.routes.source == "table", (comm.routes.source, comm.routes.why)
         if rank == 0:
             enabled = [line for line in lines if "ENABLED" in line]
             assert len(enabled) == 1 and f"routes: tuned table {comm.routes.path}, measured " in enabled[0], lines
         x = torch.full((2, HIDDEN), float(rank + 1), dtype=torch.bfloat16, device=device)
         if expect == "ours":
-            route = comm.takes(x)
+            route = comm.route_for(x)
             assert route is not None, comm.routes.describe("bfloat16", bound.max_bytes)
-            out = comm.all_reduce(x, route)
+            out = comm.run(x, route)
             torch.cuda.synchronize(device)
             assert torch.equal(out, torch.full_like(x, float(sum(range(1, world + 1))))), out
         elif expect == "nccl":
-            assert comm.takes(x) is None and not comm.fuses_rows(2), comm.routes.describe("bfloat16",
+            assert comm.route_for(x) is None and 2 not in comm.fused_tokens, comm.routes.describe("bfloat16",
                                                                                           bound.max_bytes)
     finally:
         comm.close()
@@ -124,11 +127,9 @@ def test_a_group_routes_by_the_tuned_table_and_its_line_names_it(tmp_path, nccl_
 
 @pytest.mark.gpu
 @need_ranks(WORLD)
-def test_a_starting_group_without_a_table_measures_a_quick_one_and_caches_it(tmp_path):
-    # auto: one tune child per rank; on a shared GPU their NCCL cannot start, so the table routes NCCL everywhere
-    # (and says why); with two GPUs it is a real measurement. Either way it is found, saved and named.
-    run_ranks(WORLD, _group_worker, str(tmp_path), "auto", "any", timeout_s=TIMEOUT_S)
-    load_only_table(str(tmp_path))
+def test_a_starting_group_without_a_table_sends_every_size_to_nccl_and_names_the_tune(tmp_path):
+    # auto: the ranks only read tables (the launcher tunes before they start); none here
+    run_ranks(WORLD, _group_worker, str(tmp_path), "auto", "all-nccl", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.gpu(1)
@@ -179,14 +180,13 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
     Not SGL_SM120_DEBUG_SINGLE_BUFFER: its race needs a rank a whole call ahead of a peer that is still reading,
     which ranks time-slicing a GPU as processes produce (the negative control catches it there) and the lockstep
     ranks of one process did not: on an H200 its one-process tune rejected no candidate."""
-    from sgl_kernel_sm120._ext import LIBRARY_OVERRIDE_ENV
-    from sgl_kernel_sm120.settings import spelled_out
+    from sgl_kernel_sm120.settings import VARIABLES, spelled_out
     from sglang_sm120.routing.table import RoutingTable, route_id
     from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
 
     library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
     out = tmp_path / "broken.json"
-    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **spelled_out(LIBRARY_OVERRIDE_ENV, library),
+    env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **spelled_out(VARIABLES["library"], library),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "benchmarks.harness.local_tune", "--hidden", str(HIDDEN),
                            "--tp", "2", "--max-rows", "4", "--debug-nccl-us", "1000000", "--out", str(out)],
