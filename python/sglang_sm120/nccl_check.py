@@ -23,7 +23,6 @@ ROWS = (1, 4, 16, 64)  # the verify sizes
 LOGIT_ROWS = 4  # the all-gather: [4, vocab / world] per rank
 REPLAYS, WARMUP = 50, 3
 GRACE_S = 10.0  # after one rank failed, how long the others get to end by themselves
-SUBSYS = "INIT,P2P,SHM,NET"  # channel lines are INIT|P2P, INIT|SHM, INIT|NET in 2.18-2.30; the version line is ALL
 
 
 def labels(hidden: int, vocab: int, world: int) -> tuple[list[str], str]:
@@ -93,7 +92,7 @@ def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) ->
     if timeout_s <= 0:
         return {**rec, "error": "not run: the check's time was spent"}
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding sglang_sm120
-    env = {**core.apply(variant, env), "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": SUBSYS,
+    env = {**core.apply(variant, env), "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": core.LOG_SUBSYS,
            "PYTHONPATH": os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])}
     with socket.socket() as sock:  # a free port for the ranks' rendezvous
         sock.bind(("127.0.0.1", 0))

@@ -11,10 +11,15 @@ settings, TP size, islands, P2P, workspace memory and launch: rerun after changi
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import pathlib
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
+from .core import nccl
 from .core.config import hidden_from_model
 from .routing import cache, render
 from .routing.table import NCCL, RoutingTable
@@ -120,10 +125,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         last["where"] = where
 
     start = time.monotonic()
-    attempt = processes.tune_with_retries(
-        world, devices, spec, retries=args.retries, timeout_s=args.timeout, stall_s=args.stall, on_event=on_event,
-        on_retry=lambda attempt: print(f"attempt failed: {attempt.error}; excluding {attempt.culprit['candidate']} "
-                                       f"from {attempt.culprit['from_bytes']} B and starting again", flush=True))
+    with tempfile.TemporaryDirectory(prefix="sm120-tune-nccl-") as logs:
+        # Which transport NCCL chose between each pair, from its own INFO lines, goes into the table's notes.
+        env = {**processes.child_env(), **(nccl.log_env(logs, os.environ) if spec.debug_nccl_us is None else {})}
+        attempt = processes.tune_with_retries(
+            world, devices, spec, retries=args.retries, timeout_s=args.timeout, stall_s=args.stall, on_event=on_event,
+            env=env, on_retry=lambda attempt: print(f"attempt failed: {attempt.error}; excluding "
+                                                    f"{attempt.culprit['candidate']} from "
+                                                    f"{attempt.culprit['from_bytes']} B and starting again",
+                                                    flush=True))
+        seen = nccl.parse_log("".join(pathlib.Path(f).read_text(errors="replace")
+                                      for f in glob.glob(os.path.join(logs, "nccl.*.log"))))
     # Blamed candidates are kept under the key the ranks measured: no later tune runs them, no server routes to them.
     culprits = [c for c in spec.exclude + [attempt.culprit] if c and c.get("candidate") != NCCL]
     key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
@@ -142,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     table = RoutingTable.from_dict(attempt.table)
     table.durations["total"] = round(time.monotonic() - start, 3)
+    if line := nccl.transports_line(seen["pairs"], seen["nccl_version"]):
+        table.notes.append(line)
     path = cache.save(table)
     if args.out:
         cache.save(table, path=args.out)

@@ -101,6 +101,31 @@ def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, 
     assert f"written to {path}" in out and "ONESHOT/push/device" in out
 
 
+def test_the_transports_nccl_logged_in_the_tune_go_into_the_table(monkeypatch, tmp_path):
+    """The children get NCCL's INFO channel lines sent to a file each (the stand-in writes what NCCL 2.28 would);
+    the table's notes name the kind per pair. A caller's own NCCL_DEBUG is left alone."""
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    table = _table([10, 10], [5, 5])
+    seen_env = {}
+
+    def tune_with_retries(world, devices, spec, *, env, **kw):
+        seen_env.update(env)
+        with open(env["NCCL_DEBUG_FILE"].replace("%p", "4242"), "w") as log:
+            log.write("box:1:1 [0] NCCL INFO NCCL version 2.28.9+cuda13.0\n"
+                      "box:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
+                      "box:1:1 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via SHM/direct/direct\n")
+        return launch.Attempt(table.to_dict(), table.digest(), None, None, [])
+
+    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share, chosen: (2, [0, 1]))
+    monkeypatch.setattr(launch, "tune_with_retries", tune_with_retries)
+    assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--quick"]) == 0
+    assert seen_env["NCCL_DEBUG"] == "INFO" and "P2P" in seen_env["NCCL_DEBUG_SUBSYS"]
+    saved = cache.load_file(cache.table_path(table.key, 7168)).table
+    assert "NCCL 2.28.9+cuda13.0 connected SHM for 0->1 1->0" in saved.notes, saved.notes
+
+
 def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     outcome = launch.ChildOutcome(1, returncode=-9, tail=["CUDA error: an illegal memory access"])

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 BASE = "as is"  # the variant that runs the environment unchanged
 SPEEDUP = 1.5  # a change is advised when NCCL is at least this much faster at every verify size
 INDIRECT = ("SHM", "NET", "COLLNET")  # transports that stage data in host memory or a NIC instead of GPU to GPU
+# Channel lines are INIT|P2P, INIT|SHM, INIT|NET in 2.18-2.30; the version line is ALL.
+LOG_SUBSYS = "INIT,P2P,SHM,NET"
 
 _LINK = re.compile(r"NCCL INFO (?:Channel|CollNet) (\d+)(?:/\d+)? : (\d+)(?:\[\d+\])? (?:-> (\d+)\[\d+\] )?"
                    r"(?:\[(?:send|receive)\] )?via (\S.*?)\s*$")
@@ -51,6 +53,23 @@ def pairs_by_kind(pairs: Mapping[str, Mapping[str, int]]) -> dict[str, list[str]
         for k in sorted({kind(name) for name in via}):
             out.setdefault(k, []).append(pair)
     return out
+
+
+def log_env(folder: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that send NCCL's INFO channel lines to one file per process in `folder`; none when the caller
+    chose where NCCL logs (NCCL_DEBUG or NCCL_DEBUG_FILE set). Not part of a table key (facts.key_facts)."""
+    if environ.get("NCCL_DEBUG") or environ.get("NCCL_DEBUG_FILE"):
+        return {}
+    return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": LOG_SUBSYS,
+            "NCCL_DEBUG_FILE": os.path.join(folder, "nccl.%p.log")}
+
+
+def transports_line(pairs: Mapping[str, Mapping[str, int]], version: str | None) -> str:
+    """One line naming the kind NCCL connected each pair through, as it logged them ('' when it logged none)."""
+    by_kind = pairs_by_kind(pairs)
+    if not by_kind:
+        return ""
+    return f"NCCL {version or '?'} connected " + "; ".join(f"{k} for {' '.join(v)}" for k, v in sorted(by_kind.items()))
 
 
 def _strtol(value: str) -> int | None:
