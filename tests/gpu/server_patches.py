@@ -9,6 +9,7 @@ unpickle their entry function, before any plugin runs:
   on a machine without FlashInfer (the same as no FlashInfer at all, less the import errors).
   `flashinfer.norm` stays not found, so sglang-kernel's rmsnorm, which prefers FlashInfer's when it imports,
   runs its own kernel.
+- FlashMLA (0.5.23's sgl-flash-mla wheel) is not carried: a stand-in answers the import of its backend.
 - 0.5.23's DualGemm asks the CuTe DSL (not carried either) whether its SM100 kernel applies: without it, no.
 
 The rest is loaded as an SGLang general plugin (`sglang.srt.plugins` entry point `sm120_server_test`, registered only by
@@ -28,9 +29,9 @@ by every process that applies it, on stderr, as `[sm120 server-test patch] ...`:
   refuses two ranks on one GPU.
 - the all-gather inside a captured CUDA graph (the logits of the target and of the draft): gloo stages
   through the host and cannot be captured, so while a stream captures, `GroupCoordinator._all_gather_into_tensor`
-  writes this rank's slice into a zeroed buffer of the full size and all-reduces it, in pieces within the
-  backend's bound, through the group's own `all_reduce`, which the sm120 backend serves (x + 0 is exact, so the
-  gathered bits are the slices' bits; a -0.0 becomes +0.0). Outside capture it is gloo's `all_gather` into
+  writes this rank's slice into a zeroed buffer of the full size and all-reduces it, in pieces the backend
+  routes to our kernels, through the group's own `all_reduce`, which the sm120 backend serves (x + 0 is exact,
+  so the gathered bits are the slices' bits; a -0.0 becomes +0.0). Outside capture it is gloo's `all_gather` into
   the output's slices. With the backend off a captured gather cannot run, so the "off" server runs eagerly.
 
 One record, not a patch: every `ModelRunner.forward` (target and draft, both releases) logs one line
@@ -65,11 +66,16 @@ def startup() -> None:
     if os.environ.get(PATCH_ENV) != "1" or _started:
         return
     _started = True
+    import importlib.util
+
     from benchmarks.harness.standins import StandInFinder
 
     # flashinfer.norm is left not found: sglang-kernel's own rmsnorm tries to import it and, found, would hand
     # every norm to it; SGLang itself imports it nowhere. Everything else SGLang imports at module import.
-    sys.meta_path.insert(0, StandInFinder(("flashinfer",), not_found=("flashinfer.norm",)))
+    # 0.5.23's draft graph capture imports FlashMLA's backend (to ask whether the draft's attention backend is
+    # one it can capture); its sgl-flash-mla wheel is not carried either, and the Triton backend here is not it.
+    roots = ("flashinfer",) + (("flash_mla",) if importlib.util.find_spec("flash_mla") is None else ())
+    sys.meta_path.insert(0, StandInFinder(roots, not_found=("flashinfer.norm",)))
     sys.meta_path.insert(0, _AfterImport("sglang.srt.utils.common", _no_flashinfer))
     sys.meta_path.insert(0, _AfterImport("sglang.srt.layers.dual_gemm", _no_cute_dsl_dual_gemm))
 
@@ -252,17 +258,24 @@ def _captured_all_gather_as_all_reduce() -> None:
             padded = torch.zeros_like(output)
             n = input.shape[0]
             padded[self.rank_in_group * n:(self.rank_in_group + 1) * n].copy_(input)
-            # In pieces the backend takes: the logits over a 32,768-word vocabulary are past the byte bound, and
-            # a piece that went to SGLang's own path (gloo here) would end the capture.
+            # In pieces the backend takes: the logits over a 32,768-word vocabulary are past the byte bound, a size
+            # between two measured ones whose routes differ goes to NCCL (routing/table.py), and a piece that went
+            # to SGLang's own path (gloo here) would end the capture. So each piece is the largest the backend
+            # routes to our kernels, halving from the bound.
             backend = group_backend(self)
             flat, gathered = padded.view(-1), output.view(-1)
-            step = flat.numel() if backend is None else max(8, backend.max_bytes // flat.element_size() // 8 * 8)
-            for start in range(0, flat.numel(), step):
-                piece = flat[start:start + step]
+            cap = flat.numel() if backend is None else max(8, backend.max_bytes // flat.element_size() // 8 * 8)
+            start = 0
+            while start < flat.numel():
+                size = min(cap, flat.numel() - start)
+                while backend is not None and size > 8 and backend.route_for(flat[start:start + size]) is None:
+                    size = max(8, size // 2 // 8 * 8)
+                piece = flat[start:start + size]
                 if backend is None or backend.route_for(piece) is None:
                     raise RuntimeError(f"{self.unique_name}: a captured all-gather piece {tuple(piece.shape)} "
                                        f"{piece.dtype} is not the sm120 backend's, and gloo cannot be captured")
-                gathered[start:start + step].copy_(self.all_reduce(piece))
+                gathered[start:start + size].copy_(self.all_reduce(piece))
+                start += size
             served["captured"] += 1
             if served["captured"] == 1:
                 say(f"{self.unique_name}: captured all-gather {tuple(input.shape)} -> zero-padded all_reduce")

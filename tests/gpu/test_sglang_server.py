@@ -142,11 +142,10 @@ def launch_args(release: str, model: dict, *, port: int, nccl_port: int, mode: s
             "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--max-running-requests", "4",
             "--random-seed", "0", "--log-level", "info", "--grammar-backend", "none",
             "--speculative-draft-model-path", model["draft"], *EAGLE, "--sm120-allreduce", mode, *TUNE_ARGS]
+    # Both releases warm a Kimi-K2.5 server up with a chat request, which the random checkpoint (no chat
+    # template, no vision tower weights of use) cannot answer; the test's own requests follow.
+    args += ["--skip-server-warmup"]
     old = release == "0.5.13.post1"
-    if not old:
-        # 0.5.23 warms a Kimi-K2.5 server up with an image chat request, which the random checkpoint (no chat
-        # template, no vision tower weights of use) cannot answer; the test's own requests follow.
-        args += ["--skip-server-warmup"]
     if not graphs:  # the graph run's batch bound, so both "on" runs serve the same sizes with the same table
         return args + ["--disable-cuda-graph", "--cuda-graph-max-bs" if old else "--cuda-graph-max-bs-decode",
                        GRAPH_BS[-1]]
@@ -222,20 +221,33 @@ _ports_given: set[int] = set()
 
 
 def free_port() -> int:
-    """A free port below 55536 that this test has not handed out yet: SGLang 0.5.13.post1 also opens the port +
-    10000 (its gRPC port) and refuses to start when that passes 65535, which the kernel's ephemeral ports often
-    do; servers starting at once must not race for one port."""
-    for port in range(31000 + os.getpid() % 1000 * 20, 55000, 7):
+    """A port this test has not handed out yet, it and its +10000 (SGLang 0.5.13.post1's gRPC port) free and both
+    below the kernel's ephemeral range: a server binds its HTTP port only after the launcher's tune (minutes), and
+    meanwhile the gloo connections of the servers already running take ephemeral ports, one of which took the
+    HTTP port of a server once."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    top = low - 10000
+    for port in range(max(1024, top - 10000) + os.getpid() % 500 * 13, top, 7):
         if port in _ports_given:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _ports_given.add(port)
-        return port
-    raise RuntimeError("no free port below 55000")
+        if all(_bindable(p) for p in (port, port + 10000)):
+            _ports_given.add(port)
+            return port
+    raise RuntimeError(f"no free port pair below the ephemeral range (which starts at {low})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
