@@ -8,7 +8,9 @@ Three servers, the same settings but these:
                   largest batch still given, so both "on" runs have one byte bound)
 - "on, graphs":   --sm120-allreduce on, CUDA graphs (batch sizes 1, 2, 4) for the target and the draft
 each with the launch README gives (EAGLE-3, 3 steps, top-k 1, 4 draft tokens, --trust-remote-code, the default
---sm120-allreduce-tune: the launcher tunes before the ranks start). By default the three start at once
+--sm120-allreduce-tune: the launcher tunes before the ranks start). The two "on" servers share one backend cache:
+the first launcher measures the table, the second finds it (a second launch on the same box), so both route every
+size alike. By default "off" and "on, graphs" start at once and "on, eager" once the table exists
 (SERVERS_AT_ONCE, below); SGL_SM120_SERVER_SEQUENTIAL=1 starts them one after the other.
 
 Test-side only, each logged by the process that applies it (nothing of it is in the overlay):
@@ -21,18 +23,20 @@ SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0 (two ranks on one GPU see each other's
 CUDA graphs off for a multimodal model itself, as for the users' Kimi-K2.5.
 
 What is checked (the verdicts and every number are also written to $SGL_SM120_SERVER_TEST_OUT/server_test.json):
-- on: rank 0's ENABLED line, routing by the table the launcher's tune measured, `/get_server_info` reports the
-  backend active; off: no ENABLED line, not active;
+- on: rank 0's ENABLED line, routing by the table the launcher's tune measured (one server) or found (the
+  other), one table file for both, `/get_server_info` reports the backend active; off: no ENABLED line, not
+  active;
 - per eager target-verify forward of "on, eager": the fused and plain calls equal
   benchmarks/workloads/verify_pattern.verify_counts for this model and release, no call fell back (the fused count
   holds only if the MoE sums deferred into the next layer's fused norm: nothing else makes fused calls); every
-  draft forward 3 plain calls;
+  draft forward 3 plain calls, each to ours or NCCL as the table routes its size;
 - the EAGLE-3 captures of "on, eager" against "off, eager" (a digest of each verify forward's first row,
   server_patches.capture_digest) while the two runs' outputs agree (CAPTURE_*_TOL, below);
 - the GPU-side call counter grows across requests; the graph run captured its graphs and its captured logits
   all-gather went through our kernel;
 - teacher-forced input logprobs of on against off (LOGPROB_*, below); the first greedy tokens equal; on, eager
-  and on, graphs identical;
+  and on, graphs identical on 0.5.13.post1, and within the same bounds as on against off on 0.5.23 (whose graph
+  server prefills through another attention form and pads prefills to the captured sizes);
 - EAGLE-3 verified drafts on every run (`spec_verify_ct`); on 0.5.13.post1 the overlay's guard named the layers
   feeding the draft's captures on both ranks. A random draft proposes nothing the random target accepts
   (`spec_accepted_drafts` is recorded), so acceptance cannot show a wrong capture here: the digests do;
@@ -64,6 +68,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from benchmarks.workloads import verify_pattern as vp  # noqa: E402
+from tests.gpu.kimi_shaped_model import HIDDEN  # noqa: E402
 from tests.gpu.server_patches import FORWARD_TAG  # noqa: E402
 
 RELEASES = vp.RELEASES
@@ -106,6 +111,8 @@ CAPTURE_OUTLIER_SHARE = 0.2
 # prefill, draft and verify all-reduce of both "on" runs goes to the same kernels, and eager against graphs
 # compares like with like (a longer prefill would go to SGLang's path in the graph run only).
 PROMPT_WORDS = (5, 8, 12, 16)
+# What the tune prints when it wrote a table, or found one of this box and measured nothing.
+TABLE_LINES = ("written to ", "a routing table of this box exists")
 PROMPTS = [" ".join(f"w{(7 * i + 13 * j) % 1000}" for j in range(n)) for i, n in enumerate(PROMPT_WORDS)]
 
 
@@ -264,8 +271,10 @@ class Server:
         self.args = launch_args(installed_release(), model, port=self.port, nccl_port=free_port(), mode=mode,
                                 graphs=graphs)
         env = server_env(site)
-        # Each server its own backend cache and copy of the checkpoint's remote-code processor module.
-        env["SGLANG_SM120_CACHE"] = os.path.join(workdir, f"cache_{tag}")
+        # The two "on" servers share one backend cache, so both route by the table the first launcher measured
+        # (their outputs compare only where they route alike); each server its own copy of the checkpoint's
+        # remote-code processor module.
+        env["SGLANG_SM120_CACHE"] = os.path.join(workdir, "cache_on" if mode == "on" else f"cache_{tag}")
         env["HF_MODULES_CACHE"] = os.path.join(workdir, f"hf_modules_{tag}")
         self.env = env
         self.log = open(self.log_path, "w")
@@ -284,6 +293,13 @@ class Server:
 
     def forwards(self) -> list[dict]:
         return [json.loads(ln.split(FORWARD_TAG, 1)[1]) for ln in self.text().splitlines() if FORWARD_TAG in ln]
+
+    def wait_for_table(self) -> None:
+        """Until this server's launcher has a routing table (measured or found), it exits, or START_TIMEOUT_S."""
+        while time.time() - self.t0 < START_TIMEOUT_S and self.proc.poll() is None:
+            if any(ln.startswith(TABLE_LINES) for ln in self.text().splitlines()):
+                return
+            time.sleep(2)
 
     def wait_ready(self) -> float:
         while time.time() - self.t0 < START_TIMEOUT_S:
@@ -378,10 +394,12 @@ def serve(server: Server, model: dict, workdir: str) -> dict:
         record["disabled_lines"] = [ln for ln in text.splitlines() if "sm120 IPC all-reduce DISABLED" in ln]
         record["patch_lines"] = sorted({re.sub(r"pid \d+", "pid N", ln) for ln in text.splitlines()
                                         if "[sm120 server-test patch" in ln})
-        record["graph_capture_lines"] = [ln for ln in text.splitlines() if re.search(r"[Cc]apture cuda graph end", ln)]
+        # 0.5.13.post1: "Capture cuda graph end."; 0.5.23: "Capture target verify CUDA graph end."
+        record["graph_capture_lines"] = [ln for ln in text.splitlines()
+                                         if re.search(r"capture .*cuda graph end", ln, re.IGNORECASE)]
         record["capture_guard_lines"] = [ln for ln in text.splitlines() if "feed aux hidden-state captures" in ln]
-        record["tune_lines"] = [ln for ln in text.splitlines() if ln.startswith(("sglang_sm120: routing table for",
-                                                                                 "written to ", "tuning TP="))]
+        record["tune_lines"] = [ln for ln in text.splitlines()
+                                if ln.startswith(("sglang_sm120: routing table for", "tuning TP=") + TABLE_LINES)]
         record["tail"] = server.tail(40)
     return record
 
@@ -437,7 +455,14 @@ def test_real_server_tp2_eagle3_on_against_off(workdir):
     def start(name, mode, graphs):
         return Server(name, model, site, workdir, mode=mode, graphs=graphs, logdir=out_dir)
 
-    servers = {name: start(name, mode, graphs) for name, mode, graphs in RUNS} if SERVERS_AT_ONCE else {}
+    servers = {}
+    if SERVERS_AT_ONCE:
+        # "on, graphs" measures the table, "on, eager" starts once it exists and finds it (a second launch on the
+        # same box): one table for both, so every size goes the same way in both.
+        for name, mode, graphs in sorted(RUNS, key=lambda run: run[0] == "on, eager"):
+            if name == "on, eager":
+                servers["on, graphs"].wait_for_table()
+            servers[name] = start(name, mode, graphs)
     t_servers = time.time()
     try:
         for name, mode, graphs in RUNS:
@@ -466,8 +491,9 @@ def _judge(runs: dict, check, expected: dict, model: dict, release: str) -> None
         check(f"{name}: ENABLED line on rank 0" if on else f"{name}: no ENABLED line",
               bool(run["enabled_lines"]) == on, run["enabled_lines"] or run["disabled_lines"])
         if on:
-            check(f"{name}: the launcher's tune measured a table and the ranks route by it",
-                  any("routes: tuned table" in ln for ln in run["enabled_lines"]) and run["tune_lines"],
+            check(f"{name}: the launcher's tune has a table (measured or found) and the ranks route by it",
+                  any("routes: tuned table" in ln for ln in run["enabled_lines"])
+                  and any(ln.startswith(TABLE_LINES) for ln in run["tune_lines"]),
                   {"tune": run["tune_lines"][-3:], "enabled": run["enabled_lines"]})
         states = run["info_after"]
         check(f"{name}: /get_server_info reports the backend {'active' if on else 'inactive'}",
@@ -483,6 +509,16 @@ def _judge(runs: dict, check, expected: dict, model: dict, release: str) -> None
             calls = run["device_calls"]
             check(f"{name}: the kernels' device call counter grows across requests",
                   all(b > a for a, b in zip(calls[:-1], calls[1:], strict=True)), calls)
+    if eager and graphs and "error" not in eager and "error" not in graphs:
+        table_of = {name: {s["routes"].get("path") for s in run["info_after"]} for name, run in
+                    (("on, eager", eager), ("on, graphs", graphs))}
+        lines = {name: [ln for ln in run["tune_lines"] if ln.startswith(TABLE_LINES)]
+                 for name, run in (("on, eager", eager), ("on, graphs", graphs))}
+        kinds = sorted(TABLE_LINES.index(next(p for p in TABLE_LINES if ln.startswith(p)))
+                       for found in lines.values() for ln in found[-1:])
+        check("on, eager and on, graphs route by one table, measured by one launcher and found by the other",
+              len(table_of["on, eager"] | table_of["on, graphs"]) == 1 and kinds == [0, 1],
+              {"tables": {k: sorted(v) for k, v in table_of.items()}, "tune": lines})
     if eager and "error" not in eager:
         _judge_counts(eager, check, expected)
     if graphs and "error" not in graphs:
@@ -493,17 +529,26 @@ def _judge(runs: dict, check, expected: dict, model: dict, release: str) -> None
         check("on, graphs: sglang.bench_one_batch_server ran", bench.get("returncode") == 0,
               {k: bench.get(k) for k in ("returncode", "stderr_tail")})
     if off and eager and "error" not in off and "error" not in eager:
-        _judge_on_against_off(off, eager, check)
+        _judge_close(off, eager, check, "on against off", "off's")
     if eager and graphs and "error" not in eager and "error" not in graphs:
-        pairs = list(zip(eager["requests"], graphs["requests"], strict=True))
-        check("on, eager against on, graphs: identical greedy outputs",
-              all(r_e["output_ids"] == r_g["output_ids"] for r_e, r_g in pairs),
-              [(r_e["output_ids"], r_g["output_ids"]) for r_e, r_g in pairs])
+        if release == "0.5.13.post1":
+            # One table, requests one at a time (batch 1 is captured: nothing padded), no prefill graphs: the
+            # graph server computes what the eager one does, our kernels captured or not.
+            pairs = list(zip(eager["requests"], graphs["requests"], strict=True))
+            check("on, eager against on, graphs: identical greedy outputs",
+                  all(r_e["output_ids"] == r_g["output_ids"] for r_e, r_g in pairs),
+                  [(r_e["output_ids"], r_g["output_ids"]) for r_e, r_g in pairs])
+        else:
+            # 0.5.23 computes differently with graphs, our kernels aside: its graph server prefills through MLA's
+            # absorbed form ("Piecewise CUDA graph is enabled, use MLA for prefill"), the eager one through MHA, and
+            # pads a prefill to the captured token counts. The same bounds as on against off then.
+            _judge_close(eager, graphs, check, "on, graphs against on, eager", "eager's")
 
 
 def _judge_counts(eager: dict, check, expected: dict) -> None:
-    """Every eager verify forward of the target: the rule's fused and plain calls, nothing fallen back; every
-    draft forward: its plain calls."""
+    """Every eager verify forward of the target: the rule's fused and plain calls, nothing fallen back (the tune
+    measures every verify size); every draft forward: its plain calls, each where the table routes its size (a
+    size between two measured ones whose routes differ is NCCL's: a draft extend of a 5-token prompt)."""
     forwards = [f for r in eager["requests"] for f in r["forwards"] if not f["graph"]]
     verify = [f for f in forwards if not f["draft"] and f["mode"] == "TARGET_VERIFY"]
     want = {"sm120": expected["plain"], "sm120_fused": expected["fused"], "fallback": 0, "fused_fallback": 0}
@@ -512,10 +557,31 @@ def _judge_counts(eager: dict, check, expected: dict) -> None:
           f"calls ({expected['moe_deferred']} MoE sums deferred into the next layer's fused norm), none fell back",
           bool(verify) and not wrong, {"verify_forwards": len(verify), "want": want, "wrong": wrong[:5]})
     draft = [f for f in forwards if f["draft"] and f["tokens"]]
-    want = {"sm120": expected["draft_plain"], "sm120_fused": 0, "fallback": 0, "fused_fallback": 0}
-    wrong = [(f["mode"], f["tokens"], f["delta"]) for f in draft if f["delta"] != want]
-    check(f"on, eager: every draft forward made {expected['draft_plain']} plain calls",
-          bool(draft) and not wrong, {"draft_forwards": len(draft), "want": want, "wrong": wrong[:5]})
+    ours = routed_to_ours(eager)
+    wrong, nccl = [], set()
+    for f in draft:
+        n, to_ours = expected["draft_plain"], ours(f["tokens"] * HIDDEN * 2)
+        if not to_ours:
+            nccl.add(f["tokens"])
+        want = {"sm120": n if to_ours else 0, "sm120_fused": 0, "fallback": 0 if to_ours else n, "fused_fallback": 0}
+        if f["delta"] != want:
+            wrong.append((f["mode"], f["tokens"], f["delta"], want))
+    check(f"on, eager: every draft forward made {expected['draft_plain']} plain calls, each where the table routes it",
+          bool(draft) and not wrong,
+          {"draft_forwards": len(draft), "tokens_the_table_gives_nccl": sorted(nccl), "wrong": wrong[:5]})
+
+
+def routed_to_ours(run: dict):
+    """bytes -> whether the table the run's ranks route by gives a plain bf16 all-reduce of that size to ours."""
+    from sglang_sm120.routing import cache
+    from sglang_sm120.routing.table import lookup
+
+    paths = {s["routes"].get("path") for s in run["info_after"]}
+    assert len(paths) == 1 and None not in paths, f"the ranks route by one table file, not {paths}"
+    loaded = cache.load_file(paths.pop())
+    assert loaded.table is not None, f"{loaded.path}: {loaded.reason}"
+    bound = min(s["max_bytes"] for s in run["info_after"])
+    return lambda nbytes: nbytes <= bound and lookup(loaded.table, nbytes, "bfloat16", False) is not None
 
 
 def capture_error(on: list, off: list) -> float:
@@ -528,45 +594,47 @@ def capture_error(on: list, off: list) -> float:
     return worst
 
 
-def _judge_on_against_off(off: dict, eager: dict, check) -> None:
-    diffs = sorted(abs(a - b) for r_off, r_on in zip(off["requests"], eager["requests"], strict=True)
-                   for a, b in zip(r_off["input_logprobs"][1:], r_on["input_logprobs"][1:], strict=True))
+def _judge_close(ref: dict, run: dict, check, label: str, whose: str) -> None:
+    """`run` against `ref`, two servers whose all-reduces round differently: teacher-forced logprobs, first
+    greedy tokens, EAGLE-3 captures, each within the bounds above."""
+    diffs = sorted(abs(a - b) for r_ref, r_run in zip(ref["requests"], run["requests"], strict=True)
+                   for a, b in zip(r_ref["input_logprobs"][1:], r_run["input_logprobs"][1:], strict=True))
     median = diffs[len(diffs) // 2]
     outliers = sum(d > LOGPROB_OUTLIER_NATS for d in diffs)
-    check(f"on against off: teacher-forced input logprobs, median |diff| <= {LOGPROB_MEDIAN_TOL} and at most "
+    check(f"{label}: teacher-forced input logprobs, median |diff| <= {LOGPROB_MEDIAN_TOL} and at most "
           f"{LOGPROB_OUTLIER_SHARE:.0%} of positions beyond {LOGPROB_OUTLIER_NATS} nats",
           median <= LOGPROB_MEDIAN_TOL and outliers <= LOGPROB_OUTLIER_SHARE * len(diffs),
           {"positions": len(diffs), "median": median, "max": diffs[-1], "beyond": outliers})
     # Greedy decoding follows an argmax: a near tie may go either way on rounding and the texts part (README
     # says so too). Over a 32,768-word vocabulary a random checkpoint's first token often leads the runner-up by
     # hundredths of a nat, which the one-rounding difference moves (an H200 run on 0.5.23: 2 of 4 first tokens
-    # differed with every teacher-forced logprob within 0.08 nats). So the first token must agree wherever "off"
-    # leads by more than LOGPROB_OUTLIER_NATS; how long each pair agrees and each lead are recorded.
-    pairs = list(zip(off["requests"], eager["requests"], strict=True))
-    agree = [next((i for i, (a, b) in enumerate(zip(r_off["output_ids"], r_on["output_ids"], strict=True))
-                   if a != b), len(r_off["output_ids"])) for r_off, r_on in pairs]
-    leads = [r_off.get("first_lead") for r_off, _ in pairs]
+    # differed with every teacher-forced logprob within 0.08 nats). So the first token must agree wherever the
+    # reference leads by more than LOGPROB_OUTLIER_NATS; how long each pair agrees and each lead are recorded.
+    pairs = list(zip(ref["requests"], run["requests"], strict=True))
+    agree = [next((i for i, (a, b) in enumerate(zip(r_ref["output_ids"], r_run["output_ids"], strict=True))
+                   if a != b), len(r_ref["output_ids"])) for r_ref, r_run in pairs]
+    leads = [r_ref.get("first_lead") for r_ref, _ in pairs]
     clear = [n >= 1 for n, lead in zip(agree, leads, strict=True) if lead is None or lead > LOGPROB_OUTLIER_NATS]
-    check(f"on against off: the first greedy token equal wherever off's leads by more than {LOGPROB_OUTLIER_NATS} "
-          "nats", all(clear) and bool(clear),
+    check(f"{label}: the first greedy token equal wherever {whose} leads by more than {LOGPROB_OUTLIER_NATS} nats",
+          all(clear) and bool(clear),
           {"tokens_agreeing_per_prompt": agree, "of": NEW_TOKENS, "first_token_leads": leads})
     # Verify forward k of a request takes output token k as its first row when no draft was accepted: its
     # captures are comparable while tokens 0..k agree.
     errors, missing = [], 0
-    for (r_off, r_on), n in zip(pairs, agree, strict=True):
-        if r_off["spec_accepted_drafts"] or r_on["spec_accepted_drafts"]:
+    for (r_ref, r_run), n in zip(pairs, agree, strict=True):
+        if r_ref["spec_accepted_drafts"] or r_run["spec_accepted_drafts"]:
             continue
-        v_off, v_on = ([f for f in r["forwards"] if not f["draft"] and f["mode"] == "TARGET_VERIFY"]
-                       for r in (r_off, r_on))
-        for f_off, f_on in list(zip(v_off, v_on, strict=False))[:n]:
-            if f_off.get("capture") is None or f_on.get("capture") is None:
+        v_ref, v_run = ([f for f in r["forwards"] if not f["draft"] and f["mode"] == "TARGET_VERIFY"]
+                       for r in (r_ref, r_run))
+        for f_ref, f_run in list(zip(v_ref, v_run, strict=False))[:n]:
+            if f_ref.get("capture") is None or f_run.get("capture") is None:
                 missing += 1
             else:
-                errors.append(capture_error(f_on["capture"], f_off["capture"]))
+                errors.append(capture_error(f_run["capture"], f_ref["capture"]))
     errors.sort()
     median = errors[len(errors) // 2] if errors else None
     beyond = sum(e > CAPTURE_OUTLIER_REL for e in errors)
-    check(f"on against off: EAGLE-3 captures of the verify forwards, median relative error <= {CAPTURE_MEDIAN_TOL} "
+    check(f"{label}: EAGLE-3 captures of the verify forwards, median relative error <= {CAPTURE_MEDIAN_TOL} "
           f"and at most {CAPTURE_OUTLIER_SHARE:.0%} beyond {CAPTURE_OUTLIER_REL}",
           bool(errors) and not missing and median <= CAPTURE_MEDIAN_TOL
           and beyond <= CAPTURE_OUTLIER_SHARE * len(errors),
