@@ -88,12 +88,13 @@ def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
 
 
 def local_launch_limits(ops, handle: int, device_index: int, settings: KernelSettings) -> dict:
-    """This rank's SM count, cluster capacities and cluster-check verdict (cluster_check.py)."""
+    """This rank's SM count, cluster capacities and cached cluster-check verdict (cluster_check.py: a workspace never
+    runs the check; without a verdict it launches no clusters)."""
     capacity = [int(c) for c in ops.ws_cluster_capacity(handle)]
     verdict = cluster_check.ClusterVerdict(False, "the GPU reports no cluster capacity", "checked")
     if any(capacity):
         uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-        verdict = cluster_check.verdict_for(device_index, uuid, _ext.library_path(), settings)
+        verdict = cluster_check.cached_verdict(uuid, _ext.library_path(), settings)
     return {"sm": int(ops.ws_sm_count(handle)), "capacity": capacity, "clusters_ok": verdict.ok,
             "reason": verdict.reason}
 

@@ -1,5 +1,6 @@
-"""The cluster-launch check (sgl_kernel_sm120/cluster_check.py) on CPU: switches, the cache, and how a child's
-outcome becomes a verdict. The child itself runs on the GPU (tests/gpu/test_ipc_allreduce.py)."""
+"""The cluster-launch check (sgl_kernel_sm120/cluster_check.py) on CPU: a serving rank only reads the cache; the
+check runs in a process that may die (a tune's rank, the doctor's child); what is cached and what is transient.
+The check's kernels run on the GPU (tests/gpu/test_ipc_allreduce.py)."""
 
 from __future__ import annotations
 
@@ -11,57 +12,94 @@ import time
 import pytest
 
 from sgl_kernel_sm120 import cluster_check
-from sgl_kernel_sm120.cluster_check import ClusterVerdict
 from sgl_kernel_sm120.settings import KernelSettings
 
 
 @pytest.fixture
-def children(monkeypatch):
-    """Replaces the child process: records each run and answers with the verdict set in `answer`."""
+def checks(monkeypatch):
+    """Replaces the check's kernels: records each run and answers with `answer` (a verdict pair or an exception)."""
     runs = []
-    answer = {"verdict": ClusterVerdict(True, "clusters of 2, 4, 8 CTAs ran", "checked")}
+    answer = {"result": (True, "clusters of 2, 4, 8 CTAs ran")}
 
     def fake(device_index, debug):
         runs.append((device_index, debug))
-        return answer["verdict"]
+        if isinstance(answer["result"], Exception):
+            raise answer["result"]
+        return answer["result"]
 
-    monkeypatch.setattr(cluster_check, "_run_child", fake)
+    monkeypatch.setattr(cluster_check, "_check", fake)
     return runs, answer
 
 
-def test_switched_off_runs_no_check(tmp_path, children):
-    runs, _ = children
-    verdict = cluster_check.verdict_for(0, "GPU-a", "/lib.so", KernelSettings(fused_clusters=False,
-                                                                              cache_dir=str(tmp_path)))
-    assert not verdict.ok and verdict.source == "off" and "SGL_SM120_FUSED_CLUSTERS=off" in verdict.reason
+def test_a_serving_rank_only_reads_the_cache_and_without_a_verdict_launches_no_clusters(tmp_path, checks):
+    runs, _ = checks
+    env = KernelSettings(cache_dir=str(tmp_path))
+    verdict = cluster_check.cached_verdict("GPU-a", "/lib.so", env)
+    assert not verdict.ok and verdict.source == "unchecked" and "python -m sglang_sm120.tune" in verdict.reason
+    assert runs == []
+    assert cluster_check.check_here(0, "GPU-a", "/lib.so", env).ok
+    found = cluster_check.cached_verdict("a", "/lib.so", env)  # torch's UUID spelling, without "GPU-"
+    assert found.ok and found.source == "cache" and runs == [(0, "")]
+
+
+def test_switched_off_runs_no_check(tmp_path, checks):
+    runs, _ = checks
+    env = KernelSettings(fused_clusters=False, cache_dir=str(tmp_path))
+    for verdict in (cluster_check.check_here(0, "GPU-a", "/lib.so", env),
+                    cluster_check.cached_verdict("GPU-a", "/lib.so", env)):
+        assert not verdict.ok and verdict.source == "off" and "SGL_SM120_FUSED_CLUSTERS=off" in verdict.reason
     assert runs == []
 
 
-def test_verdict_is_cached_per_gpu_and_library(tmp_path, children):
-    runs, answer = children
+def test_verdict_is_cached_per_gpu_and_library(tmp_path, checks):
+    runs, answer = checks
     library = tmp_path / "lib.so"
     library.write_bytes(b"x")
     env = KernelSettings(cache_dir=str(tmp_path / "cache"))
-    first = cluster_check.verdict_for(0, "GPU-a", str(library), env)
-    again = cluster_check.verdict_for(0, "GPU-a", str(library), env)
+    first = cluster_check.check_here(0, "GPU-a", str(library), env)
+    again = cluster_check.check_here(0, "GPU-a", str(library), env)
     assert first.ok and first.source == "checked" and again.ok and again.source == "cache"
     assert len(runs) == 1
-    answer["verdict"] = ClusterVerdict(False, "illegal instruction", "checked")
-    other_gpu = cluster_check.verdict_for(1, "GPU-b", str(library), env)
+    answer["result"] = (False, "clusters of 8 CTAs ran but gave other bits")
+    other_gpu = cluster_check.check_here(1, "GPU-b", str(library), env)
     assert not other_gpu.ok and len(runs) == 2  # another GPU is checked on its own
     library.write_bytes(b"rebuilt")  # another build of the library: checked again
-    assert not cluster_check.verdict_for(0, "GPU-a", str(library), env).ok and len(runs) == 3
+    assert not cluster_check.check_here(0, "GPU-a", str(library), env).ok and len(runs) == 3
     table = json.loads((tmp_path / "cache" / cluster_check.CACHE_FILE).read_text())
     assert len(table) == 3 and all({"ok", "reason", "when"} <= entry.keys() for entry in table.values())
 
 
-def test_debug_switch_bypasses_the_cache(tmp_path, children):
-    runs, answer = children
+def test_a_kernel_fault_is_a_property_of_the_gpu_cached_and_says_the_context_is_lost(tmp_path, checks):
+    _, answer = checks
+    env = KernelSettings(cache_dir=str(tmp_path))
+    answer["result"] = RuntimeError("CUDA error: an illegal instruction was encountered")
+    verdict = cluster_check.check_here(0, "GPU-a", "/lib.so", env)
+    assert not verdict.ok and verdict.context_lost and not verdict.transient
+    cached = cluster_check.cached_verdict("GPU-a", "/lib.so", env)
+    assert cached.source == "cache" and "illegal instruction" in cached.reason
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: out of memory"), OSError("interrupted")])
+def test_a_failure_that_says_nothing_about_the_gpu_is_transient_and_never_cached(tmp_path, checks, error):
+    runs, answer = checks
+    env = KernelSettings(cache_dir=str(tmp_path))
+    answer["result"] = error
+    verdict = cluster_check.check_here(0, "GPU-a", "/lib.so", env)
+    assert not verdict.ok and verdict.transient and not verdict.context_lost
+    assert cluster_check.cached_verdict("GPU-a", "/lib.so", env).source == "unchecked"
+    answer["result"] = (True, "clusters ran")
+    assert cluster_check.check_here(0, "GPU-a", "/lib.so", env).ok and len(runs) == 2
+
+
+def test_the_debug_switch_runs_the_trapping_check_past_the_cache_and_fails_every_workspace(tmp_path, checks):
+    runs, answer = checks
     env = KernelSettings(cache_dir=str(tmp_path), debug_cluster_check="trap")
-    answer["verdict"] = ClusterVerdict(False, "the cluster check failed (exit code 1): launch failure", "debug")
-    assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
-    assert runs == [(0, "trap")]
+    answer["result"] = RuntimeError("CUDA error: unspecified launch failure")
+    verdict = cluster_check.check_here(0, "GPU-a", "/lib.so", env)
+    assert not verdict.ok and verdict.context_lost and runs == [(0, "trap")]
     assert not (tmp_path / cluster_check.CACHE_FILE).exists()
+    cached = cluster_check.cached_verdict("GPU-a", "/lib.so", env)
+    assert not cached.ok and cached.source == "debug" and "cluster check" in cached.reason
 
 
 class _Done:
@@ -70,52 +108,31 @@ class _Done:
 
 
 @pytest.mark.parametrize(
-    "outcome, ok, says",
+    "outcome, ok, transient, says",
     [
-        (_Done(0, 'noise\n{"ok": true, "reason": "clusters of 2, 4, 8 CTAs ran"}\n'), True, "clusters of 2, 4, 8"),
-        (_Done(0, '{"ok": false, "reason": "other bits than one CTA per row"}\n'), False, "other bits"),
-        (_Done(1, "", "Traceback ...\nRuntimeError: CUDA error: an illegal instruction was encountered\n"), False,
-         "exit code 1): Traceback ... RuntimeError: CUDA error: an illegal instruction"),
-        (_Done(-6, "", ""), False, "exit code -6"),
+        (_Done(0, 'noise\n{"ok": true, "reason": "clusters of 2, 4, 8 CTAs ran", "source": "checked"}\n'), True,
+         False, "clusters of 2, 4, 8"),
+        (_Done(0, '{"ok": false, "reason": "the cluster check failed (illegal instruction)", "source": "checked", '
+                  '"context_lost": true}\n'), False, False, "illegal instruction"),
+        (_Done(-6, "", "Aborted"), False, True, "exit code -6"),
     ],
 )
-def test_a_child_outcome_becomes_a_verdict(monkeypatch, outcome, ok, says):
+def test_the_doctors_child_outcome_becomes_a_verdict(monkeypatch, tmp_path, outcome, ok, transient, says):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: outcome)
-    verdict = cluster_check._run_child(0, "")
-    assert verdict.ok is ok and says in verdict.reason, verdict
+    verdict = cluster_check.verdict_for(0, "GPU-a", "/lib.so", KernelSettings(cache_dir=str(tmp_path)))
+    assert verdict.ok is ok and verdict.transient is transient and says in verdict.reason, verdict
 
 
-def test_a_child_that_hangs_is_no_clusters(monkeypatch):
-    def hang(*args, **kwargs):
-        raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout"))
-
-    monkeypatch.setattr(subprocess, "run", hang)
-    verdict = cluster_check._run_child(0, "")
-    assert not verdict.ok and "did not finish" in verdict.reason
-
-
-def test_a_check_that_timed_out_is_not_cached_and_runs_again(tmp_path, children):
-    runs, answer = children
+def test_a_doctors_child_that_hangs_or_cannot_start_gives_a_transient_verdict(monkeypatch, tmp_path):
     env = KernelSettings(cache_dir=str(tmp_path))
-    answer["verdict"] = ClusterVerdict(False, "the cluster check did not finish within 120 s", "checked",
-                                       transient=True)
-    assert not cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).ok
-    assert not (tmp_path / cluster_check.CACHE_FILE).exists()
-    answer["verdict"] = ClusterVerdict(True, "clusters of 2, 4, 8 CTAs ran", "checked")
-    again = cluster_check.verdict_for(0, "GPU-a", "/lib.so", env)
-    assert again.ok and again.source == "checked" and len(runs) == 2
 
-
-def test_a_child_that_hangs_or_cannot_start_gives_a_transient_verdict(monkeypatch):
     def hang(*args, **kwargs):
         raise subprocess.TimeoutExpired(args[0], kwargs.get("timeout"))
 
     monkeypatch.setattr(subprocess, "run", hang)
-    assert cluster_check._run_child(0, "").transient
+    assert cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).transient
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no python")))
-    assert cluster_check._run_child(0, "").transient
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: _Done(-6))
-    assert not cluster_check._run_child(0, "").transient  # a crash is an answer about the GPU
+    assert cluster_check.verdict_for(0, "GPU-a", "/lib.so", env).transient
 
 
 def test_two_gpus_check_at_once_and_both_verdicts_are_kept(tmp_path, monkeypatch):
@@ -124,11 +141,11 @@ def test_two_gpus_check_at_once_and_both_verdicts_are_kept(tmp_path, monkeypatch
     def slow(device_index, debug):
         started[device_index] = True
         assert release.wait(10)
-        return ClusterVerdict(True, f"gpu {device_index} ok", "checked")
+        return True, f"gpu {device_index} ok"
 
-    monkeypatch.setattr(cluster_check, "_run_child", slow)
+    monkeypatch.setattr(cluster_check, "_check", slow)
     env = KernelSettings(cache_dir=str(tmp_path))
-    threads = [threading.Thread(target=cluster_check.verdict_for, args=(i, f"GPU-{i}", "/lib.so", env))
+    threads = [threading.Thread(target=cluster_check.check_here, args=(i, f"GPU-{i}", "/lib.so", env))
                for i in (0, 1)]
     for t in threads:
         t.start()

@@ -127,8 +127,18 @@ def selected_scenarios(request, scenarios: dict) -> list:
 
 
 def _cluster_cache(tmp_path_factory) -> str:
+    """The session's cluster-check cache, every visible GPU checked once as the tune checks it (in a process that may
+    die: here the check's own child), so the tests' workspaces launch clusters where the GPU runs them."""
+    import subprocess
+    import sys
+
     folder = tmp_path_factory.getbasetemp() / "sm120-gpu-cluster-cache"
-    folder.mkdir(exist_ok=True)
+    if not folder.exists():
+        folder.mkdir()
+        env = {**os.environ, "SGLANG_SM120_CACHE": str(folder)}
+        for index in range(gpu_count()):
+            subprocess.run([sys.executable, "-m", "sgl_kernel_sm120.cluster_check", str(index)], env=env,
+                           capture_output=True, text=True, timeout=300)
     return str(folder)
 
 

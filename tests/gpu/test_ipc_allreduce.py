@@ -29,10 +29,12 @@ from sgl_kernel_sm120 import (
     IpcAllReduceTimeoutError,
     Schedule,
     _ext,
+    cluster_check,
     policy,
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
+from sgl_kernel_sm120.settings import read as read_settings
 from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu.harness import (
     need_ranks,
@@ -183,8 +185,9 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
 def _scenario_cluster_sizes_and_fallback(rank, world):
     """Every fused one-shot grid shape (one CTA per row, a row over 2, 4 or 8 CTAs of a cluster) on exact inputs:
     residual_out exact and the same bits whatever the cluster, norm_out within 1 ulp and bitwise identical across
-    ranks. Then, with the cluster check failing on purpose (SGL_SM120_DEBUG_CLUSTER_CHECK=trap: its child process
-    runs a trapping kernel, as an illegal instruction would), this rank survives, the group agrees on no clusters,
+    ranks. Then, with the cluster check failing on purpose (SGL_SM120_DEBUG_CLUSTER_CHECK=trap: the check's child
+    process runs a trapping kernel, as an illegal instruction would), this rank survives its child's trap, a
+    workspace built under the switch sees the failed verdict, the group agrees on no clusters,
     the fallback is reported, its launch limits are the same on every rank and its results are bitwise those of the
     workspace launching clusters."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -209,6 +212,11 @@ def _scenario_cluster_sizes_and_fallback(rank, world):
         for name, value in spelled_out("SGL_SM120_DEBUG_CLUSTER_CHECK", "trap").items():
             os.environ[name] = value
         try:
+            props = torch.cuda.get_device_properties(dev)
+            trapped = cluster_check.verdict_for(dev.index, str(props.uuid), _ext.library_path(), read_settings())
+            if trapped.ok or "cluster check" not in trapped.reason:
+                failures.append(f"the trapping check's child did not fail as a verdict: {trapped}")
+            torch.cuda.synchronize()  # this rank's own context survived its child's trap
             without = _make(world, rank, 100 * 7168)
         finally:
             for name in spelled_out("SGL_SM120_DEBUG_CLUSTER_CHECK", ""):
