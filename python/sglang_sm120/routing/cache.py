@@ -5,15 +5,20 @@ servers on two sets of GPUs of one box, or two models, keep their own tables.
 `load` says what it found; only OK is used, and the reason of any other status names what changed. A candidate blamed
 for a crash or hang of a tune's process (tuning/processes.py names the one that was running) is kept in
 `blamed_tp<world>_<gpus>.json` with the key it happened under: every later tune of that key leaves it out and no
-server routes to it. Another key lifts the blame.
+server routes to it. Another key lifts the blame. A tune that failed leaves `failed_tp<world>_h<hidden>_<gpus>.json`
+under its key: a launch under `--sm120-allreduce-tune auto` does not repeat it (force does, and a new key), and the
+server's line names it. One tune of a set of GPUs at a time: `tune_lock`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import glob
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +65,82 @@ def table_path(key: Mapping[str, Any], hidden: int, folder: str | None = None) -
 
 def blame_path(key: Mapping[str, Any], folder: str | None = None) -> str:
     return _in(folder, f"blamed_tp{int(key['world_size'])}_{tbl.box_tag(key)}.json")
+
+
+def failure_path(key: Mapping[str, Any], hidden: int, folder: str | None = None) -> str:
+    return _in(folder, f"failed_tp{int(key['world_size'])}_h{int(hidden)}_{tbl.box_tag(key)}.json")
+
+
+def writable(folder: str | None = None) -> str | None:
+    """None when the cache folder can be created and written, else why not."""
+    folder = cache_dir() if folder is None else folder
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-check.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+        return None
+    except OSError as exc:
+        return f"the cache folder {folder} is not writable ({exc.strerror or exc}); set SGLANG_SM120_CACHE"
+
+
+@contextlib.contextmanager
+def tune_lock(key: Mapping[str, Any], wait_s: float, folder: str | None = None):
+    """Held while one process tunes this set of GPUs; yields True once held, False when another held it for all of
+    `wait_s` seconds (a second launch then goes on without measuring)."""
+    path = _in(folder, f"tune_tp{int(key['world_size'])}_{tbl.box_tag(key)}.lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def record_failure(key: Mapping[str, Any], hidden: int, reason: str, command: str, *, planned: str,
+                   folder: str | None = None) -> str:
+    """The note of a failed tune of these GPUs, under the digest of what the tool saw (tuning/processes.planned)."""
+    path = failure_path(key, hidden, folder)
+    _write_atomically(path, {"planned": planned, "reason": reason, "command": command,
+                             "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return path
+
+
+def clear_failure(key: Mapping[str, Any], hidden: int, folder: str | None = None) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(failure_path(key, hidden, folder))
+
+
+def failure(key: Mapping[str, Any], hidden: int, *, planned: str | None = None,
+            folder: str | None = None) -> dict[str, Any] | None:
+    """The note of a failed tune of these GPUs and hidden size (of the same `planned` digest when given: a launch
+    tunes again once anything it sees changed), or None."""
+    path = failure_path(key, hidden, folder)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            note = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or (planned is not None and note.get("planned") != planned):
+        return None
+    return {"reason": str(note.get("reason")), "when": str(note.get("when")), "command": str(note.get("command")),
+            "path": path}
+
+
+def describe_failure(note: Mapping[str, Any]) -> str:
+    return (f"the last tune of these GPUs failed at {note['when']} ({note['reason']}); a launch does not repeat it "
+            f"({note['path']}): retry with {note['command']}")
 
 
 def _write_atomically(path: str, doc: Any) -> None:

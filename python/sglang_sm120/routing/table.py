@@ -29,7 +29,7 @@ from sgl_kernel_sm120.policy import DTYPES, Memory, Route
 # Bump FORMAT_VERSION on an incompatible change of the JSON, TUNE_VERSION when the tuner measures differently
 # (candidates, verification, timing, rule): a table with another value of either is stale.
 FORMAT_VERSION = 1
-TUNE_VERSION = 4  # 4: keyed on NCCL's settings
+TUNE_VERSION = 5  # 5: one checked burst ranks every candidate, the fastest are profiled
 
 KINDS = ("plain", "fused")
 NCCL = "nccl"
@@ -72,12 +72,15 @@ def parse_route(text: str) -> Route | None:
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One measured size: per candidate id, the median over replays of the slowest rank (us), or why it failed."""
+    """One measured size: per candidate id, its profile (the median over replays of the slowest rank, us), or why it
+    failed; `ranked`: the burst's time (its best replay's slowest rank) of each candidate that passed but was not
+    profiled."""
 
     rows: int
     nbytes: int
     times: Mapping[str, float]
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ranked: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +154,7 @@ def without_blamed(points: Sequence[Point], dtype: str, kind: str,
                 and b.get("candidate") in point.times}
         if gone:
             point = Point(point.rows, point.nbytes, {c: t for c, t in point.times.items() if c not in gone},
-                          {**point.failed, **{c: f"blamed: {why}" for c, why in gone.items()}})
+                          {**point.failed, **{c: f"blamed: {why}" for c, why in gone.items()}}, point.ranked)
         out.append(point)
     return out
 
@@ -219,6 +222,7 @@ class RoutingTable:
     notes: list[str] = dataclasses.field(default_factory=list)
     rule: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(RULE))
     tune_version: int = TUNE_VERSION
+    planned: str = ""  # the digest of what the tool saw before it started its ranks (tuning/processes.planned)
 
     @classmethod
     def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
@@ -234,7 +238,7 @@ class RoutingTable:
         `blamed` (see without_blamed)."""
         measurements = {(dtype, kind): without_blamed(points, dtype, kind, blamed)
                         for (dtype, kind), points in self.measurements.items()}
-        kept = ("quick", "durations", "incumbents", "notes", "rule", "tune_version")
+        kept = ("quick", "durations", "incumbents", "notes", "rule", "tune_version", "planned")
         return RoutingTable.from_points(self.key, self.measured, self.workload, measurements,
                                         **copy.deepcopy({field: getattr(self, field) for field in kept}))
 
@@ -249,12 +253,13 @@ class RoutingTable:
         return {
             "format": FORMAT_VERSION, "tune_version": self.tune_version, "key": self.key, "measured": self.measured,
             "quick": self.quick, "durations": self.durations, "workload": self.workload, "rule": self.rule,
-            "incumbents": self.incumbents, "notes": self.notes,
+            "incumbents": self.incumbents, "notes": self.notes, "planned": self.planned,
             "entries": [{"dtype": e.dtype, "kind": e.kind, "low": e.low, "high": e.high, "route": route_id(e.route)}
                         for e in self.entries],
             "measurements": [
                 {"dtype": dtype, "kind": kind, "rows": p.rows, "bytes": p.nbytes, "timed": len(p.times),
-                 "times": {k: float(v) for k, v in sorted(p.times.items())}, "failed": dict(sorted(p.failed.items()))}
+                 "times": {k: float(v) for k, v in sorted(p.times.items())}, "failed": dict(sorted(p.failed.items())),
+                 "ranked": {k: float(v) for k, v in sorted(p.ranked.items())}}
                 for (dtype, kind), points in sorted(self.measurements.items()) for p in points
             ],
         }
@@ -281,13 +286,29 @@ class RoutingTable:
         measurements: dict[tuple[str, str], list[Point]] = {}
         for where, point in _parse_list(doc, "measurements", "measurement", _point):
             measurements.setdefault(where, []).append(point)
-        return cls(
-            key=dict(doc["key"]), measured=str(doc["measured"]), workload=dict(doc["workload"]), entries=entries,
-            measurements=measurements, quick=bool(doc.get("quick", False)),
-            durations={str(k): float(v) for k, v in dict(doc.get("durations") or {}).items()},
-            incumbents={str(k): str(v) for k, v in dict(doc.get("incumbents") or {}).items()},
-            notes=[str(n) for n in doc.get("notes") or []], rule=dict(doc.get("rule") or RULE),
-            tune_version=int(doc.get("tune_version", TUNE_VERSION)))
+        for (dtype, kind), points in measurements.items():
+            if kind not in KINDS or dtype not in DTYPES:
+                raise TableError(f"measurements of {dtype!r} {kind!r}: a kind of {KINDS} and a dtype of {DTYPES}")
+            if any(b.nbytes <= a.nbytes for a, b in zip(points, points[1:], strict=False)):
+                raise TableError(f"{dtype} {kind} measurements are not in strictly ascending size order")
+        try:
+            rule = dict(doc.get("rule") or RULE)
+            rule = {"min_gain": float(rule["min_gain"]), "sustain": int(rule["sustain"])}
+            if not (0 <= rule["min_gain"] < 1 and rule["sustain"] >= 1):
+                raise ValueError("min_gain in [0, 1) and sustain >= 1")
+            hidden = int(doc["workload"].get("hidden"))
+            if hidden < 1:
+                raise ValueError("the workload's hidden size must be >= 1")
+            return cls(
+                key=dict(doc["key"]), measured=str(doc["measured"]), workload=dict(doc["workload"]), entries=entries,
+                measurements=measurements, quick=bool(doc.get("quick", False)),
+                durations={str(k): float(v) for k, v in dict(doc.get("durations") or {}).items()},
+                incumbents={str(k): str(v) for k, v in dict(doc.get("incumbents") or {}).items()},
+                notes=[str(n) for n in doc.get("notes") or []], rule=rule,
+                tune_version=int(doc.get("tune_version", TUNE_VERSION)), planned=str(doc.get("planned") or ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TableError(f"bad rule, workload, durations, incumbents or notes: {type(exc).__name__}: {exc}") \
+                from None
 
     def coverage_gap(self, dtype: str, hidden: int, kinds: Iterable[str] = KINDS) -> str | None:
         """Why this table cannot route a server of this dtype and hidden size; None when it can (sizes past its
@@ -329,9 +350,10 @@ def _entry(raw: Any) -> Entry:
 def _point(raw: Any) -> tuple[tuple[str, str], Point]:
     times = {str(k): float(v) for k, v in dict(raw["times"]).items()}
     failed = {str(k): str(v) for k, v in dict(raw.get("failed") or {}).items()}
-    for cid in [*times, *failed]:
+    ranked = {str(k): float(v) for k, v in dict(raw.get("ranked") or {}).items()}
+    for cid in [*times, *failed, *ranked]:
         parse_route(cid)
-    return (str(raw["dtype"]), str(raw["kind"])), Point(int(raw["rows"]), int(raw["bytes"]), times, failed)
+    return (str(raw["dtype"]), str(raw["kind"])), Point(int(raw["rows"]), int(raw["bytes"]), times, failed, ranked)
 
 
 def lookup(table: RoutingTable, nbytes: int, dtype: str, fused: bool) -> Route | None:

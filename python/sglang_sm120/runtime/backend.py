@@ -14,15 +14,13 @@ from typing import Any
 
 import torch
 
-from sgl_kernel_sm120.cluster_check import CHILD_TIMEOUT_S
-from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
 from sgl_kernel_sm120.policy import DTYPES, ELEMENT_BYTES, describe_schedule
 
-from ..core import exchange
+from ..core import exchange, plan
 from ..core.config import HOSTMEM_ENV, ByteBound, OverlaySettings
 from ..core.facts import group_facts, launch_facts, local_facts
 from ..core.gate import GateDecision, decide
-from ..core.topology import kernel_islands, probe
+from ..core.topology import probe
 from ..routing.book import ALL_NCCL, TABLE, RouteBook
 from .routes import resolve_routes
 
@@ -138,32 +136,29 @@ class TPBackend:
         if dtype not in DTYPE_NAMES:  # the same on every rank: all decline without talking
             return self._give_up(f"model dtype {dtype} is not supported by the kernel (bfloat16/float16 only)")
         max_numel = bound.max_bytes // ELEMENT_BYTES
-        memory = self.decision.memory
-        if memory == "device":
+        topology = None
+        if self.decision.memory == "device":
             # Every rank probes the same NVML tree, and the workspace's own argument check compares the islands.
-            topo = probe([u or "" for u in self.facts.uuids])
-            self.islands, self.link = topo.islands(), topo.link
-            if topo.error:
-                self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: topology probe: {topo.error}; a flat "
-                                                 f"schedule, link {self.link}")
-        workspace, failed = self._construct("workspace", memory, max_numel, dtype, kernel_timeout_s)
-        failure = f"building the IPC workspace failed ({_detail(failed)})"
-        if failed and memory == "device" and all(o.get("pairs") is not None for o in failed.values()):
-            if self.settings.hostmem == "off":
-                return self._give_up(f"{failure}; the pinned host-memory workspace is not tried ({HOSTMEM_ENV}=off)")
-            workspace, failed_host = self._construct("workspace-host", "host", max_numel, dtype, kernel_timeout_s)
-            if failed_host:
-                return self._give_up(f"{failure}; the retry in pinned host memory failed too ({_detail(failed_host)})")
-            self.memory_note = f"the CUDA P2P data-path probe failed for {_probe_pairs(failed)}"
-            self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: {self.memory_note}; the pinned "
-                                             f"host-memory workspace (no P2P needed) is used instead ({HOSTMEM_ENV}"
-                                             "=off refuses it)")
-        elif failed:
-            tmpfs = next((o["tmpfs"] for o in failed.values() if o.get("tmpfs")), None)
-            return self._give_up(f"the pinned host-memory workspace does not fit: {tmpfs}" if tmpfs else failure)
+            topology = probe([u or "" for u in self.facts.uuids])
+            if topology.error:
+                self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: topology probe: {topology.error}; a "
+                                                 f"flat schedule, link {topology.link}")
+        try:
+            first = plan.plan(self.facts.p2p, self.settings.hostmem, topology)
+        except plan.PlanRefused as exc:
+            return self._give_up(str(exc))
+        built = plan.build(first, lambda p: self._construct(p, max_numel, dtype, kernel_timeout_s),
+                           self.settings.hostmem)
+        if built.workspace is None:
+            return self._give_up(built.failure)
+        if built.note:
+            self.memory_note = built.note
+            self._log_rank0(logging.WARNING, f"sglang_sm120 [{self.name}]: {built.note}; the pinned host-memory "
+                                             f"workspace (no P2P needed) is used instead ({HOSTMEM_ENV}=off refuses "
+                                             "it)")
+        workspace = built.workspace
         self.workspace, self.memory, self.link = workspace, workspace.shape.memory.value, workspace.shape.link.value
-        if self.memory == "host":
-            self.islands = None
+        self.islands = built.plan.islands if self.memory == "device" else None
         self.dtype, self.hidden_size, self.max_bytes = dtype, int(hidden_size), max_numel * ELEMENT_BYTES
         self.max_fused_tokens = max_numel // self.hidden_size
         self.routes = resolve_routes(
@@ -171,35 +166,31 @@ class TPBackend:
             shape=workspace.shape, limits=workspace.limits, hidden=self.hidden_size, dtype=DTYPE_NAMES[dtype],
             max_bytes=self.max_bytes, tune=tune, launch=launch_facts(workspace),
             log=lambda level, text: self._log_rank0(level, text))
+        if self.routes.source == ALL_NCCL:
+            # Nothing of ours serves: the workspace goes, SGLang's own paths (0.5.23's PCIe all-reduce too) stay.
+            self.close()
+            return self._give_up(self.routes.source_line(), state="ALL SIZES ON NCCL")
         if fusion_ok:
             self.fused_tokens = frozenset(t for t in range(1, self.max_fused_tokens + 1) if self._fused_route(
                 t, self.hidden_size, dtype, workspace.admits_fused(t, self.hidden_size, dtype)) is not None)
-        state = "ATTACHED, ALL SIZES ON NCCL" if self.routes.source == ALL_NCCL else None
-        self._log_rank0(logging.WARNING, self._line(True, self._summary(bound, max(1, int(verify_rows))), state))
+        self._log_rank0(logging.WARNING, self._line(True, self._summary(bound, max(1, int(verify_rows)))))
         return True
 
-    def _construct(self, step: str, memory: str, max_numel: int, dtype, kernel_timeout_s):
-        """One construction in `memory`, then an agreement on every rank's outcome: (workspace or None,
-        {rank: outcome} of the ranks that failed). A rank's workspace is closed again when any rank failed."""
+    def _construct(self, chosen: plan.Plan, max_numel: int, dtype, kernel_timeout_s):
+        """One construction, then an agreement on every rank's outcome: (workspace or None, {rank: outcome} of the
+        ranks that failed). A rank's workspace is closed again when any rank failed."""
         workspace, outcome = None, {"error": None}
+        step = "workspace" if chosen.memory == "device" else "workspace-host"
         try:
             from sgl_kernel_sm120 import IpcAllReduce
 
-            host = memory == "host"
-            # A rank's allocation round may include the cluster check's child process: its peers wait that long too.
             workspace = IpcAllReduce(
                 exchange.StoreExchange(self.store, f"{self._scope}/{step}", self.rank_in_group, self.world_size,
-                                       self.settings.agreement_timeout_s + CHILD_TIMEOUT_S),
-                self.device, max_numel, dtype, memory=memory, timeout_s=kernel_timeout_s,
-                islands=None if host else kernel_islands(self.islands, self.world_size),
-                link="auto" if host else (self.link or "auto"))
+                                       self.settings.agreement_timeout_s),
+                self.device, max_numel, dtype, memory=chosen.memory, timeout_s=kernel_timeout_s,
+                islands=chosen.islands, link=chosen.link)
         except Exception as exc:  # the construction raises on every rank together; agreed below
-            error = f"{type(exc).__name__}: {exc}"
-            # The kernel's own sentence when the host-memory workspace does not fit its tmpfs begins so.
-            at = error.find("host memory:") if isinstance(exc, IpcAllReduceHostMemoryError) else -1
-            outcome = {"error": error,  # pairs: a probe failure's, else None
-                       "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
-                       "tmpfs": error[at:].splitlines()[0].rstrip(")").strip() if at >= 0 else None}
+            outcome = plan.failure_of(exc)
         try:
             failed = {r: o for r, o in enumerate(self._agree(step, outcome)) if o.get("error")}
         except Exception as exc:
@@ -209,10 +200,10 @@ class TPBackend:
             workspace = None
         return workspace, failed
 
-    def _give_up(self, reason: str) -> bool:
+    def _give_up(self, reason: str, state: str | None = None) -> bool:
         self.build_error, self.workspace, self.memory = reason, None, None
         logger.info("sglang_sm120 [%s rank %d]: %s; all-reduces stay on NCCL", self.name, self.rank_in_group, reason)
-        self._log_rank0(logging.WARNING, self._line(False, reason))
+        self._log_rank0(logging.WARNING, self._line(False, reason, state))
         return False
 
     # Dispatch. A pure function of the call's shape, dtype and layout and of what was agreed at build, so every
@@ -262,9 +253,6 @@ class TPBackend:
         place = (f"transport: {MEMORY_WORDS.get(self.memory, self.memory)}"
                  + (f", because {self.memory_note}" if self.memory_note else "")
                  + f"; islands {self.islands or 'none (flat)'}, link {self.link}")
-        if self.routes.source == ALL_NCCL:
-            return (f"attached, but every all-reduce goes to NCCL (SGLang's own path): {self.routes.source_line()}; "
-                    f"{place}; gate: {gate}")
         dtype = DTYPE_NAMES[self.dtype]
         if self.routes.source == TABLE:
             schedule = f"where the table routes them, {self.routes.describe(dtype, self.max_bytes)}"
@@ -307,23 +295,13 @@ class TPBackend:
 
     def describe(self) -> dict[str, Any]:
         return {"group": self.name, "mode": self.settings.mode, "enabled": self.gate_enabled,
-                "reason": self.decision.reason if self.decision else None, "active": self.active,
+                "reason": self.build_error or (self.decision.reason if self.decision else None), "active": self.active,
                 "build_error": self.build_error, "max_bytes": self.max_bytes,
                 "max_fused_tokens": self.max_fused_tokens, "islands": self.islands, "link": self.link,
                 "memory": self.memory, "memory_note": self.memory_note,
                 "fused_clusters": dict(self.workspace.fused_clusters) if self.workspace is not None else None,
                 "routes": self.routes.as_dict(DTYPE_NAMES.get(self.dtype), self.max_bytes),
                 "stats": dict(self.stats), "device_calls": self.device_calls()}
-
-
-def _detail(failed: dict[int, dict]) -> str:
-    return "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
-
-
-def _probe_pairs(failed: dict[int, dict]) -> str:
-    pairs = list(dict.fromkeys((s, r, w) for o in failed.values() for s, r, w in o.get("pairs") or []))
-    shown = ", ".join(f"rank {s} -> rank {r} ({what})" for s, r, what in pairs[:16])
-    return (shown + (f" (+{len(pairs) - 16} more)" if len(pairs) > 16 else "")) or "some pairs"
 
 
 def _close_quietly(workspace, *, collective: bool) -> None:

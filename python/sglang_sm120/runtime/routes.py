@@ -28,7 +28,8 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
                    islands, p2p, shape: WorkspaceShape, limits: KernelLimits, hidden: int, dtype: str,
                    max_bytes: int, tune: str, launch: Mapping[str, Any], log: Callable[[int, str], None]) -> RouteBook:
     """The group's routes (module docstring): the same RouteBook on every rank, from the agreed views and this
-    rank's copy of the table they agreed on. Never raises; `log` writes rank 0's lines."""
+    rank's copy of the table they agreed on. Never raises: whatever goes wrong ends in NCCL for every size, with
+    one WARNING (rank 0's, through `log`) naming the cause."""
 
     def all_nccl(why: str) -> RouteBook:
         log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
@@ -41,9 +42,10 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
             raise RuntimeError(f"ranks {[r for r, k in enumerate(keys) if k is None]} sent no key facts")
         key = make_key(list(keys), islands=islands, p2p=p2p, memory=shape.memory.value, launch=launch)
         loaded = cache.load(key, hidden=hidden, dtype=dtype)
+        failure = cache.failure(key, hidden) if not loaded.ok else None
         local = {"launch": dict(launch), "kernels": sorted({k["kernels"] for k in keys}), "status": loaded.status,
-                 "why": loaded.describe(), "digest": loaded.table.digest() if loaded.ok else None,
-                 "blamed": cache.blames(key)}
+                 "why": loaded.describe() + (f"; {cache.describe_failure(failure)}" if failure else ""),
+                 "digest": loaded.table.digest() if loaded.ok else None, "blamed": cache.blames(key)}
     except Exception as exc:  # this rank's reason, named in the decision on every rank
         logger.warning("sglang_sm120: computing the routing-table key failed: %s: %s", type(exc).__name__, exc)
         local = {"error": f"{type(exc).__name__}: {exc}"}
@@ -51,6 +53,13 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
         views = agree("routes", local)
     except Exception as exc:
         return all_nccl(f"the ranks could not agree on their routes ({exc})")
+    try:
+        return _decide(views, loaded, shape, limits, dtype, max_bytes, tune, log, all_nccl)
+    except Exception as exc:  # a malformed view or table the checks above did not foresee: the same on every rank
+        return all_nccl(f"resolving the routes failed ({type(exc).__name__}: {exc})")
+
+
+def _decide(views, loaded, shape, limits, dtype, max_bytes, tune, log, all_nccl) -> RouteBook:
     errors = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v.get("error")]
     if errors:
         why = f"the routing-table key could not be computed ({'; '.join(errors)})"
@@ -61,11 +70,15 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
     if any(v["launch"] != views[0]["launch"] for v in views):
         shown = "; ".join(f"rank {r} {v['launch']}" for r, v in enumerate(views))
         return all_nccl(f"the ranks' workspaces launch differently ({shown})")
-    if all(v["status"] == cache.OK for v in views) and len({v["digest"] for v in views}) == 1:
+    statuses = {v["status"] for v in views}
+    if statuses == {cache.OK}:
+        if len({v["digest"] for v in views}) > 1:
+            return all_nccl("the ranks read different routing tables of this key (a table replaced while they "
+                            "read it, or another tune writing it)")
         blamed = [dict(b) for b in {repr(sorted(b.items())): b for v in views for b in v["blamed"]}.values()]
         return _book(loaded.table, loaded.path, blamed, shape, limits, dtype, max_bytes, log)
-    why = next(v["why"] for v in views if v["status"] != cache.OK) if len({v["status"] for v in views}) == 1 else \
-        f"the ranks read different routing tables ({sorted({v['status'] for v in views})})"
+    why = next(v["why"] for v in views if v["status"] != cache.OK) if len(statuses) == 1 else \
+        f"the ranks read different routing tables ({sorted(statuses)})"
     if tune == "off":
         log(logging.INFO if views[0]["status"] == cache.MISSING else logging.WARNING,
             f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")

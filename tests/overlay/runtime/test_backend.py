@@ -176,8 +176,8 @@ def enabled_backend(rank, world, store, name, memory="device", hostmem="auto"):
     backend = make_backend(rank, world, store, timeout_s=2.0, name=name, hostmem=hostmem)
     backend.decision = GateDecision(True, "test", memory=memory)
     backend.facts = group_facts([{"mode": "auto", "node": "n0", "capability": [12, 0], "uuid": f"GPU-{r}",
-                                  "p2p": {f"GPU-{i}": True for i in range(world)}, "key": fake_key_facts_of(r)}
-                                 for r in range(world)])
+                                  "p2p": {f"GPU-{i}": memory == "device" or i == r for i in range(world)},
+                                  "key": fake_key_facts_of(r)} for r in range(world)])
     return backend
 
 
@@ -633,21 +633,20 @@ def test_without_a_table_tune_off_routes_by_the_seeds_and_says_so(fake_kernel_mo
     assert routes["source"] == "seeds" and routes["why"].startswith("no routing table of this box")
 
 
-def test_without_a_table_tune_auto_attaches_with_every_size_on_nccl_and_names_the_command(fake_kernel_module,
-                                                                                          caplog):
+def test_without_a_table_tune_auto_sends_every_size_to_nccl_closes_its_workspace_and_names_the_command(
+        fake_kernel_module, caplog):
     caplog.set_level(logging.INFO, logger="sglang_sm120")
     backends = _built(2, dist.HashStore(), "tp:nccl", ByteBound(8 * 7168 * 2, "t"), tune="auto")
     line = _warnings(caplog)[-1]
-    assert "sm120 IPC all-reduce ATTACHED, ALL SIZES ON NCCL for TP group tp:nccl" in line, line
+    assert "sm120 IPC all-reduce ALL SIZES ON NCCL for TP group tp:nccl" in line, line
     assert "routes: all NCCL because no routing table of this box" in line, line
     assert "the launcher's tune gives one" in line and "python -m sglang_sm120.tune" in line, line
-    backend = backends[0]
-    assert backend.active and not backend.route_for(torch.ones(8, 7168, dtype=torch.bfloat16))
-    assert not backend.fused_tokens
-    routes = backend.describe()["routes"]
-    assert routes["source"] == "nccl" and routes["routes"] == "all sizes: NCCL"
-    for b in backends.values():
-        b.close()
+    for backend in backends.values():
+        assert not backend.active and backend.workspace is None
+        assert not backend.route_for(torch.ones(8, 7168, dtype=torch.bfloat16)) and not backend.fused_tokens
+        info = backend.describe()
+        assert not info["active"] and "no routing table of this box" in info["reason"], info
+        assert info["routes"]["source"] == "nccl" and info["routes"]["routes"] == "all sizes: NCCL"
 
 
 def test_ranks_running_different_kernel_libraries_go_to_nccl_whatever_the_setting(fake_kernel_module, caplog):
@@ -677,7 +676,7 @@ def test_a_start_up_makes_at_most_four_agreement_rounds(fake_kernel_module, monk
     def start(rank):
         backend = make_backend(rank, 2, store, name="tp:rounds", timeout_s=2.0)
         backend.resolve_gate()
-        backend.build(7168, torch.bfloat16, ByteBound(8 * 7168 * 2, "t"), tune="auto")
+        backend.build(7168, torch.bfloat16, ByteBound(8 * 7168 * 2, "t"), tune="off")
         return backend
 
     backends = run_ranks(2, start, named=True)

@@ -4,6 +4,7 @@ written to the test's own cache folder."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 
@@ -133,3 +134,84 @@ def test_a_blamed_candidate_is_never_routed_and_a_table_short_of_the_bound_says_
     assert book.route(3 * ROW, "bfloat16", False) is None  # blamed from 3 rows on
     texts = " ".join(text for _, text in logs)
     assert "without the blamed candidates" in texts and f"this server's bound is {8 * ROW} B" in texts, texts
+
+
+def test_ranks_reading_two_different_tables_of_the_key_go_to_nccl_without_a_traceback(tmp_path, monkeypatch):
+    """A table replaced between two ranks' reads (a second server's forced tune): both valid, two digests."""
+    save_table(rows=4)
+    shared = cache.cache_dir()
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    save_table(rows=3)
+    monkeypatch.setenv("SGLANG_SM120_CACHE", shared)
+    monkeypatch.setattr(cache, "cache_dir", lambda: str(tmp_path) if threading.current_thread().name == "rank1"
+                        else shared)
+    books, logs = resolve_all()
+    assert {b.source for b in books.values()} == {"nccl"}
+    warnings = [text for level, text in logs if level >= logging.WARNING]
+    assert len(warnings) == 1 and "the ranks read different routing tables of this key" in warnings[0], logs
+
+
+def _corrupt(edit):
+    path = save_table()
+    with open(path, encoding="utf-8") as handle:
+        doc = json.load(handle)
+    edit(doc)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(doc, handle)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda doc: doc.pop("rule"), None),  # an old table's default rule: still usable
+    (lambda doc: doc.update(rule={"min_gain": 0.02}), "sustain"),
+    (lambda doc: doc.update(rule={"min_gain": "much", "sustain": 2}), "bad rule"),
+    (lambda doc: doc["measurements"].reverse(), "ascending"),
+    (lambda doc: doc["measurements"].insert(1, dict(doc["measurements"][0])), "ascending"),
+    (lambda doc: doc["measurements"][0].update(times={"nccl": "fast"}), "bad measurement"),
+    (lambda doc: doc["measurements"][0].update(rows=None), "bad measurement"),
+    (lambda doc: doc.update(durations={"total": [1]}), "durations"),
+    (lambda doc: doc.update(workload={"hidden": "wide"}), "hidden"),
+    (lambda doc: doc["entries"].append({"dtype": "bfloat16", "kind": "plain", "low": 1, "high": 2, "route": "x"}),
+     "bad entry"),
+])
+def test_a_malformed_table_ends_every_rank_on_nccl_with_one_warning_naming_it(edit, says):
+    _corrupt(edit)
+    books, logs = resolve_all()
+    warnings = [text for level, text in logs if level >= logging.WARNING]
+    if says is None:
+        assert {b.source for b in books.values()} == {"table"}, logs
+        return
+    assert {b.source for b in books.values()} == {"nccl"}
+    assert len(warnings) == 1 and "corrupt" in warnings[0] and says in warnings[0], warnings
+
+
+def test_an_unreadable_cache_folder_ends_every_rank_on_nccl_with_one_warning(tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(blocked))
+    books, logs = resolve_all()
+    warnings = [text for level, text in logs if level >= logging.WARNING]
+    assert {b.source for b in books.values()} == {"nccl"}
+    assert len(warnings) == 1 and "every all-reduce of this group goes to NCCL" in warnings[0], warnings
+
+
+def test_a_failure_while_routing_by_an_agreed_table_ends_on_nccl_not_in_a_traceback(monkeypatch):
+    save_table()
+
+    def broken(*args, **kwargs):
+        raise KeyError("sustain")
+
+    monkeypatch.setattr(RoutingTable, "rederived", broken)
+    books, logs = resolve_all()
+    warnings = [text for level, text in logs if level >= logging.WARNING]
+    assert {b.source for b in books.values()} == {"nccl"}
+    assert len(warnings) == 1 and "resolving the routes failed (KeyError" in warnings[0], warnings
+
+
+def test_a_failed_tune_of_these_gpus_is_named_with_the_command_that_retries():
+    key = make_key([facts(0), facts(1)], islands=None, p2p=P2P, memory="device", launch=LAUNCH)
+    cache.record_failure(key, HIDDEN, "rank 1 died (exit code -9)", "python -m sglang_sm120.tune --tp 2 ...",
+                         planned="x")
+    books, logs = resolve_all()
+    text = logs[-1][1]
+    assert books[0].source == "nccl" and "the last tune of these GPUs failed at" in text, text
+    assert "rank 1 died (exit code -9)" in text and "retry with python -m sglang_sm120.tune --tp 2" in text, text
