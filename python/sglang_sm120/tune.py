@@ -5,7 +5,9 @@ one of our kernels' launches, each checked exact first), and write the routing t
     python -m sglang_sm120.tune --hidden 7168 --tp 8 --quick
 
 The table goes to $SGLANG_SM120_CACHE (default ~/.cache/sglang_sm120), keyed by the GPUs, driver, versions, NCCL's
-settings, TP size, islands, P2P, workspace memory and launch: rerun after changing any of them.
+settings, TP size, islands, P2P, workspace memory and launch: rerun after changing any of them. A failed tune leaves a
+note there that a launch does not retry past (--sm120-allreduce-tune force does); one tune of a set of GPUs runs at a
+time (a lock there).
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ def parse_args(argv: Sequence[str] | None):
     add("--kinds", default="plain,fused", help="comma list of plain, fused")
     add("--quick", action="store_true", help="fewer sizes and replays (what a launch runs)")
     add("--if-missing", action="store_true",
-        help="stop at once when a table of this box's key exists (what a launch runs)")
+        help="stop at once, before any GPU process starts, when a table of this box covering these sizes exists, or "
+             "a tune of it failed before (what a launch runs)")
     add("--out", help="also write the table here")
     add("--retries", type=int, default=3, help="restarts after a candidate crashed or hung a rank")
-    add("--timeout", type=float, default=900.0, help="seconds for one attempt")
-    add("--stall", type=float, default=120.0, help="seconds without progress that count as a hang")
+    add("--timeout", type=float, default=900.0, help="seconds for the whole run, every attempt included")
+    add("--stall", type=float, default=60.0, help="seconds without progress that count as a hang")
     add("--kernel-timeout", type=float, default=5.0,
         help="seconds a kernel waits for a peer before the candidate fails")
     add("--share-gpu", action="store_true",
@@ -100,9 +103,42 @@ def plan_ranks(tp: int | None, gpus: int, share: bool, chosen: list[int] | None 
     return tp, [r % gpus for r in range(tp)]
 
 
+PHASES = (("start", "start"), ("cuda", "torch and CUDA"), ("clusters", "cluster check"), ("group", "process group"),
+          ("workspace", "workspace and probe"))
+
+
+def phase_durations(outcomes) -> dict[str, float]:
+    """Seconds of each start-up phase of the slowest rank (spawn to its first line, to its CUDA context, ...)."""
+    out, previous = {}, 0.0
+    for event, name in PHASES:
+        ends = [o.phases[event] for o in outcomes if event in o.phases]
+        if len(ends) == len(outcomes) and ends:
+            out[name] = round(max(ends) - previous, 3)
+            previous = max(ends)
+    return out
+
+
+def existing_table(path: str, planned_digest: str, spec: TuneSpec) -> str | None:
+    """Why the table at `path` serves this launch (a table of this box, tuned under what the tool sees now, that
+    measured every dtype, kind and captured size asked for), or None."""
+    found = cache.load_file(path)
+    if not found.ok or found.table.planned != planned_digest:
+        return None
+    measured = set(found.table.workload.get("rows") or [])
+    if any(found.table.coverage_gap(dtype, spec.hidden, spec.kinds) for dtype in spec.dtypes) or \
+            not set(spec.graph_rows) <= measured or max(measured, default=0) < spec.max_rows:
+        return None
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    start = time.monotonic()
     args = parse_args(argv)
+    deadline = start + args.timeout
     import torch
+
+    from .core import config
+    from .core.plan import PlanRefused
 
     world, devices = plan_ranks(args.tp, torch.cuda.device_count() if torch.cuda.is_available() else 0,
                                 args.share_gpu, args.gpu_list)
@@ -110,8 +146,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_rows = args.max_rows or max([args.max_batch * args.draft_tokens] + args.graph_rows)
     spec = TuneSpec.make(hidden, max_rows, quick=args.quick, dtypes=args.dtypes, kinds=args.kinds_list,
                          kernel_timeout_s=args.kernel_timeout, debug_nccl_us=args.debug_nccl_us,
-                         graph_rows=[r for r in args.graph_rows if r <= max_rows], if_missing=args.if_missing)
-    print(f"tuning TP={world} on cuda:{devices}, hidden {hidden}, rows {spec.rows}, {', '.join(spec.dtypes)}, "
+                         graph_rows=[r for r in args.graph_rows if r <= max_rows])
+    if problem := cache.writable():
+        raise SystemExit(f"error: {problem}")
+    try:
+        planned_digest, box = processes.planned(devices, config.settings_from_environment().hostmem)
+    except PlanRefused as exc:
+        print(f"nothing of ours to tune: {exc}", file=sys.stderr)
+        return 1
+    path = cache.table_path(box, hidden)
+    retry = f"python -m sglang_sm120.tune --tp {world} --hidden {hidden} (or --sm120-allreduce-tune force)"
+    if args.if_missing and (found := existing_table(path, planned_digest, spec)):
+        print(f"a routing table of this box exists: {found} (nothing measured)")
+        return 0
+    if args.if_missing and (note := cache.failure(box, hidden, planned=planned_digest)):
+        print(f"not tuning again: {cache.describe_failure(note)}")
+        return 0
+    with cache.tune_lock(box, wait_s=deadline - time.monotonic()) as held:
+        if not held:
+            print(f"another tune of these GPUs held {path}'s lock for the whole {args.timeout:.0f} s; going on "
+                  "without measuring", file=sys.stderr)
+            return 1
+        if args.if_missing and (found := existing_table(path, planned_digest, spec)):  # the other tune's
+            print(f"a routing table of this box exists: {found} (written by another launch's tune)")
+            return 0
+        return _tune(args, world, devices, spec, planned_digest, box, path, retry, start, deadline)
+
+
+def _tune(args, world, devices, spec, planned_digest, box, path, retry, start, deadline) -> int:
+    print(f"tuning TP={world} on cuda:{devices}, hidden {spec.hidden}, rows {spec.rows}, {', '.join(spec.dtypes)}, "
           f"{', '.join(spec.kinds)}{' (quick)' if spec.quick else ''}", flush=True)
     last = {}
 
@@ -121,42 +184,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = (event["dtype"], event["kind"], event["rows"])
         if args.verbose or last.get("where") != where:
             print(f"  {event['dtype']} {event['kind']} rows {event['rows']}"
-                  + (f": {event['candidate']}" if args.verbose else ""), flush=True)
+                  + (f": {event['pass']} {event['candidate']}" if args.verbose else ""), flush=True)
         last["where"] = where
 
-    start = time.monotonic()
+    def on_attempt(attempt: processes.Attempt) -> None:
+        """A candidate that killed or hung a rank is blamed under the key the ranks measured, as the attempt ends:
+        no later tune runs it, no server routes to it."""
+        key = next((o.key for o in attempt.outcomes if o.key), None)
+        if attempt.culprit and attempt.culprit.get("candidate") != NCCL and key:
+            where = cache.record_blames(key, [attempt.culprit], time.strftime("%Y-%m-%d %H:%M:%S"))
+            print(f"attempt failed: {attempt.error}; {attempt.culprit['candidate']} is blamed from "
+                  f"{attempt.culprit['from_bytes']} B on and never tuned or routed again on this box ({where})",
+                  flush=True)
+        elif attempt.retry:
+            print(f"attempt failed: {attempt.error}; starting again", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="sm120-tune-nccl-") as logs:
         # Which transport NCCL chose between each pair, from its own INFO lines, goes into the table's notes.
         env = {**processes.child_env(), **(nccl.log_env(logs, os.environ) if spec.debug_nccl_us is None else {})}
         attempt = processes.tune_with_retries(
-            world, devices, spec, retries=args.retries, timeout_s=args.timeout, stall_s=args.stall, on_event=on_event,
-            env=env, on_retry=lambda attempt: print(f"attempt failed: {attempt.error}; excluding "
-                                                    f"{attempt.culprit['candidate']} from "
-                                                    f"{attempt.culprit['from_bytes']} B and starting again",
-                                                    flush=True))
+            world, devices, spec, retries=args.retries, deadline=deadline, stall_s=min(args.stall, args.timeout),
+            on_event=on_event, on_attempt=on_attempt, env=env)
         seen = nccl.parse_log("".join(pathlib.Path(f).read_text(errors="replace")
                                       for f in glob.glob(os.path.join(logs, "nccl.*.log"))))
-    # Blamed candidates are kept under the key the ranks measured: no later tune runs them, no server routes to them.
-    culprits = [c for c in spec.exclude + [attempt.culprit] if c and c.get("candidate") != NCCL]
-    key = (attempt.table or {}).get("key") or next((o.key for o in attempt.outcomes if o.key), None)
-    if culprits and key:
-        path = cache.record_blames(key, culprits, time.strftime("%Y-%m-%d %H:%M:%S"))
-        print(f"blamed for a crash or hang, never tuned or routed again on this box: "
-              f"{', '.join(sorted({c['candidate'] for c in culprits}))} ({path})", flush=True)
-    if attempt.found is not None:
-        print(f"a routing table of this box exists: {attempt.found} (nothing measured)")
-        return 0
     if attempt.table is None:
-        print(f"tune failed: {attempt.error}", file=sys.stderr)
+        note = cache.record_failure(box, spec.hidden, attempt.error or "unknown", retry, planned=planned_digest)
+        print(f"tune failed: {attempt.error}\nnot repeated at launch ({note}); retry: {retry}", file=sys.stderr)
         for outcome in attempt.outcomes:
             if not outcome.ok and outcome.tail:
                 print(f"--- rank {outcome.rank}, last lines:\n" + "\n".join(outcome.tail[-15:]), file=sys.stderr)
         return 1
     table = RoutingTable.from_dict(attempt.table)
+    table.planned = planned_digest
+    table.durations.update(phase_durations(attempt.outcomes))
     table.durations["total"] = round(time.monotonic() - start, 3)
     if line := nccl.transports_line(seen["pairs"], seen["nccl_version"]):
         table.notes.append(line)
     path = cache.save(table)
+    cache.clear_failure(box, spec.hidden)
     if args.out:
         cache.save(table, path=args.out)
     print(render.table_markdown(table, path=path))

@@ -4,6 +4,9 @@ does with the group's outcome (the children are replaced by a canned outcome).""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 
 import pytest
 
@@ -74,22 +77,34 @@ def test_too_few_gpus_are_named(tp, gpus, message):
         tune.plan_ranks(tp, gpus, False)
 
 
-def _canned(monkeypatch, attempt):
-    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share, chosen: (2, [0, 1]))
-    seen = {}
+ONE_SIZE_PLAIN = ["--max-batch", "2", "--draft-tokens", "1", "--kinds", "plain", "--dtype", "bf16"]
+BOX = {"world_size": 2, "gpus": [{"uuid": "GPU-0"}, {"uuid": "GPU-1"}]}
 
-    def tune_with_retries(world, devices, spec, **kw):
-        seen.update(world=world, devices=devices, spec=spec)
+
+def _canned(monkeypatch, attempt, planned="seen-1"):
+    """The tool with its GPU steps replaced: two ranks on cuda:0,1, what it sees digested as `planned`, and the
+    children's canned outcome (every attempt reported as it ends)."""
+    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share, chosen: (2, [0, 1]))
+    monkeypatch.setattr(launch, "planned", lambda devices, hostmem: (planned, BOX))
+    seen = {"runs": 0}
+
+    def tune_with_retries(world, devices, spec, *, on_attempt, **kw):
+        seen.update(world=world, devices=devices, spec=spec, kw=kw, runs=seen["runs"] + 1)
+        on_attempt(attempt)
         return attempt
 
     monkeypatch.setattr(launch, "tune_with_retries", tune_with_retries)
     return seen
 
 
+def _good(table):
+    return launch.Attempt(table.to_dict(), table.digest(), None, None, [])
+
+
 def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _table([10, 10], [5, 5])
-    seen = _canned(monkeypatch, launch.Attempt(table.to_dict(), table.digest(), None, None, []))
+    seen = _canned(monkeypatch, _good(table))
     out_file = tmp_path / "copy.json"
     assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--quick", "--out",
                       str(out_file)]) == 0
@@ -97,8 +112,17 @@ def test_a_successful_tune_is_saved_where_servers_look_and_printed(monkeypatch, 
     path = cache.table_path(table.key, 7168)
     saved = cache.load_file(path)
     assert saved.ok and saved.table.durations["total"] >= 0 and out_file.exists()
+    assert saved.table.planned == "seen-1"
     out = capsys.readouterr().out
     assert f"written to {path}" in out and "ONESHOT/push/device" in out
+
+
+def test_the_whole_run_has_one_deadline_and_a_stall_bound_within_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    seen = _canned(monkeypatch, _good(_table([10, 10], [5, 5])))
+    before = time.monotonic()
+    assert tune.main(["--hidden", "7168", "--timeout", "30", "--stall", "120"]) == 0
+    assert before < seen["kw"]["deadline"] <= time.monotonic() + 30 and seen["kw"]["stall_s"] == 30
 
 
 def test_the_transports_nccl_logged_in_the_tune_go_into_the_table(monkeypatch, tmp_path):
@@ -109,6 +133,7 @@ def test_the_transports_nccl_logged_in_the_tune_go_into_the_table(monkeypatch, t
     monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
     table = _table([10, 10], [5, 5])
     seen_env = {}
+    _canned(monkeypatch, _good(table))
 
     def tune_with_retries(world, devices, spec, *, env, **kw):
         seen_env.update(env)
@@ -116,9 +141,8 @@ def test_the_transports_nccl_logged_in_the_tune_go_into_the_table(monkeypatch, t
             log.write("box:1:1 [0] NCCL INFO NCCL version 2.28.9+cuda13.0\n"
                       "box:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via SHM/direct/direct\n"
                       "box:1:1 [0] NCCL INFO Channel 00/0 : 1[1] -> 0[0] via SHM/direct/direct\n")
-        return launch.Attempt(table.to_dict(), table.digest(), None, None, [])
+        return _good(table)
 
-    monkeypatch.setattr(tune, "plan_ranks", lambda tp, gpus, share, chosen: (2, [0, 1]))
     monkeypatch.setattr(launch, "tune_with_retries", tune_with_retries)
     assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--quick"]) == 0
     assert seen_env["NCCL_DEBUG"] == "INFO" and "P2P" in seen_env["NCCL_DEBUG_SUBSYS"]
@@ -126,17 +150,102 @@ def test_the_transports_nccl_logged_in_the_tune_go_into_the_table(monkeypatch, t
     assert "NCCL 2.28.9+cuda13.0 connected SHM for 0->1 1->0" in saved.notes, saved.notes
 
 
-def test_a_failed_tune_says_why_and_writes_nothing(monkeypatch, tmp_path, capsys):
+def test_a_failed_tune_says_why_writes_no_table_and_leaves_a_note_a_launch_does_not_retry_past(
+        monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     outcome = launch.ChildOutcome(1, returncode=-9, tail=["CUDA error: an illegal memory access"])
-    _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", None, [outcome]))
-    assert tune.main(["--hidden", "7168"]) == 1
+    seen = _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", None, [outcome]))
+    assert tune.main(["--hidden", "7168", "--if-missing"]) == 1
     err = capsys.readouterr().err
     assert "tune failed: rank 1 died (exit code -9)" in err and "illegal memory access" in err
-    assert list(tmp_path.iterdir()) == []
+    assert not os.path.exists(cache.table_path(BOX, 7168))
+    note = cache.failure(BOX, 7168, planned="seen-1")
+    assert note and note["reason"] == "rank 1 died (exit code -9)" and "--sm120-allreduce-tune force" in \
+        note["command"]
+    # the next launch does not tune again (no GPU process) and says why and how to retry
+    assert tune.main(["--hidden", "7168", "--if-missing"]) == 0 and seen["runs"] == 1
+    out = capsys.readouterr().out
+    assert "not tuning again: the last tune of these GPUs failed at" in out and "retry with" in out
+    # anything seen changed (another digest): a launch tunes again
+    seen = _canned(monkeypatch, _good(_table([10, 10], [5, 5])), planned="seen-2")
+    assert tune.main(["--hidden", "7168", "--if-missing"]) == 0 and seen["runs"] == 1
+    assert cache.failure(BOX, 7168) is None  # a success clears it
 
 
-def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_for_the_next_tunes(monkeypatch, tmp_path, capsys):
+def test_force_tunes_past_a_failure_note(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    cache.record_failure(BOX, 7168, "rank 0 died", "python -m sglang_sm120.tune ...", planned="seen-1")
+    seen = _canned(monkeypatch, _good(_table([10, 10], [5, 5])))
+    assert tune.main(["--hidden", "7168"]) == 0 and seen["runs"] == 1
+    assert cache.failure(BOX, 7168) is None
+
+
+def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    table = _table([10, 10], [5, 5])
+    table.key.update(BOX)
+    table.workload["rows"] = [1, 2]
+    table.planned = "seen-1"
+    cache.save(table)
+    seen = _canned(monkeypatch, _good(table))
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0
+    assert seen["runs"] == 0
+    assert f"a routing table of this box exists: {cache.table_path(BOX, 7168)}" in capsys.readouterr().out
+    # a captured size it did not measure, or a change of what the tool sees: measured again
+    assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--cuda-graph-bs", "3",
+                      "--kinds", "plain", "--dtype", "bf16", "--if-missing"]) == 0 and seen["runs"] == 1
+    seen = _canned(monkeypatch, _good(table), planned="seen-2")
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0
+    assert seen["runs"] == 1
+
+
+def test_a_second_launch_waits_for_the_first_ones_tune_and_uses_its_table(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    table = _table([10, 10], [5, 5])
+    table.key.update(BOX)
+    table.workload["rows"] = [1, 2]
+    table.planned = "seen-1"
+    seen = _canned(monkeypatch, _good(table))
+    with cache.tune_lock(BOX, wait_s=0) as held:
+        assert held
+        writer = threading.Timer(0.5, lambda: cache.save(table))  # the first launch's tune ends meanwhile
+        writer.start()
+        result = {}
+
+        def second():
+            result["code"] = tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--kinds",
+                                        "plain", "--dtype", "bf16", "--if-missing", "--timeout", "20"])
+
+        launch_thread = threading.Thread(target=second)
+        launch_thread.start()
+        time.sleep(1.0)
+        assert launch_thread.is_alive()  # waiting for the lock
+    launch_thread.join(timeout=10)
+    assert result["code"] == 0 and seen["runs"] == 0
+    assert "written by another launch's tune" in capsys.readouterr().out
+
+
+def test_a_second_launch_goes_on_without_a_table_when_the_first_holds_the_lock_past_its_budget(monkeypatch, tmp_path,
+                                                                                                capsys):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    seen = _canned(monkeypatch, _good(_table([10, 10], [5, 5])))
+    with cache.tune_lock(BOX, wait_s=0) as held:
+        assert held
+        assert tune.main(["--hidden", "7168", "--if-missing", "--timeout", "1"]) == 1
+    assert seen["runs"] == 0 and "held" in capsys.readouterr().err
+
+
+def test_an_unwritable_cache_folder_ends_the_tool_before_any_gpu_work(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(blocked / "cache"))
+    seen = _canned(monkeypatch, _good(_table([10, 10], [5, 5])))
+    with pytest.raises(SystemExit, match="is not writable"):
+        tune.main(["--hidden", "7168"])
+    assert seen["runs"] == 0
+
+
+def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_as_its_attempt_ends(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _table([10, 10], [5, 5])
     culprit = {"dtype": "bfloat16", "kind": "fused", "candidate": "sm120/ONESHOT/pull/device", "from_bytes": 14336,
@@ -145,16 +254,7 @@ def test_a_candidate_that_killed_a_rank_is_blamed_in_the_cache_for_the_next_tune
     _canned(monkeypatch, launch.Attempt(None, None, "rank 1 died (exit code -9)", culprit, [outcome]))
     assert tune.main(["--hidden", "7168"]) == 1
     assert [b["candidate"] for b in cache.blames(table.key)] == ["sm120/ONESHOT/pull/device"]
-    assert "blamed for a crash or hang, never tuned or routed again on this box: sm120/ONESHOT/pull/device" in \
-        capsys.readouterr().out
-    # a later successful tune that excluded one more keeps both
-    seen = _canned(monkeypatch, launch.Attempt(table.to_dict(), table.digest(), None, None, []))
-    monkeypatch.setattr(launch, "tune_with_retries", lambda world, devices, spec, **kw: (
-        spec.exclude.append(dict(culprit, candidate="sm120/TWOSHOT/push/device")), seen.update(spec=spec),
-        launch.Attempt(table.to_dict(), table.digest(), None, None, []))[-1])
-    assert tune.main(["--hidden", "7168"]) == 0
-    assert sorted(b["candidate"] for b in cache.blames(table.key)) == [
-        "sm120/ONESHOT/pull/device", "sm120/TWOSHOT/push/device"]
+    assert "is blamed from 14336 B on and never tuned or routed again on this box" in capsys.readouterr().out
 
 
 def test_the_chosen_gpus_are_the_ranks_devices():
@@ -164,13 +264,11 @@ def test_the_chosen_gpus_are_the_ranks_devices():
         tune.plan_ranks(2, 2, False, [0, 2])
 
 
-def test_a_tune_that_finds_a_table_of_this_box_measures_nothing_and_says_where(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
-    seen = _canned(monkeypatch, launch.Attempt(None, None, None, None, [], found="/x/routes_tp2_h7168_ab.json"))
-    assert tune.main(["--hidden", "7168", "--if-missing", "--quick"]) == 0
-    assert seen["spec"].if_missing
-    assert "a routing table of this box exists: /x/routes_tp2_h7168_ab.json" in capsys.readouterr().out
-    assert list(tmp_path.iterdir()) == []
+def test_the_start_up_phases_of_the_slowest_rank_become_durations():
+    fast = launch.ChildOutcome(0, phases={"start": 0.2, "cuda": 1.0, "clusters": 1.1, "group": 1.5, "workspace": 2.0})
+    slow = launch.ChildOutcome(1, phases={"start": 0.3, "cuda": 1.4, "clusters": 1.5, "group": 1.6, "workspace": 2.5})
+    assert tune.phase_durations([fast, slow]) == {"start": 0.3, "torch and CUDA": 1.1, "cluster check": 0.1,
+                                                  "process group": 0.1, "workspace and probe": 0.9}
 
 
 def test_the_one_process_measurer_refuses_without_an_injected_nccl_time():

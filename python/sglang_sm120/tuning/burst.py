@@ -1,12 +1,13 @@
 """One candidate at one size on this process's ranks as lanes (one in a rank's process, all W in a one-process
-group). The graph holds `calls` calls per lane, call k on slot k, so several calls are in flight on distinct buffers
-as in a server's graph; every call is fed inputs of its own (tuning/verify.py):
-1. `verify_calls` eager calls, each checked with the device synchronized in between;
-2. `burst_replays` replays back to back with no host synchronization, each after new inputs and NaN outputs, then
-   all checked: a candidate that returns the previous call's result, reads the previous call's input or reuses a
-   buffer its peer (or its own previous call) still reads fails here;
-3. the timed replays of the same graph (the checked graph is the timed one), then a check of their outputs.
-The fingerprints of every output checked make this process's digest, which the Tuner compares across ranks.
+group), checked and timed in one pass. The graph holds `calls` calls per lane, call k on slot k, so several calls
+are in flight on distinct buffers as in a server's graph:
+1. `burst` replays with no host synchronization, each after new inputs and NaN outputs, each timed and checked on
+   the device: a candidate that returns the previous call's result, reads the previous call's input or reuses a
+   buffer its peer (or its own previous call) still reads fails here; the burst's times rank the candidates;
+2. for a candidate being profiled, `warmup` and `replays` more replays back to back, timed (the checked graph is the
+   timed one), then their outputs checked.
+Every check stays on the device until the one synchronization at the end; the fingerprints of every output checked
+make this process's digest, which the Tuner compares across ranks.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import torch
 
 from sgl_kernel_sm120.policy import Route, resolve
 
-from ..routing.table import route_id
-from . import timing, verify
-from .verify import CallBank, salt
+from . import verify
+from .verify import SizeBank
 
 
 class CudaBackend:
-    """The device work of a CandidateRun on one CUDA device, one stream per lane (the CPU tests fake it)."""
+    """The device work of a Trial on one CUDA device, one stream per lane (the CPU tests fake it)."""
 
     def __init__(self, device, lanes: int):
         self.device = torch.device(device)
@@ -33,9 +33,6 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-
-    def lane(self, index: int):
-        return torch.cuda.stream(self.streams[index])
 
     def capture(self, lanes: Sequence[Sequence[Callable[[], Any]]]):
         """One graph, one branch per lane (each on its stream, forked from and joined into the capture stream):
@@ -45,43 +42,68 @@ class CudaBackend:
         with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
             for stream in self.streams:
                 stream.wait_stream(main)
-            for index, calls in enumerate(lanes):
-                with self.lane(index):
+            for stream, calls in zip(self.streams, lanes, strict=True):
+                with torch.cuda.stream(stream):
                     for call in calls:
                         call()
             for stream in self.streams:
                 main.wait_stream(stream)
-        self.synchronize()
         return graph
 
-    def replay_times(self, graph, iters: int, warmup: int) -> list[float]:
-        return timing.replay_times(graph, iters, warmup=warmup)
+    def timer(self):
+        """A pair of events around work on the current stream: (start(), stop(), read() -> us once synchronized)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return start.record, end.record, lambda: start.elapsed_time(end) * 1000.0
 
 
-class CandidateRun:
-    """Slots, graph and checks of `route` at one size, rank r's calls on workspaces[r]. `check_timeouts()` raises
-    when a kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+class Slots:
+    """One size's call buffers, shared by its candidates (each feeds them before it replays): per lane the inputs
+    [calls, rows, hidden] and outputs [calls, outputs, rows, hidden], and the fused residual."""
 
-    def __init__(self, bank: CallBank, route: Route, workspaces: Mapping[int, Any], calls: int, backend,
+    def __init__(self, bank: SizeBank, calls: int):
+        self.bank, self.calls = bank, int(calls)
+        like = bank.expected[0, 0]
+        self.x = {lane: torch.empty((self.calls, *like.shape), dtype=like.dtype, device=like.device)
+                  for lane in bank.lanes}
+        self.out = {lane: torch.empty((self.calls, bank.outputs, *like.shape), dtype=like.dtype, device=like.device)
+                    for lane in bank.lanes}
+        self.residual = torch.empty_like(self.x[bank.lanes[0]]) if bank.kind == "fused" else None
+        # case index of slot k at offset o: ring[o + k] (a view, nothing copied from the host per replay)
+        self.ring = torch.arange(2 * bank.cases, device=like.device) % bank.cases
+
+    def cases(self, offset: int):
+        start = offset % self.bank.cases
+        return self.ring[start:start + self.calls]
+
+    def feed(self, offset: int) -> None:
+        index = self.cases(offset)
+        for lane in self.bank.lanes:
+            torch.index_select(self.bank.x[lane], 0, index, out=self.x[lane])
+            self.out[lane].fill_(float("nan"))
+        if self.residual is not None:
+            torch.index_select(self.bank.residual, 0, index, out=self.residual)
+
+
+class Trial:
+    """Graph and checks of `route` at one size, lane r's calls on workspaces[r]. `check_timeouts()` raises when a
+    kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+
+    def __init__(self, slots: Slots, route: Route, route_id: str, workspaces: Mapping[int, Any], backend,
                  check_timeouts: Callable[[], None]):
-        self.bank, self.ranks, self.calls = bank, list(workspaces), max(1, int(calls))
-        self.backend, self.check_timeouts = backend, check_timeouts
-        self.next_salt = salt(route_id(route))
-        like = next(iter(bank.base.values()))
-        self.x = {r: [torch.empty_like(like) for _ in range(self.calls)] for r in self.ranks}
-        self.residual = [torch.empty_like(like) for _ in range(self.calls)] if bank.kind == "fused" else None
-        self.outs = {r: [tuple(torch.empty_like(like) for _ in bank.output_names) for _ in range(self.calls)]
-                     for r in self.ranks}
-        self.call = {r: [self._checked_call(workspaces[r], route, self.x[r][k],
-                                            self.residual[k] if self.residual else None, self.outs[r][k])
-                         for k in range(self.calls)] for r in self.ranks}
-        self.graph = None
-        self.fed: list[int] = [0] * self.calls  # the salt whose inputs each slot holds
-        self.prints: list[str] = []
+        self.slots, self.bank, self.backend, self.check_timeouts = slots, slots.bank, backend, check_timeouts
+        self.offset = verify.salt(route_id)
+        lanes = [[self._call(workspaces[lane], route, lane, k) for k in range(slots.calls)] for lane in self.bank.lanes]
+        self.graph = backend.capture(lanes)
+        device = slots.ring.device
+        self.wrong = torch.zeros((), dtype=torch.int64, device=device)
+        self.wrong_at: list[tuple[str, Any]] = []  # (where, per-slot counts), read after the one synchronization
+        self.prints = {lane: [] for lane in self.bank.lanes}
 
-    def _checked_call(self, ws, route: Route, x, residual, outs: tuple) -> Callable[[], Any]:
+    def _call(self, ws, route: Route, lane: int, k: int) -> Callable[[], Any]:
         """One call, its arguments checked once, here; it launches the route resolved as a server resolves it."""
-        bank, fused = self.bank, self.bank.kind == "fused"
+        slots, bank, fused = self.slots, self.bank, self.bank.kind == "fused"
+        x, outs = slots.x[lane][k], tuple(slots.out[lane][k])
+        residual = slots.residual[k] if fused else None
         why = ws.refusal(x, route, fused=fused, residual=residual, weight=bank.weight, outs=outs)
         if why:
             raise ValueError(f"{route.id} cannot run here: {why}")
@@ -90,63 +112,57 @@ class CandidateRun:
             return lambda: ws.launch(resolved, x, outs[0])
         return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
 
-    def _feed(self, k: int) -> None:
-        value, self.next_salt = self.next_salt, self.next_salt + 1
-        given = self.bank.inputs(value)
-        for r in self.ranks:
-            self.x[r][k].copy_(given["x"][r])
-            for out in self.outs[r][k]:
-                out.fill_(float("nan"))
-        if self.residual is not None:
-            self.residual[k].copy_(given["residual"])
-        self.fed[k] = value
+    def _check(self, where: str, offset: int) -> None:
+        """Stream-ordered: every lane's outputs against the cases fed at `offset`, counted and fingerprinted."""
+        expected = self.bank.expected.index_select(0, self.slots.cases(offset))
+        for lane in self.bank.lanes:
+            per_slot = verify.wrong_elements(self.slots.out[lane], expected)
+            self.wrong_at.append((f"{where}, rank {lane}", per_slot))
+            self.wrong += per_slot.sum()
+            self.prints[lane].append(verify.fingerprint(self.slots.out[lane]))
 
-    def _outputs(self, k: int, copy: bool = False) -> dict[int, tuple]:
-        return {r: tuple(o.clone() if copy else o for o in self.outs[r][k]) for r in self.ranks}
-
-    def _check(self, where: str, value: int, outputs: dict[int, tuple]) -> None:
-        expected = self.bank.expected(value)
-        for r in self.ranks:
-            for name, got, want in zip(self.bank.output_names, outputs[r], expected, strict=True):
-                if not verify.same_values(got, want):
-                    raise AssertionError(verify.mismatch(f"{where} rank {r} {name}", got, want) or
-                                         f"{where} rank {r} {name}: differs")
-        mine = [verify.fingerprint(outputs[r]) for r in self.ranks]
-        if any(m != mine[0] for m in mine):  # this process's lanes; the Tuner compares the processes' digests
-            raise AssertionError(f"{where}: the ranks' outputs differ in some bit")
-        self.prints += mine
-
-    def _settle(self) -> None:
+    def run(self, burst: int, warmup: int = 0, replays: int = 0) -> tuple[str, list[float]]:
+        """(this process's digest, us per call of each timed replay): the burst's replays when `replays` is 0,
+        else the profile's. Raises AssertionError naming the first wrong output."""
+        timers, offset = [], self.offset
+        for b in range(max(1, int(burst))):
+            offset = self.offset + b * self.slots.calls
+            self.slots.feed(offset)
+            start, stop, read = self.backend.timer()
+            start()
+            self.graph.replay()
+            stop()
+            timers.append(read)
+            self._check(f"graph replay {b + 1}", offset)
+        if replays:
+            for _ in range(int(warmup)):
+                self.graph.replay()
+            timers = []
+            for _ in range(int(replays)):
+                start, stop, read = self.backend.timer()
+                start()
+                self.graph.replay()
+                stop()
+                timers.append(read)
+            self._check(f"after {warmup + replays} more replays", offset)
         self.backend.synchronize()
         self.check_timeouts()
+        lanes = self.bank.lanes
+        read = torch.stack([self.wrong, *(p for lane in lanes for p in self.prints[lane])]).tolist()  # one copy
+        if read[0]:
+            self._raise_first_wrong()
+        per_lane = len(self.prints[lanes[0]])
+        prints = {lane: read[1 + i * per_lane:1 + (i + 1) * per_lane] for i, lane in enumerate(lanes)}
+        if any(p != prints[self.bank.lanes[0]] for p in prints.values()):  # lanes of this process; ranks: the Tuner
+            raise AssertionError("the ranks' outputs differ in some bit")
+        digest = hashlib.sha256(repr(prints[self.bank.lanes[0]]).encode()).hexdigest()
+        return digest, [read() / self.slots.calls for read in timers]
 
-    def verify(self, eager_calls: int, replays: int) -> str:
-        """The digest of every output checked, in order: equal across ranks when their bits are."""
-        for j in range(max(1, int(eager_calls))):
-            k = j % self.calls
-            self._feed(k)
-            self.backend.synchronize()
-            for index, r in enumerate(self.ranks):  # call-major: one-process groups need it (local_group)
-                with self.backend.lane(index):
-                    self.call[r][k]()
-            self._settle()
-            self._check(f"eager call {j + 1}", self.fed[k], self._outputs(k))
-        self.graph = self.backend.capture([self.call[r] for r in self.ranks])
-        records = []
-        for b in range(max(1, int(replays))):
-            for k in range(self.calls):
-                self._feed(k)
-            self.graph.replay()
-            records += [(f"graph replay {b + 1} call {k + 1}", self.fed[k], self._outputs(k, copy=True))
-                        for k in range(self.calls)]
-        self._settle()
-        for where, value, outputs in records:
-            self._check(where, value, outputs)
-        return hashlib.sha256(",".join(self.prints).encode()).hexdigest()
-
-    def time(self, iters: int, warmup: int) -> list[float]:
-        per_replay = self.backend.replay_times(self.graph, int(iters), int(warmup))
-        self._settle()
-        for k in range(self.calls):
-            self._check(f"after the timed replays, call {k + 1}", self.fed[k], self._outputs(k))
-        return [t / self.calls for t in per_replay]
+    def _raise_first_wrong(self) -> None:
+        for where, per_slot in self.wrong_at:
+            counts = [int(c) for c in per_slot]
+            size = self.bank.outputs * self.bank.rows * self.bank.hidden
+            for k, count in enumerate(counts):
+                if count:
+                    raise AssertionError(f"{where} call {k + 1}: {count} of {size} output elements wrong")
+        raise AssertionError("wrong outputs")

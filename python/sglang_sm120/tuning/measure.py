@@ -18,8 +18,8 @@ from sgl_kernel_sm120.policy import KernelLimits, Route, WorkspaceShape
 
 from ..routing.table import route_id
 from . import timing
-from .burst import CandidateRun, CudaBackend
-from .verify import CallBank
+from .burst import CudaBackend, Slots, Trial
+from .verify import SizeBank, case_count
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -47,58 +47,47 @@ def find_fused_add_rmsnorm() -> tuple[str, Callable]:
 
 
 class BurstMeasurer:
-    """Our candidates on this process's ranks (`lanes`): one size's CallBank at a time, and the checked CandidateRun
-    that `time()` replays, so the checked graph is the timed one."""
+    """Our candidates on this process's ranks (`lanes`): one size's cases and call buffers at a time (shared by the
+    size's candidates), and a Trial per candidate (tuning/burst.py)."""
 
     def __init__(self, spec, world: int, lanes: Sequence[int], device, backend):
         self.spec, self.world, self.lanes, self.device, self.backend = spec, int(world), list(lanes), device, backend
-        self._bank: tuple[tuple, CallBank] | None = None  # (kind, dtype, rows), its bank
-        self._run: tuple[tuple, CandidateRun] | None = None  # (route, kind, dtype, rows), its checked run
+        self._slots: tuple[tuple, Slots] | None = None  # (kind, dtype, rows), its slots
 
-    def _bank_for(self, kind: str, dtype: str, rows: int) -> CallBank:
-        if self._bank is None or self._bank[0] != (kind, dtype, rows):
-            self._bank = None  # one size at a time (the Tuner measures a size's candidates together)
-            self._bank = ((kind, dtype, rows), CallBank(kind, dtype, rows, int(self.spec.hidden), self.world,
-                                                        self.lanes, self.device))
-        return self._bank[1]
+    def _slots_for(self, kind: str, dtype: str, rows: int) -> Slots:
+        if self._slots is None or self._slots[0] != (kind, dtype, rows):
+            self._slots = None  # one size at a time (the Tuner measures a size's candidates together)
+            calls = int(self.spec.calls)
+            bank = SizeBank(kind, dtype, rows, int(self.spec.hidden), self.world, self.lanes, self.device,
+                            case_count(calls))
+            self._slots = ((kind, dtype, rows), Slots(bank, calls))
+        return self._slots[1]
 
-    def _verify_run(self, route: Route, kind: str, dtype: str, rows: int, workspaces: Mapping[int, Any],
-                    check_timeouts: Callable[[], None]) -> str:
-        self._run = None  # the last candidate's graph goes first
-        run = CandidateRun(self._bank_for(kind, dtype, rows), route, workspaces, int(self.spec.calls), self.backend,
-                           check_timeouts)
-        digest = run.verify(int(self.spec.verify_calls), int(self.spec.burst_replays))
-        self._run = ((route, kind, dtype, rows), run)  # only a checked run is ever timed
-        return digest
-
-    def _time_run(self, route: Route, kind: str, dtype: str, rows: int) -> list[float]:
-        if self._run is None or self._run[0] != (route, kind, dtype, rows):
-            raise RuntimeError(f"time({route_id(route)}) without its verify(): the checked graph is the timed one")
-        try:
-            return self._run[1].time(int(self.spec.iters), int(self.spec.warmup))
-        finally:
-            self._run = None
+    def _run(self, route: Route, kind: str, dtype: str, rows: int, profile: bool, workspaces: Mapping[int, Any],
+             check_timeouts: Callable[[], None]) -> tuple[str, list[float]]:
+        trial = Trial(self._slots_for(kind, dtype, rows), route, route_id(route), workspaces, self.backend,
+                      check_timeouts)
+        spec = self.spec
+        if profile:
+            return trial.run(int(spec.burst), int(spec.warmup), int(spec.iters))
+        return trial.run(int(spec.burst))
 
 
 class CudaMeasurer(BurstMeasurer):
-    def __init__(self, *, rank: int, world: int, device, cpu_group, nccl_group, spec, islands=None,
-                 link: str | None = None, memory: str = "device"):
+    """One rank's measurer in its own process: `build()` makes the group's workspace (collective, the plan the
+    server follows: core/plan.py), again after a failure; NCCL over `nccl_group`."""
+
+    def __init__(self, *, rank: int, world: int, device, nccl_group, spec, build: Callable[[], Any],
+                 workspace: Any = None):
         device = torch.device(device)
         super().__init__(spec, world, [rank], device, CudaBackend(device, 1))
-        self.rank, self.cpu_group, self.nccl_group = rank, cpu_group, nccl_group
-        self.islands, self.link, self.memory = islands, link, memory
+        self.rank, self.nccl_group, self._build = rank, nccl_group, build
         self.norm_name, self.norm = find_fused_add_rmsnorm()
-        self._ws = None
-        self._workspace()  # collective: every rank builds it here
+        self._ws = workspace
 
     def _workspace(self):
         if self._ws is None:
-            from sgl_kernel_sm120 import IpcAllReduce
-
-            self._ws = IpcAllReduce(  # bf16-sized: fp16's elements are as large
-                self.cpu_group, self.device, int(self.spec.max_rows) * int(self.spec.hidden), torch.bfloat16,
-                islands=self.islands, link=self.link or "auto", memory=self.memory,
-                timeout_s=float(self.spec.kernel_timeout_s), on_timeout="exit")
+            self._ws = self._build()  # collective: the Tuner calls it on every rank at the same point
         return self._ws
 
     def shape(self) -> WorkspaceShape:
@@ -111,7 +100,6 @@ class CudaMeasurer(BurstMeasurer):
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"
 
     def reset(self) -> None:
-        self._run = None
         ws, self._ws = self._ws, None
         if ws is not None:
             try:
@@ -122,11 +110,10 @@ class CudaMeasurer(BurstMeasurer):
     close = reset
 
     def _nccl(self, kind: str, dtype: str, rows: int):
-        """NCCL's timed step: an all-reduce of zeros (the sum stays finite), then for the fused kind the incumbent
-        add + RMSNorm."""
-        bank = self._bank_for(kind, dtype, rows)
-        buf, group, norm = bank.base[self.rank].clone().zero_(), self.nccl_group, self.norm
-        residual = bank.inputs(0)["residual"] if kind == "fused" else None
+        """NCCL's timed step: an all-reduce of zeros, then for the fused kind the incumbent add + RMSNorm."""
+        bank = self._slots_for(kind, dtype, rows).bank
+        buf, group, norm = torch.zeros_like(bank.expected[0, 0]), self.nccl_group, self.norm
+        residual = bank.residual[0].clone() if kind == "fused" else None
 
         def step(k):
             dist.all_reduce(buf, group=group)
@@ -135,13 +122,13 @@ class CudaMeasurer(BurstMeasurer):
 
         return step
 
-    def verify(self, route: Route, kind: str, dtype: str, rows: int) -> str:
-        ws = self._workspace()  # its synchronize raises a timed-out wait's error (on_timeout="exit")
-        return self._verify_run(route, kind, dtype, rows, {self.rank: ws}, ws.synchronize)
-
-    def time(self, route: Route | None, kind: str, dtype: str, rows: int) -> list[float]:
+    def trial(self, route: Route | None, kind: str, dtype: str, rows: int,
+              profile: bool) -> tuple[str | None, list[float]]:
+        """(digest of the checked outputs, us per call per timed replay); NCCL (route None): (None, its times)."""
         if route is not None:
-            return self._time_run(route, kind, dtype, rows)
+            ws = self._workspace()  # its synchronize raises a timed-out wait's error (on_timeout="exit")
+            return self._run(route, kind, dtype, rows, profile, {self.rank: ws}, ws.synchronize)
         calls = int(self.spec.calls)
         graph, _ = timing.capture_graph(self._nccl(kind, dtype, rows), calls)
-        return [t / calls for t in timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))]
+        times = timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))
+        return None, [t / calls for t in times]

@@ -1,12 +1,15 @@
-"""The parent side of a tune: one process per rank (tuning/child.py), watched. A fault (or our kernels' trap) ends
-the CUDA context of the process that ran it, so candidates run in children: a child that dies, or a group that
-makes no progress for `stall_s`, is blamed on the candidate last begun, which `tune_with_retries` excludes from its
-size up before it starts the group again. A child's own Python error is no candidate's fault: not retried.
+"""The parent side of a tune: one process per rank (tuning/child.py), watched, all within one deadline. A fault (or
+our kernels' trap) ends the CUDA context of the process that ran it, so candidates run in children: a child that
+dies, or a group that makes no progress for `stall_s`, is blamed on the candidate last begun, which
+`tune_with_retries` excludes from its size up before it starts the group again (the caller records the blame as
+each attempt ends). A tune cut by its deadline blames nobody, and a child's own Python error is no candidate's
+fault: neither is retried. Children die with this process however it ends (tuning/child.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +27,7 @@ from .tuner import TuneSpec
 
 CHILD_MODULE = "sglang_sm120.tuning.child"
 EXIT_GRACE_S = 15.0  # after one child ended badly, how long the others get to end by themselves
+DEADLINE = "the tune did not finish within"
 
 
 def child_env(base: dict | None = None) -> dict:
@@ -49,11 +53,12 @@ class ChildOutcome:
     killed: str = ""  # why the parent killed it ("" when it ended by itself)
     tail: list[str] = dataclasses.field(default_factory=list)  # its last lines of output
     key: dict | None = None  # the table key the child measures under (its setup event)
-    found: str | None = None  # --if-missing: the table of this key that exists already
+    retry: bool = False  # its error asks for a new attempt (its cluster check broke its CUDA context)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # event -> seconds since the spawn
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and (self.table is not None or self.found is not None) and not self.killed
+        return self.returncode == 0 and self.table is not None and not self.killed
 
 
 @dataclasses.dataclass
@@ -63,22 +68,24 @@ class Attempt:
     error: str | None
     culprit: dict | None  # {dtype, kind, candidate, from_bytes, reason} when a candidate is to blame
     outcomes: list[ChildOutcome]
-    found: str | None = None  # --if-missing: every rank found this table of its key
+    retry: bool = False  # no candidate to blame, but a new attempt may succeed
 
 
 def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
     """One outcome of a group's children (pure)."""
     outcomes = list(outcomes)
     if outcomes and all(o.ok for o in outcomes):
-        if all(o.found for o in outcomes):
-            return Attempt(None, None, None, None, outcomes, found=outcomes[0].found)
         if len({o.digest for o in outcomes}) == 1:
             return Attempt(outcomes[0].table, outcomes[0].digest, None, None, outcomes)
         return Attempt(None, None, "the ranks reported different tables", None, outcomes)
     if any(o.error for o in outcomes):
-        return Attempt(None, None, "; ".join(f"rank {o.rank}: {o.error}" for o in outcomes if o.error), None, outcomes)
+        errors = [o for o in outcomes if o.error]
+        return Attempt(None, None, "; ".join(f"rank {o.rank}: {o.error}" for o in errors), None, outcomes,
+                       retry=all(o.retry for o in errors))
     first = min((o for o in outcomes if not o.ok), key=lambda o: (o.killed != "", o.rank))  # one that died first
     why = first.killed
+    if first.killed.startswith(DEADLINE):  # the clock ran out, not a candidate: nobody is blamed
+        return Attempt(None, None, why, None, outcomes)
     if not why:
         tail = " | ".join(line for line in first.tail[-3:] if line.strip())
         why = f"rank {first.rank} died (exit code {first.returncode})" + (f": {tail[-300:]}" if tail else "")
@@ -94,6 +101,7 @@ def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
 class _Child:
     def __init__(self, rank: int, command: list[str], env: dict, on_event: Callable[[int, dict], None]):
         self.outcome, self.on_event, self.last_event = ChildOutcome(rank), on_event, time.monotonic()
+        self.spawned = self.last_event
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         # Its own session, so that killing it ends whatever it started too (by its process-group id).
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -114,17 +122,16 @@ class _Child:
                 continue
             self.last_event = time.monotonic()
             kind = event.get("event")
+            self.outcome.phases.setdefault(str(kind), round(self.last_event - self.spawned, 3))
             if kind == "setup" and isinstance(event.get("key"), dict):
                 self.outcome.key = event["key"]
             elif kind == "begin":
                 self.outcome.begins += 1
                 self.outcome.last_begin = {**event, "seq": self.outcome.begins}
-            elif kind == "found":
-                self.outcome.found = str(event.get("path"))
             elif kind == "done":
                 self.outcome.table, self.outcome.digest = event.get("table"), event.get("digest")
             elif kind == "error":
-                self.outcome.error = str(event.get("error"))
+                self.outcome.error, self.outcome.retry = str(event.get("error")), bool(event.get("retry"))
                 self.tail.extend(str(event.get("trace", "")).splitlines()[-5:])
             self.on_event(self.outcome.rank, event)
 
@@ -144,28 +151,28 @@ class _Child:
         return self.outcome
 
 
-def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, timeout_s: float, stall_s: float,
+def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *, deadline: float, stall_s: float,
                  on_event: Callable[[int, dict], None] | None = None, command: Callable[..., list[str]] | None = None,
                  env: dict | None = None) -> list[ChildOutcome]:
-    """One child per (rank, device) of `ranks`, awaited within `timeout_s`; all are killed when none made progress
-    for `stall_s`, or when one ended badly and the others did not follow within EXIT_GRACE_S. `command(rank,
-    device, spec_path)` replaces the child's command line (tests)."""
+    """One child per (rank, device) of `ranks`, awaited until `deadline` (time.monotonic()); all are killed when
+    none made progress for `stall_s`, or when one ended badly and the others did not follow within EXIT_GRACE_S.
+    `command(rank, device, spec_path)` replaces the child's command line (tests)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = command or (lambda rank, device, spec_path: [
         sys.executable, "-m", CHILD_MODULE, "--rank", str(rank), "--world", str(world), "--device", str(device),
-        "--port", str(port), "--spec", spec_path])
+        "--port", str(port), "--spec", spec_path, "--parent-pid", str(os.getpid())])
     env = child_env() if env is None else env
     on_event = on_event or (lambda rank, event: None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="sm120-tune-spec-", delete=False) as handle:
         json.dump(dataclasses.asdict(spec), handle)
         spec_path = handle.name
     children: list[_Child] = []
+    budget = max(0.0, deadline - time.monotonic())
     try:
         for rank, device in ranks:
             children.append(_Child(rank, command(rank, device, spec_path), env, on_event))
-        deadline = time.monotonic() + timeout_s
         bad_since = None
         while any(c.proc.poll() is None for c in children):
             time.sleep(0.05)
@@ -176,7 +183,7 @@ def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *
                 bad_since = now
             if now > deadline:
                 for c in alive:
-                    c.kill(f"the tune did not finish within {timeout_s:.0f} s")
+                    c.kill(f"{DEADLINE} {budget:.0f} s")
             elif alive and now - max(c.last_event for c in children) > stall_s:
                 for c in alive:
                     c.kill(f"no progress for {stall_s:.0f} s")
@@ -188,26 +195,61 @@ def run_children(ranks: Sequence[tuple[int, int]], world: int, spec: TuneSpec, *
     finally:
         for c in children:
             c.kill("the parent is stopping")
+            with contextlib.suppress(Exception):
+                c.proc.wait(timeout=5)
         os.unlink(spec_path)
 
 
-def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, retries: int, timeout_s: float,
-                      stall_s: float, on_event=None, on_retry: Callable[[Attempt], None] | None = None,
+def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, retries: int, deadline: float,
+                      stall_s: float, on_event=None, on_attempt: Callable[[Attempt], None] | None = None,
                       command=None, env=None) -> Attempt:
-    """All ranks' children, again (at most `retries` times) after a candidate killed one, with that candidate
-    excluded from its size up: the last attempt's outcome."""
+    """All ranks' children until `deadline`, again (at most `retries` times) after a candidate killed one, with that
+    candidate excluded from its size up, or after an error that asks for it: the last attempt's outcome.
+    `on_attempt(attempt)` sees every attempt as it ends (the caller records its blame at once)."""
     ranks, attempt = list(zip(range(world), devices, strict=True)), None
     for _ in range(retries + 1):
-        attempt = summarize(run_children(ranks, world, spec, timeout_s=timeout_s, stall_s=stall_s, on_event=on_event,
+        attempt = summarize(run_children(ranks, world, spec, deadline=deadline, stall_s=stall_s, on_event=on_event,
                                          command=command, env=env))
-        if attempt.table is not None or attempt.found is not None or attempt.culprit is None:
+        if on_attempt is not None:
+            on_attempt(attempt)
+        if attempt.table is not None or (attempt.culprit is None and not attempt.retry):
             return attempt
-        if any(dict(rule, reason=None) == dict(attempt.culprit, reason=None) for rule in spec.exclude):
-            attempt.error = f"{attempt.error} (again, though excluded: giving up)"
+        if time.monotonic() >= deadline:
+            attempt.error = f"{attempt.error}; no time left for another attempt"
             return attempt
-        spec.exclude.append(attempt.culprit)
-        if on_retry is not None:
-            on_retry(attempt)
+        if attempt.culprit is not None:
+            if any(dict(rule, reason=None) == dict(attempt.culprit, reason=None) for rule in spec.exclude):
+                attempt.error = f"{attempt.error} (again, though excluded: giving up)"
+                return attempt
+            spec.exclude.append(attempt.culprit)
     assert attempt is not None
     attempt.error = f"{attempt.error}; gave up after {retries + 1} attempts"
     return attempt
+
+
+def planned(devices: Sequence[int], hostmem: str) -> tuple[str, dict]:
+    """(digest, a key naming the GPUs) of what a group on these CUDA devices would be keyed by, computed here before
+    any rank process starts: every rank's key facts, P2P, the planned workspace (core/plan.py), the launch switches
+    and the GPUs' cached cluster-check verdicts. A table records the digest it was tuned under, so a launch knows
+    without starting a GPU process whether it has one. Raises core.plan.PlanRefused when no workspace of ours can
+    be built."""
+    import torch
+
+    from sgl_kernel_sm120 import _ext, cluster_check
+    from sgl_kernel_sm120.settings import launch_switches, read
+
+    from ..core import plan
+    from ..core.facts import key_facts
+    from ..core.topology import probe
+    from ..routing.table import digest
+
+    facts = [key_facts(torch.device("cuda", d)) for d in devices]
+    p2p = [[a == b or bool(torch.cuda.can_device_access_peer(a, b)) for b in devices] for a in devices]
+    uuids = [f["uuid"] for f in facts]
+    topology = probe(uuids) if all(all(row) for row in p2p) else None
+    first = plan.plan(p2p, hostmem, topology)
+    settings, library = read(), _ext.library_path()
+    verdicts = [dataclasses.astuple(cluster_check.cached_verdict(u, library, settings))[:2] for u in uuids]
+    seen = {"facts": facts, "p2p": p2p, "plan": dataclasses.asdict(first), "switches": launch_switches(settings),
+            "pdl": settings.pdl, "verdicts": verdicts}
+    return digest(seen), {"world_size": len(devices), "gpus": [{"uuid": u} for u in uuids]}

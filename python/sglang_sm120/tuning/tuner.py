@@ -1,8 +1,10 @@
-"""The tune of one TP group, run on every rank in lockstep: for each dtype, kind and size, NCCL and every
-candidate (tuning/candidates.py) are verified, then timed; `routing.table.choose` turns the times into routes.
-Every collective step is a gather over the group's gloo group, so all ranks see the same lists and take the same
-branches. A candidate that fails is recorded with its reason, never routed to nor tried at larger sizes, and the
-workspaces are rebuilt after it.
+"""The tune of one TP group, run on every rank in lockstep. For each dtype, kind and size: NCCL, the incumbent, is
+profiled; every candidate (tuning/candidates.py) is checked exact in a burst of graph replays whose times rank it
+(one pass, tuning/burst.py); the fastest few that passed (a fixed count, the same list on every rank: the times are
+agreed first) and the previous size's fastest are profiled like NCCL; `routing.table.choose` turns the profiles into
+routes. Every collective step is a gather over the group's gloo group, so all ranks see the same lists and take the
+same branches. A candidate that fails is recorded with its reason, never routed to nor tried at larger sizes, and
+the workspaces are rebuilt after it.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from .timing import aggregate_iteration_times, short_error
 # the sizes below, then doubling.
 FULL_DENSE_ROWS = 16
 QUICK_ROWS = (1, 2, 3, 4, 6, 8)
-# Pruning, which keeps a full TP=8 tune near 20 s: a candidate slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES
-# consecutive sizes is not timed at larger ones (NCCL gains on our kernels as sizes grow), and once none of ours is
-# left NCCL serves the larger sizes untimed. It compares with NCCL only, never with another candidate of ours: one
-# slower than ONESHOT at a few rows may still win at many.
+# Pruning: a candidate whose burst was slower than PRUNE_FACTOR x NCCL at PRUNE_SIZES consecutive sizes is not tried
+# at larger ones (NCCL gains on our kernels as sizes grow), and once none of ours is left NCCL serves the larger
+# sizes untimed. It compares with NCCL only, never with another candidate of ours: one slower than ONESHOT at a few
+# rows may still win at many.
 PRUNE_FACTOR = 1.5
 PRUNE_SIZES = 2
+# The quick tune (the launcher's): short graphs and profiles, and the three fastest of the burst profiled per size.
+QUICK_TIMING = {"calls": 4, "warmup": 2, "iters": 8, "survivors": 3}
 
 
 class TuneError(RuntimeError):
@@ -78,16 +82,15 @@ class TuneSpec:
     dtypes: list[str] = dataclasses.field(default_factory=lambda: ["bfloat16", "float16"])
     kinds: list[str] = dataclasses.field(default_factory=lambda: ["plain", "fused"])
     quick: bool = False
-    calls: int = 20  # calls captured per graph
-    iters: int = 20  # timed replays
-    warmup: int = 5  # untimed replays
-    verify_calls: int = 2  # eager calls checked per candidate (2: both halves of the double buffer)
-    burst_replays: int = 2  # graph replays checked back to back
+    calls: int = 10  # calls captured per graph
+    burst: int = 2  # checked replays back to back; their times rank the candidates
+    warmup: int = 3  # untimed replays before a profile
+    iters: int = 20  # a profile's timed replays
+    survivors: int = 0  # candidates profiled per size besides the previous size's fastest; 0: every one that passed
     kernel_timeout_s: float = 5.0  # a kernel wait longer than this fails the candidate (on_timeout="exit")
     # Candidates the parent excluded after one killed a process: dtype, kind, candidate, from_bytes, reason.
     exclude: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     graph_rows: list[int] = dataclasses.field(default_factory=list)  # graph_rows(), each measured
-    if_missing: bool = False  # stop when every rank finds a table of its key
     # Debug only, where NCCL cannot start (ranks sharing a GPU): NCCL's time is this value, and the table says so.
     debug_nccl_us: float | None = None
 
@@ -97,7 +100,7 @@ class TuneSpec:
 
     @classmethod
     def make(cls, hidden: int, max_rows: int, *, quick: bool, **kwargs) -> TuneSpec:
-        timing = {"calls": 10, "iters": 10, "warmup": 3} if quick else {}
+        timing = QUICK_TIMING if quick else {}
         return cls(hidden=int(hidden), max_rows=int(max_rows), quick=quick, **{**timing, **kwargs})
 
     def excluded(self, dtype: str, kind: str, candidate: str, nbytes: int) -> str | None:
@@ -108,17 +111,25 @@ class TuneSpec:
         return None
 
 
+@dataclasses.dataclass
+class _Measured:
+    point: Point
+    ranked_all: dict[str, float]  # every candidate's burst time at this size, profiled ones included
+
+
 class Tuner:
     """`measurer` is one rank's GPU side (tuning/measure.py): shape() and limits() of its workspace and kernel
-    library, incumbent(kind) in words, verify(route, kind, dtype, rows) -> the digest of its checked outputs,
-    time(...) -> its us per call per timed replay, reset() after a failure; a route of None is NCCL. Those that
-    build or free a workspace are collective: the Tuner calls them on every rank at the same point."""
+    library, incumbent(kind) in words, trial(route, kind, dtype, rows, profile) -> (digest of its checked outputs,
+    us per call per timed replay: the burst's, or with `profile` the profile's), reset() after a failure; a route of
+    None is NCCL (profiled, nothing checked). Those that build or free a workspace are collective: the Tuner calls
+    them on every rank at the same point."""
 
     def __init__(self, measurer, spec: TuneSpec, *, rank: int, world: int, gather: Callable[[Any], list],
                  key: Mapping[str, Any], progress: Callable[[dict], None] | None = None):
         self.measurer, self.spec, self.rank, self.world = measurer, spec, rank, world
         self.gather, self.key, self.progress = gather, dict(key), progress or (lambda event: None)
         self.notes: list[str] = []
+        self.counts = {"ranked": 0, "profiled": 0, "failed": 0, "skipped": 0}  # candidate x size pairs
 
     def _agreed(self, local: Any) -> list:
         if len(out := self.gather(local)) != self.world:
@@ -133,73 +144,120 @@ class Tuner:
                 raise TuneError(f"ranks see different {what}: {seen}")
         return WorkspaceShape.from_dict(views[0]["shape"]), KernelLimits(**views[0]["limits"])
 
-    def _gathered(self, what: str, measure: Callable[[], Any]) -> list[tuple[str | None, Any]]:
-        """Every rank's (error or None, what `measure` returned): a failure is agreed like a result."""
-        try:
-            local = (None, measure())
-        except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
-            local = (f"{what}: {short_error(exc)}", None)
-        return self._agreed(local)
-
-    def _verify_and_time(self, route: Route | None, kind: str, dtype: str,
-                         rows: int) -> tuple[float | None, str | None]:
-        """(median over replays of the slowest rank's us per call, None) or (None, why it failed): the verdict is
-        agreed before anyone times, so it is the same on every rank."""
-        if route is not None:
-            verdict = reduce_verdicts(self._gathered("verify", lambda: self.measurer.verify(route, kind, dtype, rows)))
-            if verdict is not None:
-                return None, verdict
+    def _trial(self, cid: str, route: Route | None, kind: str, dtype: str, rows: int,
+               profile: bool) -> tuple[float | None, str | None]:
+        """(the slowest rank's us per call: the median over a profile's replays, the best replay of a burst, None)
+        or (None, why it failed), the same on every rank: every rank's outcome is gathered in one round."""
+        self.progress({"event": "begin", "dtype": dtype, "kind": kind, "rows": rows,
+                       "bytes": rows * self.spec.hidden * ELEMENT_BYTES, "candidate": cid,
+                       "pass": "profile" if profile else "burst"})
         if route is None and self.spec.debug_nccl_us is not None:
-            gathered = self._agreed((None, [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)))
+            gathered = self._agreed((None, None, [float(self.spec.debug_nccl_us)] * max(1, self.spec.iters)))
         else:
-            gathered = self._gathered("timing", lambda: self.measurer.time(route, kind, dtype, rows))
-        if errors := "; ".join(f"rank {r}: {err}" for r, (err, _) in enumerate(gathered) if err):
-            return None, errors
+            try:
+                local = (None, *self.measurer.trial(route, kind, dtype, rows, profile))
+            except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
+                local = (f"{'profile' if profile else 'verify'}: {short_error(exc)}", None, None)
+            gathered = self._agreed(local)
+        verdict = reduce_verdicts([(err, digest) for err, digest, _ in gathered])
+        if verdict is not None:
+            return None, verdict
         try:
-            return float(aggregate_iteration_times([times for _, times in gathered])["median_us"]), None
+            spread = aggregate_iteration_times([times for _, _, times in gathered])
         except ValueError as exc:
             return None, f"timing: {exc}"
+        return float(spread["median_us"] if profile else spread["min_us"]), None
+
+    def _fail(self, cid: str, route: Route | None, why: str, rows: int, nbytes: int, failed: dict,
+              stopped: dict, dtype: str, kind: str) -> None:
+        failed[cid] = why
+        stopped.setdefault(cid, (rows + 1, f"failed at {nbytes} B: {why}"))
+        self.counts["failed"] += 1
+        if route is not None:
+            self.measurer.reset()
+        else:
+            self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is routed "
+                              "to our kernels, for want of an NCCL time to beat")
 
     def _measure(self, dtype: str, kind: str, shape: WorkspaceShape, limits: KernelLimits) -> list[Point]:
-        points: list[Point] = []
-        sticky: dict[str, str] = {}  # candidate id -> why it is not tried at larger sizes
+        """Every size of the ladder with every candidate, ascending (a failure or a prune holds from its size up);
+        then, in a quick tune, every other captured size with the candidates profiled at the ladder's sizes on
+        either side of it."""
+        spec, points = self.spec, {}
+        ladder = rows_ladder(spec.max_rows, spec.quick) if spec.quick else spec.rows
+        stopped: dict[str, tuple[int, str]] = {}  # candidate id -> (from rows, why) it is not tried there and above
         losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL
-        for rows in self.spec.rows:
-            nbytes = rows * self.spec.hidden * ELEMENT_BYTES
-            routes = {route_id(r): r for r in [None, *cand.candidates(kind, nbytes, self.spec.hidden, shape, limits,
-                                                                      self.spec.quick)]}
-            failed = {cid: why for cid in routes
-                      if (why := sticky.get(cid) or self.spec.excluded(dtype, kind, cid, nbytes))}
-            times: dict[str, float] = {}
-            if all(cid in failed for cid in routes if cid != NCCL):  # none of ours left: NCCL serves untimed
-                failed.pop(NCCL, None)
-                if len(routes) > 1:
-                    failed[NCCL] = "not timed: no candidate of ours left to compare with"
-                routes = {}
-            for cid, route in routes.items():
-                if cid in failed:
-                    continue
-                self.progress({"event": "begin", "dtype": dtype, "kind": kind, "rows": rows, "bytes": nbytes,
-                               "candidate": cid})
-                us, why = self._verify_and_time(route, kind, dtype, rows)
-                if us is not None:
-                    times[cid] = us
-                    continue
-                failed[cid], sticky[cid] = why, f"failed at {nbytes} B: {why}"
-                if route is not None:
-                    self.measurer.reset()
-                else:
-                    self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is "
-                                      "routed to our kernels, for want of an NCCL time to beat")
+        previous_best: str | None = None  # the fastest profile of ours at the last size
+        for rows in ladder:
+            points[rows] = self._size(dtype, kind, rows, shape, limits, stopped, None, previous_best)
+            times = points[rows].point.times
+            previous_best = min((c for c in times if c != NCCL), key=lambda c: (times[c], c), default=None)
             nccl = times.get(NCCL)
-            for cid, us in times.items():
-                if cid != NCCL and nccl is not None:
-                    losing[cid] = losing.get(cid, 0) + 1 if us > PRUNE_FACTOR * nccl else 0
-                    if losing[cid] >= PRUNE_SIZES:
-                        sticky[cid] = (f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} consecutive "
-                                       f"sizes up to {nbytes} B")
-            points.append(Point(rows=rows, nbytes=nbytes, times=times, failed=failed))
-        return points
+            for cid, us in points[rows].ranked_all.items():
+                losing[cid] = losing.get(cid, 0) + 1 if nccl is not None and us > PRUNE_FACTOR * nccl else 0
+                if losing[cid] >= PRUNE_SIZES and cid not in stopped:
+                    stopped[cid] = (rows + 1, f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} "
+                                              f"consecutive sizes up to {points[rows].point.nbytes} B")
+        for rows in (r for r in spec.rows if r not in points):
+            below = max((r for r in ladder if r < rows), default=None)
+            above = min((r for r in ladder if r > rows), default=None)
+            near = {c for r in (below, above) if r is not None for c in points[r].point.times if c != NCCL}
+            points[rows] = self._size(dtype, kind, rows, shape, limits, stopped, near, None)
+        return [points[rows].point for rows in sorted(points)]
+
+    def _size(self, dtype: str, kind: str, rows: int, shape: WorkspaceShape, limits: KernelLimits,
+              stopped: dict[str, tuple[int, str]], only: set[str] | None, previous_best: str | None) -> _Measured:
+        """One size: NCCL profiled, every candidate (or those in `only`) checked in a burst, the fastest few (every
+        one in a full tune, or of `only`) and `previous_best` profiled. A failure stops its candidate from here up."""
+        spec, nbytes = self.spec, rows * self.spec.hidden * ELEMENT_BYTES
+        ours = {route_id(r): r for r in cand.candidates(kind, nbytes, spec.hidden, shape, limits, spec.quick)}
+        if only is not None:
+            ours = {cid: r for cid, r in ours.items() if cid in only}
+        failed: dict[str, str] = {}
+        for cid in ours:
+            if cid in stopped and stopped[cid][0] <= rows:
+                failed[cid] = stopped[cid][1]
+            elif why := spec.excluded(dtype, kind, cid, nbytes):
+                failed[cid] = why
+        self.counts["skipped"] += len(failed)
+        times: dict[str, float] = {}
+        ranked: dict[str, float] = {}
+        left = [cid for cid in ours if cid not in failed]
+        if NCCL in stopped and stopped[NCCL][0] <= rows:  # no NCCL time to beat: nothing of ours is tried
+            failed.update({NCCL: stopped[NCCL][1], **{cid: "not tried: NCCL failed" for cid in left}})
+            left = []
+        if not left:  # none of ours left: NCCL serves untimed
+            if ours:
+                failed.setdefault(NCCL, "not timed: no candidate of ours left to compare with")
+            return _Measured(Point(rows=rows, nbytes=nbytes, times=times, failed=failed), {})
+        nccl, why = self._trial(NCCL, None, kind, dtype, rows, profile=True)
+        if nccl is None:
+            self._fail(NCCL, None, why, rows, nbytes, failed, stopped, dtype, kind)
+            failed.update({cid: "not tried: NCCL failed" for cid in left})
+            left = []
+        else:
+            times[NCCL] = nccl
+        for cid in left:  # the burst: every candidate checked exact, its best replay ranks it
+            us, why = self._trial(cid, ours[cid], kind, dtype, rows, profile=False)
+            self.counts["ranked"] += 1
+            if us is None:
+                self._fail(cid, ours[cid], why, rows, nbytes, failed, stopped, dtype, kind)
+            else:
+                ranked[cid] = us
+        order = sorted(ranked, key=lambda c: (ranked[c], c))  # agreed numbers: the same list on every rank
+        chosen = order[:spec.survivors] if spec.survivors > 0 and only is None else order
+        if previous_best in ranked and previous_best not in chosen:
+            chosen.append(previous_best)  # so a route can keep its sustained run
+        for cid in chosen:
+            us, why = self._trial(cid, ours[cid], kind, dtype, rows, profile=True)
+            self.counts["profiled"] += 1
+            if us is None:
+                self._fail(cid, ours[cid], why, rows, nbytes, failed, stopped, dtype, kind)
+            else:
+                times[cid] = us
+        point = Point(rows=rows, nbytes=nbytes, times=times, failed=failed,
+                      ranked={c: us for c, us in ranked.items() if c not in times})
+        return _Measured(point, ranked)
 
     def run(self) -> RoutingTable:
         start, spec = time.monotonic(), self.spec
@@ -217,7 +275,8 @@ class Tuner:
         table = RoutingTable.from_points(
             key=self.key, measured=clocks[0][0], quick=spec.quick, notes=notes,
             workload={"hidden": spec.hidden, "rows": spec.rows, "dtypes": list(spec.dtypes), "kinds": list(spec.kinds),
-                      "max_bytes": spec.max_rows * spec.hidden * ELEMENT_BYTES, "workspace": shape.as_dict()},
+                      "max_bytes": spec.max_rows * spec.hidden * ELEMENT_BYTES, "workspace": shape.as_dict(),
+                      "pairs": dict(self.counts)},
             measurements=measurements, durations={"measure": round(max(s for _, s in clocks), 3)},
             incumbents={kind: self.measurer.incumbent(kind) for kind in spec.kinds})
         digests = self._agreed(table.digest())

@@ -1,49 +1,47 @@
-"""The exactness check every candidate passes before it is timed: each call's inputs and exact expected outputs,
-and the comparison.
+"""The exactness check every candidate passes before it is timed: one size's exact cases, built on the device, and
+the comparison.
 
 Exact: inputs are small integers with +0 and -0 among them (the kernels mark empty scratch with -0, so a real -0
-must survive), built from the rank alone, so every rank can build every rank's inputs; their sums are exact in
-bf16/fp16 in any order, and the fused case is built backwards from its expected residual so its norm is exact too.
-Zero tolerance (+0 == -0 as values), and the ranks' bits are compared: a candidate fails everywhere when any rank
-failed or the bits differ.
+must survive), a closed-form function of (case, rank, element), so every rank builds every rank's inputs; their sums
+are exact in bf16/fp16 in any order, and the fused case is built backwards from its expected residual so its norm is
+exact too. Zero tolerance (+0 == -0 as values), and the ranks' bits are compared: a candidate fails everywhere when
+any rank failed or the bits differ.
 
-Every call its own inputs: a candidate that returns the previous call's result, reads the previous call's input
-or reuses a buffer too early passes any check whose calls all see the same inputs. So call j of candidate c uses
-the salt `salt(c) + j`, which rolls the base inputs (and the expected sum) and moves the fused pattern.
+Every call its own inputs: a candidate that returns the previous call's result, reads the previous call's input or
+reuses a buffer too early passes any check whose calls all see the same inputs. So a size holds CASES x calls + 1
+cases, and call k of replay b of candidate c runs case (salt(c) + b * calls + k) mod cases: consecutive calls,
+and one slot's calls in consecutive replays, always differ.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from sgl_kernel_sm120.policy import DTYPES
-from sgl_kernel_sm120.reference import reference_all_reduce
 
 EPS = 2.0 ** -20  # about the models' 1e-6; its effect on the expected norm rounds away
-ROLL_STEP = 9973  # a prime: consecutive salts roll by different amounts
 
 
 def salt(candidate_id: str) -> int:
-    """The first salt of a candidate's calls: the same on every rank (a hash of its id, not Python's hash())."""
+    """A candidate's first case offset: the same on every rank (a hash of its id, not Python's hash())."""
     return int(hashlib.sha256(candidate_id.encode()).hexdigest()[:8], 16)
 
 
-def shift(value: int, numel: int) -> int:
-    numel = max(1, int(numel))
-    return (int(value) * (ROLL_STEP if ROLL_STEP % numel else 1)) % numel
+def case_count(calls: int) -> int:
+    """Cases per size for graphs of `calls` calls: one slot's cases in two consecutive replays differ."""
+    return 2 * max(1, int(calls)) + 1
 
 
-def rank_input(rank: int, rows: int, hidden: int, dtype: str):
-    """Rank `rank`'s base input: integers in [-3, 3], about one element in eight a -0."""
+def rank_input(case: int, rank: int, rows: int, hidden: int, dtype: str, device=None):
+    """Rank `rank`'s input of one case: integers in [-3, 3], about one element in eight a -0."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    generator = torch.Generator().manual_seed(7919 * rank + rows)
-    values = torch.randint(-3, 4, (rows, hidden), generator=generator).float()
-    negative_zero = torch.randint(0, 8, (rows, hidden), generator=generator) == 0
+    i = torch.arange(rows * hidden, device=device, dtype=torch.int64).reshape(rows, hidden)
+    h = (i * 2654435761 + (rank + 1) * 40503 + (case + 1) * 97) % 1000003
+    values = (h % 7 - 3).float()
+    negative_zero = (h // 7) % 8 == 0
     return torch.where(negative_zero, torch.full_like(values, -0.0), values).to(getattr(torch, dtype))
 
 
@@ -61,39 +59,40 @@ def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
     return torch.where(col % 4 == 0, sign * 2.0 ** (k + 1), zero), 2.0 ** -k
 
 
-class CallBank:
-    """One size's base case on `device`, for the ranks in `ranks` (every rank in one process, or this rank); a
-    call's tensors are a roll, a subtraction and a product of it on the device, nothing random per call."""
+def fused_weight(hidden: int, dtype: str, device=None):
+    return torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).to(getattr(torch, dtype))
 
-    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, ranks: Sequence[int], device):
-        self.kind, self.dtype, self.rows, self.hidden = kind, dtype, int(rows), int(hidden)
-        self.torch_dtype, self.numel, self.eps = getattr(torch, dtype), self.rows * self.hidden, EPS
-        self.output_names = ("norm", "residual") if kind == "fused" else ("sum",)
-        inputs = [rank_input(r, rows, hidden, dtype) for r in range(world)]
-        self.total = reference_all_reduce(inputs).float().to(device)  # small integers: exact
-        self.base = {r: inputs[r].to(device) for r in ranks}
-        self.weight32 = self.weight = None
-        if kind == "fused":
-            self.weight32 = torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).float()
-            self.weight = self.weight32.to(self.torch_dtype)
 
-    def _roll(self, t, value: int):
-        return t.reshape(-1).roll(shift(value, self.numel)).reshape(self.rows, self.hidden)
+class SizeBank:
+    """One size's cases on `device` for the ranks `lanes` of this process (one rank, or every rank of a one-process
+    group): `x[lane]` [cases, rows, hidden], the fused residual [cases, rows, hidden] (the same on every rank), and
+    the expected outputs [cases, outputs, rows, hidden] (plain: the sum; fused: norm, residual)."""
 
-    def inputs(self, value: int) -> dict[str, Any]:
-        """{'x': {rank: input}, 'residual': the fused call's residual (the same on every rank) or None}."""
-        residual = None
-        if self.kind == "fused":  # R minus the sum: the residual the kernel adds to the sum to give R
-            target, _ = fused_target(self.rows, self.hidden, value, self.total.device)
-            residual = (target - self._roll(self.total, value)).to(self.torch_dtype)
-        return {"x": {r: self._roll(base, value) for r, base in self.base.items()}, "residual": residual}
-
-    def expected(self, value: int) -> tuple:
-        """plain: (sum,); fused: (norm, residual)."""
-        if self.kind == "plain":
-            return (self._roll(self.total, value).to(self.torch_dtype),)
-        target, scale = fused_target(self.rows, self.hidden, value, self.total.device)
-        return (target * scale * self.weight32).to(self.torch_dtype), target.to(self.torch_dtype)
+    def __init__(self, kind: str, dtype: str, rows: int, hidden: int, world: int, lanes, device, cases: int):
+        if kind not in ("plain", "fused"):
+            raise ValueError(f"kind must be plain or fused, got {kind!r}")
+        self.kind, self.dtype, self.rows, self.hidden, self.cases = kind, dtype, int(rows), int(hidden), int(cases)
+        self.torch_dtype, self.eps = getattr(torch, dtype), EPS
+        self.outputs = 2 if kind == "fused" else 1
+        self.lanes = list(lanes)
+        x = {lane: [] for lane in self.lanes}
+        residuals, expected = [], []
+        self.weight = fused_weight(hidden, dtype, device) if kind == "fused" else None
+        for case in range(self.cases):
+            inputs = [rank_input(case, r, rows, hidden, dtype, device) for r in range(world)]
+            total = torch.stack([t.float() for t in inputs]).sum(0)  # small integers: exact in any order
+            for lane in self.lanes:
+                x[lane].append(inputs[lane])
+            if kind == "plain":
+                expected.append(total.to(self.torch_dtype).unsqueeze(0))
+                continue
+            target, scale = fused_target(self.rows, self.hidden, case, device)
+            residuals.append((target - total).to(self.torch_dtype))  # the kernel adds the sum back: exactly R
+            expected.append(torch.stack([(target * scale * self.weight.float()).to(self.torch_dtype),
+                                         target.to(self.torch_dtype)]))
+        self.x = {lane: torch.stack(cases_) for lane, cases_ in x.items()}
+        self.residual = torch.stack(residuals) if residuals else None
+        self.expected = torch.stack(expected)
 
 
 def mismatch(name: str, got, expected) -> str | None:
@@ -111,20 +110,15 @@ def mismatch(name: str, got, expected) -> str | None:
             f"got {g[index].item()}, expected {e[index].item()}")
 
 
-def same_values(got, expected) -> bool:
-    """`mismatch` is None, computed on the tensors' own device."""
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return False
+def wrong_elements(got, expected):
+    """Per leading index, how many elements differ from `expected` (NaN counts), as a device tensor: no sync."""
     g = got.float()
-    return not bool((torch.isnan(g) | (g != expected.float())).any())
+    return (torch.isnan(g) | (g != expected.float())).reshape(got.shape[0], -1).sum(1)
 
 
-def fingerprint(tensors) -> str:
-    """A digest of outputs computed where they are: a position-weighted sum of their 16-bit patterns, so one
-    flipped bit (a zero's sign included) changes it. For comparing ranks' bits, not for security."""
-    total = 0
-    for t in tensors:
-        bits = t.detach().contiguous().view(torch.int16).reshape(-1).to(torch.int64)
-        weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
-        total = (total * 1_000_003 + int((bits * weights).sum().item())) % (1 << 61)
-    return f"weighted:{total:x}"
+def fingerprint(t):
+    """A device scalar digest of `t`'s bits: a position-weighted sum of its 16-bit patterns, so one flipped bit (a
+    zero's sign included) changes it. For comparing ranks' bits, not for security. No sync."""
+    bits = t.detach().contiguous().view(torch.int16).reshape(-1).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+    return (bits * weights).sum()

@@ -11,8 +11,6 @@ fakes break the contract the way real bugs do:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from sgl_kernel_sm120 import policy
@@ -113,21 +111,18 @@ class FakeGraph:
 
 
 class FakeBackend:
-    def __init__(self, group: FakeGroup):
-        self.group = group
+    """Replays synchronously on the CPU; a timer reads `us` (default 10) per replay."""
+
+    def __init__(self, group: FakeGroup, us: float = 10.0):
+        self.group, self.us = group, us
         self.captures = 0
 
     def synchronize(self) -> None:
         self.group.synchronize()
 
-    def lane(self, index: int):
-        return contextlib.nullcontext()
-
     def capture(self, lanes):
         self.captures += 1
         return FakeGraph(lanes)
 
-    def replay_times(self, graph, iters: int, warmup: int) -> list[float]:
-        for _ in range(warmup + iters):
-            graph.replay()
-        return [10.0] * iters
+    def timer(self):
+        return (lambda: None), (lambda: None), (lambda: self.us)

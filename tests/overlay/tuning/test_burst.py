@@ -46,13 +46,18 @@ def ours_timed(table) -> set[str]:
     return {cid for points in table.measurements.values() for p in points for cid in p.times if cid != tbl.NCCL}
 
 
+def trials(table) -> int:
+    """Trials run: every candidate's burst, and every profile (each captures its own graph)."""
+    pairs = table.workload["pairs"]
+    return pairs["ranked"] + pairs["profiled"]
+
+
 @pytest.mark.parametrize("kinds", [("plain",), ("fused",)])
 def test_a_correct_candidate_passes_and_its_checked_graph_is_the_one_timed(kinds):
     table, group, backend = tune("good", kinds)
     assert not ours_failed(table), ours_failed(table)
     assert ours_timed(table) and any(e.route is not None for e in table.entries)
-    points = table.measurements[("bfloat16", kinds[0])]
-    assert backend.captures == sum(len([c for c in p.times if c != tbl.NCCL]) for p in points)
+    assert backend.captures == trials(table) > 0
 
 
 @pytest.mark.parametrize("kinds", [("plain",), ("fused",)])
@@ -62,17 +67,17 @@ def test_a_candidate_returning_the_previous_calls_result_is_rejected(kinds):
     assert failed and not ours_timed(table), table.to_dict()
     # the first candidate at a size fails at its second call; the next ones get the previous candidate's last
     # result at their first
-    assert all(re.search(r"eager call [12] rank 0", why) for why in failed.values()), failed
+    assert all(re.search(r"graph replay 1, rank 0 call [12]:", why) for why in failed.values()), failed
     assert not any(e.route is not None for e in table.entries)
 
 
 @pytest.mark.parametrize("kinds", [("plain",), ("fused",)])
 def test_a_candidate_racing_buffer_reuse_with_calls_in_flight_is_rejected(kinds):
-    # correct whenever the host synchronizes between calls: only the graph burst can see it
+    # correct whenever the host synchronizes between calls: only calls in flight together can show it
     table, _, _ = tune("single_buffer", kinds)
     failed = ours_failed(table)
     assert failed and not ours_timed(table), table.to_dict()
-    assert all("graph replay 1 call 1 rank 0" in why for why in failed.values()), failed
+    assert all("graph replay 1, rank 0 call 1:" in why for why in failed.values()), failed
     assert not any(e.route is not None for e in table.entries)
 
 
@@ -84,44 +89,44 @@ def test_ranks_whose_outputs_differ_only_in_the_sign_of_a_zero_are_rejected():
 
 
 @pytest.mark.parametrize("dtype, world, rows, hidden", [("bfloat16", 2, 3, HIDDEN), ("float16", 8, 5, 7168)])
-def test_every_call_of_a_candidate_and_every_candidate_get_inputs_of_their_own(dtype, world, rows, hidden):
-    bank = verify.CallBank("fused", dtype, rows, hidden, world, range(world), "cpu")
-    plain = verify.CallBank("plain", dtype, rows, hidden, world, range(world), "cpu")
+def test_every_call_of_a_size_gets_inputs_of_its_own_and_their_exact_results(dtype, world, rows, hidden):
+    cases = verify.case_count(4)
+    fused = verify.SizeBank("fused", dtype, rows, hidden, world, range(world), "cpu", cases)
+    plain = verify.SizeBank("plain", dtype, rows, hidden, world, range(world), "cpu", cases)
     seen = set()
-    for cid in ("sm120/ONESHOT/push/device/b16/c1", "sm120/ONESHOT/push/device/b8/c1"):
-        first = verify.salt(cid)
-        for j in range(6):
-            given, expected = bank.inputs(first + j), bank.expected(first + j)
-            seen.add(digest(given["x"][0], given["residual"]))
-            seen.add(("expected", digest(*expected)))
-            seen.add(("plain", digest(*plain.expected(first + j))))
-            # the expected outputs are what the ops compute from these inputs, exactly (float64 reference)
-            total = sum(given["x"][r].double() for r in range(world))
-            res = total + given["residual"].double()
-            norm = res * torch.rsqrt(res.pow(2).mean(dim=-1, keepdim=True) + bank.eps) * bank.weight32.double()
-            assert verify.same_values(res.to(bank.torch_dtype), expected[1])
-            assert verify.same_values(norm.to(bank.torch_dtype), expected[0])
-            plain_given = plain.inputs(first + j)["x"]
-            assert verify.same_values(sum(plain_given[r].double() for r in range(world)).to(bank.torch_dtype),
-                                      plain.expected(first + j)[0])
-    assert len(seen) == 3 * 2 * 6
+    for case in range(cases):
+        seen.add(digest(*(fused.x[r][case] for r in range(world)), fused.residual[case]))
+        seen.add(("expected", digest(fused.expected[case])))
+        seen.add(("plain", digest(plain.expected[case])))
+        # the expected outputs are what the ops compute from these inputs, exactly (float64 reference)
+        total = sum(fused.x[r][case].double() for r in range(world))
+        res = total + fused.residual[case].double()
+        norm = res * torch.rsqrt(res.pow(2).mean(dim=-1, keepdim=True) + fused.eps) * fused.weight.double()
+        assert verify.mismatch("residual", res.to(fused.torch_dtype), fused.expected[case, 1]) is None
+        assert verify.mismatch("norm", norm.to(fused.torch_dtype), fused.expected[case, 0]) is None
+        plain_total = sum(plain.x[r][case].double() for r in range(world)).to(plain.torch_dtype)
+        assert verify.mismatch("sum", plain_total, plain.expected[case, 0]) is None
+    assert len(seen) == 3 * cases
 
 
-def test_consecutive_calls_roll_by_different_amounts_whatever_the_element_count():
-    for numel in (8, 64, 9973 * 8, 7168 * 128):
-        assert all(verify.shift(v, numel) != verify.shift(v + 1, numel) for v in range(50))
+def test_a_slot_never_sees_one_case_in_consecutive_calls_or_replays():
+    calls = 4
+    cases = verify.case_count(calls)
+    for offset in range(3 * cases):
+        this = [(offset + k) % cases for k in range(calls)]
+        following = [(offset + calls + k) % cases for k in range(calls)]
+        assert len(set(this)) == calls and all(a != b for a, b in zip(this, following, strict=True))
+        assert this[-1] != following[0]
 
 
-def test_time_without_its_verify_is_refused():
-    group = FakeGroup(2)
-    spec = TuneSpec.make(HIDDEN, 2, quick=True, dtypes=["bfloat16"], kinds=["plain"], debug_nccl_us=1e6)
-    measurer = LocalGroupMeasurer(world=2, device="cpu", spec=spec, backend=FakeBackend(group),
-                                  make_group=lambda *args: group.workspaces, close_group=lambda comms: None)
-    route = tbl.parse_route("sm120/ONESHOT/push/device/b16")
-    with pytest.raises(RuntimeError, match="without its verify"):
-        measurer.time(route, "plain", "bfloat16", 2)
-    measurer.verify(route, "plain", "bfloat16", 2)
-    assert measurer.time(route, "plain", "bfloat16", 2)
+def test_quick_profiles_only_the_fastest_few_of_each_burst_and_keeps_the_rest_ranked():
+    table, group, backend = tune("good", ("plain",), max_rows=4, world=4)
+    spec_survivors = TuneSpec.make(HIDDEN, 4, quick=True).survivors
+    for point in table.measurements[("bfloat16", "plain")]:
+        ours = [c for c in point.times if c != tbl.NCCL]
+        assert 1 <= len(ours) <= spec_survivors + 1, point  # + the previous size's fastest
+        assert point.ranked and not set(point.ranked) & set(point.times), point
+    assert table.workload["pairs"]["profiled"] < table.workload["pairs"]["ranked"]
 
 
 def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_graph_and_runs_nccls_step(monkeypatch):
@@ -131,25 +136,25 @@ def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_gra
     group = FakeGroup(1)
     backend = FakeBackend(group)
     monkeypatch.setattr(measure, "CudaBackend", lambda device, lanes: backend)
-    monkeypatch.setattr(measure.CudaMeasurer, "_workspace", lambda self: group.workspaces[0])
     monkeypatch.setattr(measure, "find_fused_add_rmsnorm", lambda: ("torch ops", measure._torch_add_rmsnorm))
     spec = TuneSpec.make(HIDDEN, 2, quick=True, dtypes=["bfloat16"], kinds=["fused"])
-    m = measure.CudaMeasurer(rank=0, world=1, device="cpu", cpu_group=None, nccl_group="nccl", spec=spec)
+    m = measure.CudaMeasurer(rank=0, world=1, device="cpu", nccl_group="nccl", spec=spec,
+                             build=lambda: group.workspaces[0])
     route = tbl.parse_route("sm120/ONESHOT/push/device/b16/c1")
-    with pytest.raises(RuntimeError, match="without its verify"):
-        m.time(route, "fused", "bfloat16", 2)
-    assert m.verify(route, "fused", "bfloat16", 2)
-    assert m.time(route, "fused", "bfloat16", 2) == [10.0 / spec.calls] * spec.iters
-    assert backend.captures == 1 and set(group.launches) == {route}
+    digest_burst, burst = m.trial(route, "fused", "bfloat16", 2, profile=False)
+    assert digest_burst and burst == [10.0 / spec.calls] * spec.burst
+    digest_profile, profile = m.trial(route, "fused", "bfloat16", 2, profile=True)
+    assert digest_profile and profile == [10.0 / spec.calls] * spec.iters
+    assert backend.captures == 2 and set(group.launches) == {route}
     # NCCL's step: an all-reduce of zeros on the NCCL group, then the incumbent add + RMSNorm in place
     reduced = []
     monkeypatch.setattr(torch.distributed, "all_reduce",
                         lambda buf, group: reduced.append((buf, buf.clone(), group)))
     m._nccl("fused", "bfloat16", 2)(0)
-    [(buf, before, group)] = reduced
-    assert not before.any() and group == "nccl"
-    bank = verify.CallBank("fused", "bfloat16", 2, HIDDEN, 1, [0], "cpu")
-    norm, _ = reference_add_rmsnorm(torch.zeros(2, HIDDEN), bank.inputs(0)["residual"], bank.weight, bank.eps)
+    [(buf, before, group_used)] = reduced
+    assert not before.any() and group_used == "nccl"
+    bank = m._slots_for("fused", "bfloat16", 2).bank
+    norm, _ = reference_add_rmsnorm(torch.zeros(2, HIDDEN), bank.residual[0], bank.weight, bank.eps)
     assert torch.equal(buf, norm)
     assert m.incumbent("fused") == "NCCL + torch ops"
 
@@ -163,6 +168,7 @@ def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_ea
     assert all(m["timed"] == len(m["times"]) and m["timed"] >= 2 for m in doc["measurements"])
     # what was timed is what ran: the launches were the candidates' routes, CTAs (and the fused one-shot's
     # cluster) included
-    timed = {cid for points in table.measurements.values() for p in points for cid in p.times if cid != tbl.NCCL}
-    assert {tbl.route_id(route) for route in group.launches} == timed
+    tried = {cid for points in table.measurements.values() for p in points for cid in [*p.times, *p.ranked]
+             if cid != tbl.NCCL}
+    assert {tbl.route_id(route) for route in group.launches} == tried
     assert {route.ctas for route in group.launches} == {16} and {1} <= {route.cluster for route in group.launches}

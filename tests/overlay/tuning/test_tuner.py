@@ -41,16 +41,17 @@ class FakeMeasurer:
     def incumbent(self, kind):
         return "fake NCCL" if kind == "plain" else "fake NCCL + norm"
 
-    def verify(self, route, kind, dtype, rows):
-        self.verified.append((tbl.route_id(route), rows))
-        ranks, why = self.failures.get((tbl.route_id(route), rows), ((), ""))
-        if self.rank in ranks:
-            raise AssertionError(why)
-        return self.digests.get((tbl.route_id(route), rows, self.rank), "same bits")
-
-    def time(self, route, kind, dtype, rows):
-        self.timed.append((tbl.route_id(route), rows))
-        return [self.times(tbl.route_id(route), kind, dtype, rows, self.rank)] * 3
+    def trial(self, route, kind, dtype, rows, profile):
+        cid = tbl.route_id(route)
+        if route is not None:
+            self.verified.append((cid, rows))
+            ranks, why = self.failures.get((cid, rows), ((), ""))
+            if self.rank in ranks:
+                raise AssertionError(why)
+        if route is None or profile:
+            self.timed.append((cid, rows))
+        digest = None if route is None else self.digests.get((cid, rows, self.rank), "same bits")
+        return digest, [self.times(cid, kind, dtype, rows, self.rank)] * (3 if profile else 2)
 
     def reset(self):
         self.resets += 1
@@ -228,10 +229,10 @@ def test_the_full_ladder_grows_by_a_quarter_at_most_and_ends_at_the_bound():
 
 
 def test_the_spec_survives_json():
-    s = spec(exclude=[{"dtype": "bfloat16"}], graph_rows=[1, 4], debug_nccl_us=1e6, if_missing=True)
+    s = spec(exclude=[{"dtype": "bfloat16"}], graph_rows=[1, 4], debug_nccl_us=1e6)
     assert TuneSpec(**json.loads(json.dumps(dataclasses.asdict(s)))) == s
     quick = TuneSpec.make(7168, 16, quick=True, dtypes=["float16"])
-    assert (quick.calls, quick.iters, quick.dtypes) == (10, 10, ["float16"])
+    assert (quick.calls, quick.iters, quick.survivors, quick.dtypes) == (4, 8, 3, ["float16"])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,3 +325,26 @@ def test_the_ladder_measures_every_captured_row_count_and_none_past_the_bound():
     assert set(rows_ladder(128, False, captured)) >= set(captured)
     with pytest.raises(ValueError):
         rows_ladder(8, True, [0])
+
+
+def test_a_quick_tune_tries_a_captured_size_off_the_ladder_with_the_candidates_profiled_on_either_side():
+    """The ladder's sizes see every candidate; a captured size between two of them sees only what was profiled
+    there (and NCCL), so a server's many captured sizes stay cheap to measure and each is still measured."""
+    def times(cid, kind, dtype, rows, rank):
+        return 20.0 if cid == "nccl" else 10.0 if "/push/" in cid else 15.0
+
+    def make(rank):
+        m = FakeMeasurer(rank, times, world=2)
+        m.shape = lambda: WorkspaceShape(2, "device", "pcie", sm_budget=16)
+        return m
+
+    quick = spec(quick=True, survivors=1, max_rows=8, graph_rows=[5, 7])
+    results, errors, measurers = run_threads(2, make, quick)
+    assert not errors, errors
+    points = {p.rows: p for p in results[0].measurements[("bfloat16", "plain")]}
+    assert sorted(points) == [1, 2, 3, 4, 5, 6, 7, 8]
+    tried = {rows: {cid for cid, r in measurers[0].verified if r == rows} for rows in points}
+    assert all(len(tried[rows]) > 2 for rows in (4, 6, 8))  # the ladder: every candidate
+    profiled_near = {cid for rows in (4, 6) for cid in points[rows].times if cid != "nccl"}
+    assert tried[5] and tried[5] <= profiled_near, (tried[5], profiled_near)  # those that launch at 5 rows
+    assert "nccl" in points[5].times and points[5].times.keys() - {"nccl"} <= profiled_near
