@@ -1,32 +1,38 @@
 """The launcher's tune: before SGLang starts its ranks, `python -m sglang_sm120.tune` for this server's TP size,
 GPUs, hidden size, dtype and captured sizes, so that the ranks find a table measured on this box.
 
-Under --sm120-allreduce-tune auto the tool measures only when no table of this box's key exists (its rank
-processes compute the key exactly as the server's ranks will, and stop at once when one exists); under force it
-measures every time; under off it does not run. It runs in its own processes, one per GPU, before SGLang has
-allocated anything, bounded by SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S, its progress printed here. Whatever happens,
-the launch goes on: a rank that finds no table sends every size to NCCL and says why (runtime/routes.py).
+Under --sm120-allreduce-tune auto the tool measures only when no table of this box exists for what it sees now,
+and does not repeat a tune that failed (it answers both before starting any GPU process); under force it measures
+every time; under off it does not run. It runs in its own processes, one per GPU, before SGLang has allocated
+anything, within SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S for its whole run (it stops itself then; this process ends
+it a little later if it did not, its rank processes with it), its progress printed here. Whatever happens, the
+launch goes on: a rank that finds no table sends every size to NCCL and says why (runtime/routes.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
+
+from sgl_kernel_sm120.policy import ELEMENT_BYTES
 
 from ..core import config
 from ..core.gate import SM120, SUPPORTED_WORLD_SIZES
 
 logger = logging.getLogger("sglang_sm120")
 
+# After the tool's own deadline, how long it gets to write its failure note and end before it is ended.
+KILL_GRACE_S = 20.0
+
 
 def _capabilities(gpus: list[int]) -> list[tuple[int, int]] | None:
     """The GPUs' compute capabilities from NVML (no CUDA context in the launcher), by CUDA's order."""
     try:
-        import os
-
         import pynvml
 
         pynvml.nvmlInit()
@@ -79,13 +85,14 @@ def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | N
         if resolved(server_args, "speculative_algorithm") else 1
     batches = resolved(server_args, "cuda_graph_bs", "cuda_graph_bs_decode") or []
     max_batch = int(resolved(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode") or max(batches, default=32))
-    bound = config.derive_max_bytes(hidden_size=hidden, element_size=2, cuda_graph_max_bs=max_batch,
+    bound = config.derive_max_bytes(hidden_size=hidden, element_size=ELEMENT_BYTES, cuda_graph_max_bs=max_batch,
                                     cuda_graph_bs=list(batches), speculative_num_draft_tokens=draft,
                                     speculative_algorithm="on" if draft > 1 else None)
     max_bytes = settings.max_bytes or bound.max_bytes
     dtype = "fp16" if str(resolved(server_args, "dtype")) in ("float16", "half") else "bf16"
     command = [sys.executable, "-m", "sglang_sm120.tune", "--tp", str(tp), "--gpus", ",".join(map(str, gpus)),
-               "--hidden", str(hidden), "--dtype", dtype, "--max-rows", str(max(1, max_bytes // (hidden * 2))),
+               "--hidden", str(hidden), "--dtype", dtype,
+               "--max-rows", str(max(1, max_bytes // (hidden * ELEMENT_BYTES))),
                "--max-batch", str(max_batch), "--draft-tokens", str(draft), "--quick",
                "--timeout", str(settings.tune_timeout_s)]
     if batches:
@@ -102,16 +109,34 @@ def tune_before_ranks(server_args) -> int | None:
     print(f"sglang_sm120: routing table for this box (--sm120-allreduce-tune {settings.tune}): "
           f"{' '.join(command[1:])}", file=sys.stderr, flush=True)
     start = time.monotonic()
+    tool = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
     try:
-        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, timeout=settings.tune_timeout_s + 60)
-        code = done.returncode
+        code = tool.wait(timeout=settings.tune_timeout_s + KILL_GRACE_S)
     except subprocess.TimeoutExpired:
-        code = -1
+        code = end_tool(tool)
+    except BaseException:  # the launch itself is stopping (Ctrl-C): the tool and its ranks go with it
+        end_tool(tool)
+        raise
     if code != 0:
         logger.warning("sglang_sm120: the tune at launch failed (exit code %s after %.0f s, output above); the "
                        "ranks will find no table of this box and send every size to NCCL", code,
                        time.monotonic() - start)
     return code
+
+
+def end_tool(tool: subprocess.Popen) -> int:
+    """SIGTERM, then SIGKILL, to the tool's process group; its rank processes die with it (tuning/child.py)."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(tool.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            tool.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    return -1
 
 
 def wrap_set_envs_and_config(original):

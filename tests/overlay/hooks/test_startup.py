@@ -4,8 +4,9 @@ tune does."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -91,18 +92,24 @@ def test_the_tune_runs_after_sglangs_own_environment_is_set(model, monkeypatch):
     assert order == ["sglang", "tune"]
 
 
-def test_a_tune_past_its_bound_is_a_failure_not_a_hang(model, monkeypatch, caplog):
-    monkeypatch.setattr(startup, "tune_command", lambda sa, settings: [sys.executable, "-c",
-                                                                        "import time; time.sleep(30)"])
-    monkeypatch.setattr(subprocess, "run", _run_with_timeout(0.5))
+def test_a_tune_past_its_bound_is_ended_with_its_process_group_and_the_launch_goes_on(model, monkeypatch, caplog,
+                                                                                       tmp_path):
+    """The tool ignores SIGTERM here (a stuck tool): SIGKILL follows; the shell it started in its process group goes
+    too. The bound is the tool's own deadline plus a grace for its failure note."""
+    monkeypatch.setenv("SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S", "0.2")
+    monkeypatch.setattr(startup, "KILL_GRACE_S", 0.3)
+    pid_file = tmp_path / "sleeper.pid"
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid)); "
+              "time.sleep(60)")
+    monkeypatch.setattr(startup, "tune_command", lambda sa, settings: [sys.executable, "-c", script])
+    start = time.monotonic()
     assert startup.tune_before_ranks(server_args(model)) == -1
+    assert time.monotonic() - start < 15
     assert "the tune at launch failed (exit code -1" in caplog.text
-
-
-def _run_with_timeout(seconds):
-    real = subprocess.run
-
-    def run(*args, **kwargs):
-        return real(*args, **{**kwargs, "timeout": seconds})
-
-    return run
+    sleeper = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{sleeper}") and \
+            open(f"/proc/{sleeper}/stat").read().split()[2] != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{sleeper}") or open(f"/proc/{sleeper}/stat").read().split()[2] == "Z"
