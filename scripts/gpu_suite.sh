@@ -11,6 +11,8 @@
 #   the ranks concurrently, and the transports' negative controls); bench-transports: benchmarks/bench_transports.py
 #   tuner-pick: benchmarks/bench_tuner_pick.py (the one-process quick tune's pick against a sweep of every launch, at
 #   2, 4 and 8 ranks; tuner_pick_<gpu>_concurrent.json)
+#   bench-tune: benchmarks/bench_tune.py (how long the launcher's first tune takes, per phase, one process at TP 2,
+#   4, 8 and processes sharing the GPU at TP=2, and the full tune; tune_duration_<gpu>.json; BENCH_TUNE_ARGS)
 #   profile-transports: Nsight Compute (ncu, or $NCU) on each case of benchmarks/profile_transports.py (the
 #   transports' speed misses), each report and its details page as results/ncu_<gpu>_<case>.{ncu-rep,txt} (in the tarball)
 #   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
@@ -197,6 +199,8 @@ for stage in $stages; do
               --junitxml="$WORK/results/junit-transports.xml" ;;
     bench-transports) step bench-transports $PY -m benchmarks.bench_transports --out "$WORK/results" ;;
     tuner-pick) step tuner-pick $PY -m benchmarks.bench_tuner_pick --out "$WORK/results" ;;
+    bench-tune) step bench-tune $PY -m benchmarks.bench_tune ${BENCH_TUNE_ARGS:-} \
+                  --out "$WORK/results/tune_duration_${GPU_TAG}.json" ;;
     profile-transports)  # Nsight Compute on each case of benchmarks/profile_transports.py (the speed misses)
       NCU=${NCU:-$(command -v ncu || echo "$CUDA_HOME/bin/ncu")}
       for case in $($PY -m benchmarks.profile_transports --list); do

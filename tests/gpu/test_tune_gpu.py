@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,13 +27,21 @@ WORLD = 2
 TIMEOUT_S = 420
 
 
-def run_tune(cache_dir: str, *extra: str, out: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SGLANG_SM120_CACHE=cache_dir,
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+def tune_command(*extra: str, out: str | None = None) -> list[str]:
     share = ["--share-gpu"] if gpu_count() < WORLD else []
-    command = [sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", str(WORLD), "--quick",
-               "--max-batch", "4", "--draft-tokens", "1", *share, *extra] + (["--out", out] if out else [])
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    return [sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", str(WORLD), "--quick",
+            "--max-batch", "4", "--draft-tokens", "1", *share, *extra] + (["--out", out] if out else [])
+
+
+def tune_env(cache_dir: str, **extra: str) -> dict:
+    return dict(os.environ, SGLANG_SM120_CACHE=cache_dir, **extra,
+                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
+
+
+def run_tune(cache_dir: str, *extra: str, out: str | None = None,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(tune_command(*extra, out=out), capture_output=True, text=True,
+                          env=tune_env(cache_dir, **(env or {})), timeout=TIMEOUT_S)
 
 
 def load_only_table(cache_dir: str):
@@ -69,13 +78,15 @@ def test_the_tool_writes_a_table_whose_every_routed_candidate_passed_verificatio
     assert json.loads((tmp_path / "copy.json").read_text())["key"] == table.key
 
 
-def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str) -> None:
+def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str, memory: str = "device",
+                  env: dict | None = None) -> None:
     import torch
     from torch.distributed.distributed_c10d import _get_default_store
 
     from sglang_sm120.core.config import ByteBound, OverlaySettings
     from sglang_sm120.runtime.backend import TPBackend
 
+    os.environ.update(env or {})
     os.environ["SGLANG_SM120_CACHE"] = cache_dir
     lines = []
 
@@ -98,6 +109,7 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str)
             assert rank != 0 or any("python -m sglang_sm120.tune --tp 2" in line for line in lines), lines
             return
         assert comm.routes.source == "table", (comm.routes.source, comm.routes.why)
+        assert comm.memory == memory, (comm.memory, comm.memory_note)
         if rank == 0:
             enabled = [line for line in lines if "ENABLED" in line]
             assert len(enabled) == 1 and f"routes: tuned table {comm.routes.path}, measured " in enabled[0], lines
@@ -123,6 +135,82 @@ def test_a_group_routes_by_the_tuned_table_and_its_line_names_it(tmp_path, nccl_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     load_only_table(str(tmp_path))
     run_ranks(WORLD, _group_worker, str(tmp_path), "off", expect, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@need_ranks(WORLD)
+def test_where_the_data_path_probe_fails_the_tune_measures_host_memory_and_the_server_routes_by_that_table(
+        tmp_path):
+    """P2P reported but its data not delivered (the probe-drop switch stands for ACS or a translating IOMMU): the
+    tune's ranks build what a server's ranks build (core/plan.py), host memory, and measure it; the server's ranks
+    fall back the same way, find that table and send sizes to our kernels through host memory."""
+    drop = {"SGL_SM120_DEBUG_PROBE_DROP": "1:0"}  # device-memory workspaces only
+    done = run_tune(str(tmp_path), "--debug-nccl-us", "1000000", "--kinds", "plain,fused", "--dtype", "bf16",
+                    env=drop)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = load_only_table(str(tmp_path)).table
+    assert table.key["memory"] == "host", table.key
+    assert any("pinned host memory" in n and "probe failed" in n for n in table.notes), table.notes
+    assert any(e.route is not None and e.route.memory.value == "host" for e in table.entries), table.to_dict()
+    run_ranks(WORLD, _group_worker, str(tmp_path), "auto", "ours", "host", drop, timeout_s=TIMEOUT_S)
+
+
+def _compute_pids() -> set[int]:
+    """Processes holding a CUDA context on GPU 0, as the driver sees them."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _tune_ranks() -> set[int]:
+    """Live rank processes of any tune on this machine (their command line names the child module)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                command = handle.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"sglang_sm120.tuning.child" in command and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+@pytest.mark.gpu
+@need_ranks(WORLD)
+def test_a_tune_killed_mid_measure_leaves_no_process_and_no_cuda_context_behind(tmp_path):
+    """A launcher's SIGKILL of the tool, as the launcher sends it past its bound: the tool's rank processes (in
+    sessions of their own) end with it, within 5 s, and with them their CUDA contexts."""
+    before = _compute_pids()
+    assert not _tune_ranks(), "another tune is running"
+    tool = subprocess.Popen(tune_command("--debug-nccl-us", "1000000", "--verbose"), env=tune_env(str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = tool.stdout.readline()
+            seen.append(line)
+            if ": burst sm120/" in line or not line:  # rank 0 began a candidate: mid-measure
+                break
+        assert _tune_ranks() and tool.poll() is None, "".join(seen[-20:])
+    finally:
+        tool.kill()
+        tool.wait(timeout=10)
+    gone = time.monotonic() + 5
+    while time.monotonic() < gone and (_tune_ranks() or _compute_pids() - before):
+        time.sleep(0.1)
+    assert not _tune_ranks(), f"rank processes outlived the tool: {_tune_ranks()}"
+    assert not _compute_pids() - before, f"CUDA contexts left: {_compute_pids() - before} (before: {before})"
 
 
 @pytest.mark.gpu
