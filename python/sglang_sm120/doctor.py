@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
+from sgl_kernel_sm120.settings import lookup
+
 from . import nccl_check
 from .core import config
 from .core.facts import gpu_uuid, kernel_error, key_facts
@@ -284,7 +286,7 @@ def _self_test_rank(rank: int, world: int, port: int, hidden: int, queue, memory
 def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     """Every section; the problems that keep the backend from running."""
     mode = args.mode or settings.mode
-    source = "--mode" if args.mode else f"${config.MODE_ENV}" if config.variable(config.MODE_ENV) else "default"
+    source = "--mode" if args.mode else f"${spelled[0]}" if (spelled := lookup(config.MODE_ENV)) else "default"
     print(f"mode: {mode} (from {source}); "
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
     report_versions()

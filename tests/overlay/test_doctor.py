@@ -58,9 +58,10 @@ def test_the_dispatch_table_follows_the_bound(capsys):
 
 
 @pytest.mark.parametrize("name, value, said", [
-    (config.MAX_BYTES_ENV, "abc", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc' is not an integer"),
-    (config.HOSTMEM_ENV, "maybe", "SGLANG_SM120_HOSTMEM='maybe' is not a valid host-memory setting"),
+    (config.MAX_BYTES_ENV, "abc", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc': a byte count from 16"),
+    (config.HOSTMEM_ENV, "maybe", "SGLANG_SM120_HOSTMEM='maybe': one of auto, off"),
     ("SGL_SM120_AR_TIMEOUT_S", "-5", "SGL_SM120_AR_TIMEOUT_S='-5': a number of seconds > 0"),
+    ("SGLANG_SM120_SHM_DIR", "/no/such/folder", "SGLANG_SM120_SHM_DIR='/no/such/folder': an existing folder"),
 ])
 def test_a_bad_setting_is_one_line_without_a_traceback_as_at_launch(monkeypatch, capsys, name, value, said):
     monkeypatch.setenv(name, value)
@@ -74,7 +75,8 @@ def test_one_setting_at_two_values_under_its_two_spellings_is_an_error(monkeypat
     monkeypatch.setenv("SGLANG_SM120_ALLREDUCE", "on")
     monkeypatch.setenv("SGL_SM120_ALLREDUCE", "off")
     assert doctor.main(["--no-self-test"]) == 1
-    assert "one setting at two values" in capsys.readouterr().out
+    assert "SGL_SM120_ALLREDUCE='off' and SGLANG_SM120_ALLREDUCE='on' are one setting at two values" in \
+        capsys.readouterr().out
 
 
 def test_mode_off_is_shown_as_off(monkeypatch, capsys):
