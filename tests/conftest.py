@@ -73,12 +73,14 @@ def private_cache(monkeypatch, tmp_path_factory):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """The overlay's variables (and SGLang's PCIe-IPC switch) unset for the test. setenv-then-delenv records
-    "unset" as the value to restore, so values the code under test writes into os.environ (SGLang's own
-    resolution exports some of its settings) are removed after the test."""
+    """The overlay's variables under both spellings (and SGLang's PCIe-IPC switch) unset for the test.
+    setenv-then-delenv records "unset" as the value to restore, so values the code under test writes into
+    os.environ (SGLang's own resolution exports some of its settings) are removed after the test."""
+    from sgl_kernel_sm120.settings import spellings
     from sglang_sm120.core import config
 
-    names = [name for _, name, _ in config.ENVIRONMENT] + ["SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"]
+    names = [spelled for _, name, _ in config.ENVIRONMENT for spelled in spellings(name)]
+    names.append("SGLANG_ENABLE_PCIE_IPC_ALLREDUCE")
     for name in names:
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

@@ -17,11 +17,13 @@ DRY_RUN_FILES = sorted(str(p) for p in (ROOT / "tests" / "gpu").glob("test_*.py"
 
 
 @pytest.mark.skipif(not DRY_RUN_FILES, reason="no GPU test declares a dry run")
-def test_the_sglang_level_gpu_tests_pass_their_cpu_dry_run():
+def test_the_sglang_level_gpu_tests_pass_their_cpu_dry_run(tmp_path):
     pytest.importorskip("sglang")
-    env = {**os.environ, "SGL_SM120_TEST_DRY_RUN": "1"}
+    env = {**os.environ, "SGL_SM120_TEST_DRY_RUN": "1", "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                            *DRY_RUN_FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout and " skipped" not in done.stdout.splitlines()[-1], tail
+    left = sorted(p.name for p in tmp_path.iterdir() if "sm120" in p.name)  # the ranks' caches are removed
+    assert left == [], left

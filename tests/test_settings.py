@@ -1,7 +1,7 @@
-"""The kernel package's switches (sgl_kernel_sm120/settings.py): read once, under both spellings (SGLang 0.5.23 tells
-a user who sets SGL_SM120_X to use SGLANG_SM120_X, and a switch must not be ignored for following it), every bad
-value a one-line error naming the variable, its value and what is allowed; and no other module reads the
-environment."""
+"""The kernel package's switches (sgl_kernel_sm120/settings.py): read once, under both spellings (SGLang tells a user
+who sets SGL_SM120_X to use SGLANG_SM120_X, and a switch must not be ignored for following it), two values an error
+also after SGLang's copy, every bad value a one-line error naming the variable, its value and what is allowed; and
+no other module reads the environment."""
 
 from __future__ import annotations
 
@@ -13,13 +13,19 @@ from pathlib import Path
 
 import pytest
 
+from sgl_kernel_sm120 import settings as settings_module
 from sgl_kernel_sm120.settings import (
     VARIABLES,
     KernelSettings,
     ProbeDrop,
     SettingError,
+    choice,
+    count,
+    folder,
     launch_switches,
+    lookup,
     read,
+    seconds,
     spelled_out,
     spellings,
 )
@@ -35,9 +41,10 @@ def test_nothing_set_is_the_defaults():
     assert settings.cache_dir == os.path.expanduser("~/.cache/sglang_sm120")
 
 
-def test_a_switch_has_both_spellings_and_other_names_one():
-    assert spellings("SGL_SM120_AR_PDL") == ("SGL_SM120_AR_PDL", "SGLANG_SM120_AR_PDL")
-    assert spellings("SGLANG_SM120_CACHE") == ("SGLANG_SM120_CACHE",)  # SGLang copies one way only
+def test_every_setting_has_both_spellings_whichever_it_is_named_by():
+    assert spellings("SGL_SM120_AR_PDL") == spellings("SGLANG_SM120_AR_PDL") == ("SGL_SM120_AR_PDL",
+                                                                               "SGLANG_SM120_AR_PDL")
+    assert spellings("SGLANG_SM120_CACHE") == ("SGL_SM120_CACHE", "SGLANG_SM120_CACHE")
     assert spelled_out("SGL_SM120_AR_PDL", "0") == {"SGL_SM120_AR_PDL": "0", "SGLANG_SM120_AR_PDL": "0"}
 
 
@@ -47,7 +54,7 @@ def test_a_switch_has_both_spellings_and_other_names_one():
     ("abort_after_s", "0", 0.0),
     ("pdl", "0", False),
     ("fused_clusters", "OFF", False),
-    ("shm_dir", "/mnt/big", "/mnt/big"),
+    ("shm_dir", "/", "/"),
     ("library", "/tmp/lib.so", "/tmp/lib.so"),
     ("debug_cluster_check", "trap", "trap"),
     ("debug_probe_drop", "1:0:read@any", ProbeDrop(1, 0, "read", "any")),
@@ -55,7 +62,9 @@ def test_a_switch_has_both_spellings_and_other_names_one():
     ("debug_shm_no_precheck", "1", True),
 ])
 @pytest.mark.parametrize("legacy", [True, False])
-def test_every_switch_is_read_under_either_spelling(field, value, expected, legacy):
+def test_every_switch_is_read_under_either_spelling(field, value, expected, legacy, monkeypatch):
+    if field == "shm_dir":
+        monkeypatch.setattr(os, "access", lambda path, mode: True)  # any user's test run: a folder it may write
     name = spellings(VARIABLES[field])[0 if legacy else -1]
     assert getattr(read({name: value}), field) == expected
 
@@ -66,17 +75,72 @@ def test_the_settings_say_which_switches_were_set():
     assert given == {"timeout_s", "pdl"}  # set to the default is set; empty is unset
 
 
-def test_the_cache_folder_has_one_spelling_and_a_home_folder_is_expanded():
-    assert read({"SGLANG_SM120_CACHE": "~/tables"}).cache_dir == os.path.expanduser("~/tables")
+def test_a_home_folder_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read({"SGL_SM120_CACHE": "~/tables"}).cache_dir == str(tmp_path / "tables")
+
+
+def test_the_shared_memory_folder_must_exist_and_the_cache_may_be_new_inside_a_writable_folder(tmp_path):
+    """A folder that does not exist used to be taken, and failed only when a workspace or a table was written."""
+    assert read({"SGL_SM120_SHM_DIR": str(tmp_path)}).shm_dir == str(tmp_path)
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(SettingError) as caught:
+        read({"SGLANG_SM120_SHM_DIR": str(missing)})
+    assert str(caught.value) == f"SGLANG_SM120_SHM_DIR={str(missing)!r}: an existing folder this user can write"
+    assert read({"SGLANG_SM120_CACHE": str(missing)}).cache_dir == str(missing)  # made when first written
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    for name, value in (("SGLANG_SM120_CACHE", blocked / "tables"), ("SGL_SM120_SHM_DIR", blocked)):
+        with pytest.raises(SettingError, match=f"^{name}='{value}': an existing folder this user can write"):
+            read({name: str(value)})
+
+
+def test_a_folder_this_user_cannot_write_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user who may not write there (root may)
+    with pytest.raises(SettingError, match="SGLANG_SM120_CACHE=.*: an existing folder this user can write, or a new"):
+        read({"SGLANG_SM120_CACHE": str(tmp_path / "new")})
+    with pytest.raises(SettingError, match="SGL_SM120_SHM_DIR=.*: an existing folder this user can write"):
+        read({"SGL_SM120_SHM_DIR": str(tmp_path)})
 
 
 def test_the_same_value_twice_is_fine_and_two_values_are_an_error_naming_both():
     assert read({"SGL_SM120_AR_PDL": "0", "SGLANG_SM120_AR_PDL": "0"}).pdl is False
-    with pytest.raises(SettingError, match="SGL_SM120_AR_PDL='0' and SGLANG_SM120_AR_PDL='1' are one switch"):
-        read({"SGL_SM120_AR_PDL": "0", "SGLANG_SM120_AR_PDL": "1"})
+    assert read({"SGL_SM120_AR_PDL": "", "SGLANG_SM120_AR_PDL": "0"}).pdl is False  # empty is unset
+    with pytest.raises(SettingError) as caught:
+        read({"SGLANG_SM120_AR_PDL": "1", "SGL_SM120_AR_PDL": "0"})
+    assert str(caught.value) == "SGL_SM120_AR_PDL='0' and SGLANG_SM120_AR_PDL='1' are one setting at two values: " \
+                                "unset one of them"
+
+
+def test_two_values_are_found_after_sglangs_copy_made_them_equal(monkeypatch):
+    """SGLang copies SGL_X over SGLANG_X when imported, before any code of ours runs; the environment the process
+    was started with still holds what the user set."""
+    started = {"SGL_SM120_AR_PDL": "0", "SGLANG_SM120_AR_PDL": "1"}
+    monkeypatch.setattr(settings_module, "_started_with", lambda: started)
+    for name in started:
+        monkeypatch.setenv(name, "0")  # after the copy
+    with pytest.raises(SettingError, match="SGL_SM120_AR_PDL='0' and SGLANG_SM120_AR_PDL='1' are one setting"):
+        read()
+    assert read(dict(os.environ)).pdl is False  # a mapping handed in is taken as it is
+    monkeypatch.setenv("SGL_SM120_AR_PDL", "1")  # the process changed both itself since: its own values count
+    monkeypatch.setenv("SGLANG_SM120_AR_PDL", "1")
+    assert read().pdl is True
+    started["SGLANG_SM120_AR_PDL"] = "0"
+    monkeypatch.setenv("SGL_SM120_AR_PDL", "0")
+    monkeypatch.setenv("SGLANG_SM120_AR_PDL", "0")
+    assert lookup("SGL_SM120_AR_PDL") == ("SGL_SM120_AR_PDL", "0")
+
+
+def test_the_environment_a_process_started_with_is_read_from_the_system():
+    code = ("import os; from sgl_kernel_sm120 import settings; os.environ['SM120_PROBE'] = 'changed'; "
+            "print(settings._started_with().get('SM120_PROBE'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SM120_PROBE": "as started", "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "as started", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name, value, allowed", [
+    ("SGL_SM120_AR_TIMEOUT_S", "1e10", "a number of seconds > 0, at most 1e+09"),
     ("SGL_SM120_AR_TIMEOUT_S", "-5", "a number of seconds > 0"),
     ("SGL_SM120_AR_TIMEOUT_S", "0", "a number of seconds > 0"),
     ("SGLANG_SM120_AR_TIMEOUT_S", "soon", "a number of seconds > 0"),
@@ -99,6 +163,23 @@ def test_a_bad_value_is_one_line_naming_the_variable_its_value_and_what_is_allow
     text = str(caught.value)
     assert "\n" not in text and text.startswith(f"{name}={value!r}: ") and allowed in text, text
     assert isinstance(caught.value, ValueError)
+
+
+def test_the_parser_family_says_what_each_takes():
+    assert choice(("a", "b"), "why")("X", "B") == "b" and choice({"on": 1})("X", " ON ") == 1
+    with pytest.raises(SettingError, match=r"^X='c': one of a, b \(why\)$"):
+        choice(("a", "b"), "why")("X", "c")
+    assert seconds(most=60)("X", "60") == 60.0
+    with pytest.raises(SettingError, match=r"^X='61': a number of seconds > 0, at most 60$"):
+        seconds(most=60)("X", "61")
+    assert count(16, 32)("X", "0x10") == 16 and count(1)("X", 5) == 5
+    for bad in ("15", "33", "1.5", "x", True):
+        with pytest.raises(SettingError, match=f"^X={bad!r}: an integer from 16 to 32$"):
+            count(16, 32)("X", bad)
+    with pytest.raises(SettingError, match=r"^--hidden='-1': the hidden size >= 1, or so$"):
+        count(1, what="the hidden size", also="or so")("--hidden", "-1")
+    with pytest.raises(SettingError, match="X='/no/such/folder': an existing folder"):
+        folder()("X", "/no/such/folder")
 
 
 def test_an_empty_value_is_unset():

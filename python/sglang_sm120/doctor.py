@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
+from sgl_kernel_sm120.settings import count, lookup, refuse, seconds
+
 from . import nccl_check
 from .core import config
 from .core.facts import gpu_uuid, kernel_error, key_facts
@@ -128,7 +130,7 @@ def iommu_acs_hints() -> list[str]:
     return hints
 
 
-def dispatch_table(hidden: int, bound: config.ByteBound, *, assumed: str = "") -> None:
+def dispatch_table(hidden: int, bound: config.ByteBound, *, assumed: str = "", table_shown: bool = True) -> None:
     print(f"bound: {bound.max_bytes} B ({bound.explanation})")
     if assumed:
         print(f"  {assumed}: this tool's defaults, not your server's: a server's rows are its largest captured "
@@ -138,8 +140,9 @@ def dispatch_table(hidden: int, bound: config.ByteBound, *, assumed: str = "") -
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         backend = "by the routing table (sm120 or NCCL)" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
         print(f"{tokens:>8} {tokens * hidden * 2:>10}  {backend}")
-    print("within the bound, the routing table (section 'routing table') decides each size; without a usable "
-          "table every size stays on NCCL")
+    print("within the bound, this box's routing table decides each size"
+          + (" (section 'routing table')" if table_shown else " (measured with GPUs: `python -m sglang_sm120.tune`)")
+          + "; without a usable table every size stays on NCCL")
 
 
 def report_cluster_launch(found: list[dict]) -> None:
@@ -284,7 +287,7 @@ def _self_test_rank(rank: int, world: int, port: int, hidden: int, queue, memory
 def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     """Every section; the problems that keep the backend from running."""
     mode = args.mode or settings.mode
-    source = "--mode" if args.mode else f"${config.MODE_ENV}" if config.variable(config.MODE_ENV) else "default"
+    source = "--mode" if args.mode else f"${spelled[0]}" if (spelled := lookup(config.MODE_ENV)) else "default"
     print(f"mode: {mode} (from {source}); "
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
     report_versions()
@@ -306,7 +309,7 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     defaults = [f"{flag} {value}" for flag, value, default in (("--max-bs", args.max_bs, DEFAULT_MAX_BS),
                 ("--draft-tokens", args.draft_tokens, DEFAULT_DRAFT_TOKENS)) if value == default]
     dispatch_table(args.hidden, bound, assumed=f"assumed {args.max_bs} x {args.draft_tokens} rows ("
-                   f"{', '.join(defaults)})" if explicit is None and defaults else "")
+                   f"{', '.join(defaults)})" if explicit is None and defaults else "", table_shown=bool(found))
     if not found:
         return [f"no CUDA GPUs: {NO_GPU_FIX}"]
 
@@ -392,23 +395,36 @@ def write_report(path: str, output: str) -> str:
     return os.path.abspath(path)
 
 
+def report_file(name: str, raw: str) -> str:
+    """--report's FILE, checked before the run (which takes minutes): a file this user can write, new or not."""
+    path = os.path.abspath(os.path.expanduser(raw))
+    writable = os.access(path, os.W_OK) if os.path.exists(path) else os.access(os.path.dirname(path), os.W_OK | os.X_OK)
+    if os.path.isdir(path) or not writable:
+        raise refuse(name, raw, "a file this user can write, in a folder that exists")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_sm120.doctor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", action=config.SettingAction, parse=config.parse_mode, default=None,
                         metavar="{" + ",".join(config.MODES) + "}", help="gate mode to evaluate (default: the setting)")
-    parser.add_argument("--hidden", type=int, default=7168, help="the model's hidden size (Kimi-K2.5: 7168)")
-    parser.add_argument("--max-bs", type=int, default=DEFAULT_MAX_BS, help="a server's largest captured batch")
-    parser.add_argument("--draft-tokens", type=int, default=DEFAULT_DRAFT_TOKENS,
-                        help="a server's --speculative-num-draft-tokens")
+
+    def number(flag, parse, default, text):
+        parser.add_argument(flag, action=config.SettingAction, parse=parse, default=default, help=text)
+
+    number("--hidden", count(1), 7168, "the model's hidden size (Kimi-K2.5: 7168)")
+    number("--max-bs", count(1), DEFAULT_MAX_BS, "a server's largest captured batch")
+    number("--draft-tokens", count(1), DEFAULT_DRAFT_TOKENS, "a server's --speculative-num-draft-tokens")
     parser.add_argument("--max-bytes", action=config.SettingAction, parse=config.parse_max_bytes, default=None,
                         help="an explicit bound (as --sm120-allreduce-max-bytes)")
-    parser.add_argument("--vocab", type=int, default=163840, help="the model's vocabulary (the logits all-gather)")
+    number("--vocab", count(1), 163840, "the model's vocabulary (the logits all-gather)")
     parser.add_argument("--no-nccl-check", action="store_true", help="skip timing NCCL itself")
-    parser.add_argument("--nccl-timeout", type=float, default=300.0, help="seconds for the NCCL check")
+    number("--nccl-timeout", seconds(), 300.0, "seconds for the NCCL check")
     parser.add_argument("--no-self-test", action="store_true", help="skip the multi-process kernel self-test")
-    parser.add_argument("--self-test-timeout", type=float, default=120.0, help="seconds")
-    parser.add_argument("--report", metavar="FILE", help="also write everything as markdown to FILE, for an issue")
+    number("--self-test-timeout", seconds(), 120.0, "seconds")
+    parser.add_argument("--report", metavar="FILE", action=config.SettingAction, parse=report_file,
+                        help="also write everything as markdown to FILE, for an issue")
     args = parser.parse_args(argv)
     output = _Tee(sys.stdout)
     with contextlib.redirect_stdout(output):
@@ -420,7 +436,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         section("result")
         print("\n".join(f"cannot run: {p}" for p in problems) or "the sm120 all-reduce backend can run here")
     if args.report:
-        print(f"report written to {write_report(args.report, output.getvalue())}")
+        try:
+            print(f"report written to {write_report(args.report, output.getvalue())}")
+        except OSError as exc:  # checked before the run, so only what changed since: a full disk, a removed folder
+            print(f"report not written: {exc}")
+            return 1
     return 1 if problems else 0
 
 

@@ -1,7 +1,9 @@
-"""Is NCCL itself slow here? NCCL's all-reduce at the verify sizes ([rows, hidden] bf16) and the logits all-gather,
-timed in a CUDA graph with the environment as it is and with each P2P change that matters (core/nccl.py), every
-variant in fresh processes (one per GPU: NCCL reads its variables once), then what to set.
-`python -m sglang_sm120.nccl_check [--world N]` prints the report; torch is imported inside functions."""
+"""Is NCCL itself slow here? `python -m sglang_sm120.nccl_check` times NCCL's all-reduce at the verify sizes
+([rows, hidden] bf16) and the logits all-gather in a CUDA graph, with the environment as it is and with each P2P
+change that matters, every variant in fresh processes (one per GPU: NCCL reads its variables once), and says what to
+set. It exits 1 when NCCL could not be timed as the environment is (fewer than two GPUs, or NCCL failed).
+
+The variants and the advice: core/nccl.py. torch is imported inside functions."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ import sys
 import tempfile
 import time
 
+from sgl_kernel_sm120 import settings as kernel_settings
+from sgl_kernel_sm120.settings import count, seconds
+
+from .core import config
 from .core import nccl as core
 
 ROWS = (1, 4, 16, 64)  # the verify sizes
@@ -91,7 +97,9 @@ def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) ->
            "nccl_version": None, "p2p_works": None, "error": None}
     if timeout_s <= 0:
         return {**rec, "error": "not run: the check's time was spent"}
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder holding sglang_sm120
+    # the ranks import the packages this process runs: the folders holding sglang_sm120 and sgl_kernel_sm120
+    here = os.pathsep.join(dict.fromkeys(os.path.dirname(os.path.dirname(os.path.abspath(path)))
+                                         for path in (__file__, kernel_settings.__file__)))
     env = {**core.apply(variant, env), "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": core.LOG_SUBSYS,
            "PYTHONPATH": os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])}
     with socket.socket() as sock:  # a free port for the ranks' rendezvous
@@ -193,11 +201,12 @@ def write_times(a, times: dict, p2p_works: bool | None, wrong: list[str]) -> Non
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m sglang_sm120.nccl_check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sglang_sm120.nccl_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=None, help="ranks (default: every visible GPU)")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--vocab", type=int, default=163840)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole check")
+    for flag, parse, default, text in (("--hidden", count(1), 7168, "the model's hidden size"),
+                                       ("--vocab", count(1), 163840, "the model's vocabulary (the logits all-gather)"),
+                                       ("--timeout", seconds(), 300.0, "seconds for the whole check")):
+        ap.add_argument(flag, action=config.SettingAction, parse=parse, default=default, help=text)
     ap.add_argument("--json", action="store_true", help="print the result as JSON instead")
     for name in ("--rank", "--port"):  # a rank process (started by run())
         ap.add_argument(name, type=int, default=None, help=argparse.SUPPRESS)
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return _rank_main(a)
     result = run(a.world, a.hidden, a.vocab, a.timeout)
     print(json.dumps(result, indent=1) if a.json else "\n".join(report_lines(result)))
-    return 0
+    return 1 if result["skipped"] or result["variants"][0]["error"] else 0
 
 
 if __name__ == "__main__":

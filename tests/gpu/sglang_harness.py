@@ -95,6 +95,7 @@ class Plan:
     shared: bool  # ranks share GPUs; SGLang's groups on gloo
     backend: str  # what SGLang's groups use: "nccl" or "gloo"
     dry_run: bool = False
+    cache_root: str = ""  # each rank's SGLANG_SM120_CACHE is a folder in it; run() removes it when the ranks ended
 
     def describe(self) -> str:
         if self.dry_run:
@@ -118,7 +119,9 @@ def run(world: int, fn, *args, timeout_s: float = 300.0) -> None:
 
     fn must be module level (it is pickled for spawn). The plan is made here, in the parent, so every rank
     runs in the same mode."""
-    run_ranks(world, _entry, plan(world), fn, args, timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="sgl_sm120_cache_") as cache_root:
+        run_ranks(world, _entry, dataclasses.replace(plan(world), cache_root=cache_root), fn, args,
+                  timeout_s=timeout_s)
 
 
 def _entry(rank: int, world: int, the_plan: Plan, fn, args) -> None:
@@ -255,7 +258,7 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     # routes small all-reduces to "NCCL" (gloo, in place). These tests check the overlay's
     # paths, not the tune's verdict (tests/gpu/test_tune_gpu.py does); a test may still set both through `env`.
     os.environ["SGLANG_SM120_ALLREDUCE_TUNE"] = "off"
-    os.environ["SGLANG_SM120_CACHE"] = tempfile.mkdtemp(prefix=f"sgl_sm120_cache_r{rank}_")
+    os.environ["SGLANG_SM120_CACHE"] = os.path.join(the_plan.cache_root, f"rank{rank}")
     from sgl_kernel_sm120.settings import spelled_out
 
     for key, value in (env or {}).items():

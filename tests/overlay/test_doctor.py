@@ -48,7 +48,9 @@ def test_without_gpus_the_doctor_names_the_fix_and_exits_non_zero(capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert f"no CUDA GPUs visible to torch: {FIX}" in out and f"cannot run: no CUDA GPUs: {FIX}" in out
-    assert "by the routing table (sm120 or NCCL)" in out and "section 'routing table'" in out
+    assert "by the routing table (sm120 or NCCL)" in out and "(measured with GPUs: `python -m sglang_sm120.tune`)" \
+        in out
+    assert "== routing table" not in out and "section 'routing table'" not in out, out  # no pointer to a lost section
 
 
 def test_the_dispatch_table_follows_the_bound(capsys):
@@ -58,9 +60,10 @@ def test_the_dispatch_table_follows_the_bound(capsys):
 
 
 @pytest.mark.parametrize("name, value, said", [
-    (config.MAX_BYTES_ENV, "abc", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc' is not an integer"),
-    (config.HOSTMEM_ENV, "maybe", "SGLANG_SM120_HOSTMEM='maybe' is not a valid host-memory setting"),
+    (config.MAX_BYTES_ENV, "abc", "SGLANG_SM120_ALLREDUCE_MAX_BYTES='abc': a byte count from 16"),
+    (config.HOSTMEM_ENV, "maybe", "SGLANG_SM120_HOSTMEM='maybe': one of auto, off"),
     ("SGL_SM120_AR_TIMEOUT_S", "-5", "SGL_SM120_AR_TIMEOUT_S='-5': a number of seconds > 0"),
+    ("SGLANG_SM120_SHM_DIR", "/no/such/folder", "SGLANG_SM120_SHM_DIR='/no/such/folder': an existing folder"),
 ])
 def test_a_bad_setting_is_one_line_without_a_traceback_as_at_launch(monkeypatch, capsys, name, value, said):
     monkeypatch.setenv(name, value)
@@ -74,7 +77,27 @@ def test_one_setting_at_two_values_under_its_two_spellings_is_an_error(monkeypat
     monkeypatch.setenv("SGLANG_SM120_ALLREDUCE", "on")
     monkeypatch.setenv("SGL_SM120_ALLREDUCE", "off")
     assert doctor.main(["--no-self-test"]) == 1
-    assert "one setting at two values" in capsys.readouterr().out
+    assert "SGL_SM120_ALLREDUCE='off' and SGLANG_SM120_ALLREDUCE='on' are one setting at two values" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--hidden", "-1"], "--hidden='-1': an integer >= 1"),
+    (["--draft-tokens", "0"], "--draft-tokens='0': an integer >= 1"),
+    (["--max-bs", "0"], "--max-bs='0': an integer >= 1"),
+    (["--vocab", "x"], "--vocab='x': an integer >= 1"),
+    (["--max-bytes", "8"], "--max-bytes='8': a byte count from 16"),
+    (["--nccl-timeout", "0"], "--nccl-timeout='0': a number of seconds > 0"),
+    (["--self-test-timeout", "-3"], "--self-test-timeout='-3': a number of seconds > 0"),
+])
+def test_a_bad_argument_stops_the_doctor_in_one_line_before_it_runs(monkeypatch, capsys, argv, said):
+    """--hidden -1 used to give a bound of -256 B; --draft-tokens 0 printed 32 x 0 rows and computed 32 x 1."""
+    monkeypatch.setattr(doctor, "diagnose", lambda *a: pytest.fail("the doctor ran"))
+    with pytest.raises(SystemExit) as caught:
+        doctor.main([*argv, "--no-self-test"])
+    out, err = capsys.readouterr()
+    assert caught.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: argument {argv[0]}: {said}"), err
 
 
 def test_mode_off_is_shown_as_off(monkeypatch, capsys):
@@ -168,6 +191,27 @@ def test_the_bound_says_which_rows_are_assumed_defaults(capsys):
     assert "assumed 8 x 4 rows (--draft-tokens 4)" in capsys.readouterr().out
     doctor.main(["--no-self-test", "--max-bs", "8", "--draft-tokens", "2"])
     assert "assumed" not in capsys.readouterr().out
+
+
+def test_a_report_path_that_cannot_be_written_stops_the_doctor_before_it_runs(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(doctor, "diagnose", lambda *a: pytest.fail("the doctor ran"))
+    for path in (tmp_path / "no" / "such" / "r.md", tmp_path):
+        with pytest.raises(SystemExit) as caught:
+            doctor.main(["--no-self-test", "--report", str(path)])
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and err == f"error: argument --report: --report={str(path)!r}: a file this " \
+            "user can write, in a folder that exists\n", err
+
+
+def test_a_report_that_fails_to_write_after_the_run_is_one_line(monkeypatch, capsys, tmp_path):
+    def write_report(path, output):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(doctor, "write_report", write_report)
+    assert doctor.main(["--no-self-test", "--report", str(tmp_path / "r.md")]) == 1
+    out, err = capsys.readouterr()
+    assert f"report not written: [Errno 13] Permission denied: '{tmp_path / 'r.md'}'" in out, out
+    assert "Traceback" not in out + err
 
 
 def test_the_report_holds_the_output_the_environment_and_no_host_name(monkeypatch, tmp_path, capsys):

@@ -186,7 +186,30 @@ def test_the_command_with_no_gpu_visible():  # torch's own device count, on any 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
     got = subprocess.run([sys.executable, "-m", "sglang_sm120.nccl_check"], env=env, capture_output=True, text=True,
                          timeout=300)
-    assert (got.returncode, got.stdout) == (0, "NCCL check: needs two GPUs, this machine has 0 (nothing was run)\n")
+    assert (got.returncode, got.stdout) == (1, "NCCL check: needs two GPUs, this machine has 0 (nothing was run)\n")
+
+
+def test_the_exit_code_says_whether_nccl_was_timed_as_configured(monkeypatch, capsys):
+    """As the doctor's: 1 when nothing could be measured with the environment as it is."""
+    timed = {"variant": nccl.BASE, "error": None, "times_us": {}, "transports": {}, "nccl_version": None}
+    for result, code in (({"skipped": "NCCL check: needs two GPUs"}, 1),
+                         ({"skipped": None, "variants": [{**timed, "error": "a rank failed"}]}, 1),
+                         ({"skipped": None, "variants": [timed]}, 0)):
+        monkeypatch.setattr(nccl_check, "run", lambda *a, result=result: result)
+        monkeypatch.setattr(nccl_check, "report_lines", lambda r: ["the report"])
+        assert nccl_check.main([]) == code
+
+
+def test_help_says_what_the_check_does_in_whole_sentences_and_bad_numbers_stop_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        nccl_check.main(["--help"])
+    described = capsys.readouterr().out.split("\n\n")[1]
+    assert described.startswith("Is NCCL itself slow here?") and described.endswith("or NCCL failed)."), described
+    for argv, said in ((["--hidden", "0"], "--hidden='0': an integer >= 1"),
+                       (["--timeout", "soon"], "--timeout='soon': a number of seconds > 0")):
+        with pytest.raises(SystemExit) as caught:
+            nccl_check.main(argv)
+        assert caught.value.code == 2 and capsys.readouterr().err.startswith(f"error: argument {argv[0]}: {said}")
 
 
 def test_stand_in_ranks_end_to_end():

@@ -3,7 +3,8 @@
 Parsed when SGLang makes its ServerArgs record: the environment first (`sglang.Engine(**kwargs)` bypasses argparse),
 the flags over it. The record carries the settings to every scheduler process (SGLang pickles it; `settings_of`).
 The kernel package's switches are checked on the way, so a bad value of either family stops the launch in one line.
-SGLang 0.5.23 copies `SGL_*` variables to `SGLANG_*`, so each variable is read under both spellings.
+Each variable is read by the kernel package's one reader (both spellings, SGL_ and SGLANG_) and parsed by its
+parsers, so every error has one form: `NAME='value': what is allowed`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from collections.abc import Mapping
 
 from sgl_kernel_sm120 import settings as kernel_settings
-from sgl_kernel_sm120.settings import SettingError
+from sgl_kernel_sm120.settings import SettingError, choice, count, lookup, seconds
 
 MODE_ENV = "SGLANG_SM120_ALLREDUCE"
 MAX_BYTES_ENV = "SGLANG_SM120_ALLREDUCE_MAX_BYTES"
@@ -33,56 +34,28 @@ SETTINGS_ATTR = "sm120_settings"  # the ServerArgs attribute that carries the pa
 # Past a few MiB NCCL's ring is as fast on PCIe, and every GPU's scratch (about 2 x TP x bound) grows with the bound.
 DERIVED_MAX_BYTES_CAP = 8 << 20
 MAX_EXPLICIT_BYTES = 64 << 20
-MIN_MAX_BYTES = 16  # one 16-byte vector
+VECTOR_BYTES = 16  # the kernels move whole 16-byte vectors: a workspace's size is a multiple of it
+MIN_MAX_BYTES = VECTOR_BYTES
 FALLBACK_MAX_TOKENS = 64  # when the server captures no CUDA graph
 
 __all__ = ["SettingError"]
 
-
-def _choice(choices, what, meaning=""):
-    def parse(value: object, source: str) -> str:
-        text = str(value).strip().lower()
-        if text not in choices:
-            raise SettingError(f"{source}={value!r} is not a valid {what}; allowed: {', '.join(choices)}"
-                               + (f" ({meaning})" if meaning else ""))
-        return text
-
-    return parse
+parse_mode = choice(MODES)
+parse_tune = choice(TUNE_MODES, "auto: tune at launch when no table of this box exists; off: the built-in seeds; "
+                    "force: tune at every launch")
+parse_hostmem = choice(HOSTMEM_CHOICES, "auto: use pinned host memory where CUDA P2P is missing; off: stay on NCCL "
+                       "there")
+parse_seconds = seconds(most=MAX_SECONDS)
+_byte_count = count(MIN_MAX_BYTES, MAX_EXPLICIT_BYTES, what="a byte count",
+                    also="or auto (derived from the captured batch sizes)")
 
 
-parse_mode = _choice(MODES, "mode")
-parse_tune = _choice(TUNE_MODES, "tune setting", "auto: tune at launch when no table of this box exists; off: the "
-                     "built-in seeds; force: tune at every launch")
-parse_hostmem = _choice(HOSTMEM_CHOICES, "host-memory setting", "auto: use pinned host memory where CUDA P2P is "
-                        "missing; off: stay on NCCL there")
-
-
-def parse_max_bytes(value: object, source: str) -> int | None:
-    """A byte count in [MIN_MAX_BYTES, MAX_EXPLICIT_BYTES], or None ("auto" or empty: derive it)."""
-    allowed = (f"allowed: a byte count from {MIN_MAX_BYTES} to {MAX_EXPLICIT_BYTES}, or 'auto' (derived from the "
-               "captured batch sizes)")
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+def parse_max_bytes(name: str, raw: object) -> int | None:
+    """A byte count in [MIN_MAX_BYTES, MAX_EXPLICIT_BYTES], or None ("auto" or empty: derive it). A count that is
+    not a whole number of vectors is kept here and rounded down by resolve_max_bytes, which says so."""
+    if raw is None or str(raw).strip().lower() in ("", "auto"):
         return None
-    try:
-        number = int(value.strip(), 0) if isinstance(value, str) else value
-    except ValueError:
-        number = None
-    if isinstance(number, bool) or not isinstance(number, int):
-        raise SettingError(f"{source}={value!r} is not an integer; {allowed}")
-    if not MIN_MAX_BYTES <= number <= MAX_EXPLICIT_BYTES:
-        raise SettingError(f"{source}={value!r} is out of range; {allowed}")
-    return number
-
-
-def parse_seconds(value: object, source: str) -> float:
-    allowed = f"allowed: seconds above 0, at most {MAX_SECONDS:.0f}"
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise SettingError(f"{source}={value!r} is not a number; {allowed}") from None
-    if not 0 < seconds <= MAX_SECONDS:  # also rejects nan
-        raise SettingError(f"{source}={value!r} is out of range; {allowed}")
-    return seconds
+    return _byte_count(name, raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +84,9 @@ FLAGS = (
      "sgl_kernel_sm120's CUDA IPC kernels. auto (default): when every TP GPU is compute capability 12.0, TP 2/4/8 on "
      f"one node, deterministic inference off; on: any CUDA GPU; off: SGLang unchanged. Env: {MODE_ENV}."),
     ("max_bytes", "--sm120-allreduce-max-bytes", parse_max_bytes, "N",
-     "Largest all-reduce (bytes) the kernels may serve; larger ones stay on NCCL. Default: the widest captured "
-     f"decode/verify batch x hidden x element size, at most {DERIVED_MAX_BYTES_CAP}. Env: {MAX_BYTES_ENV}."),
+     f"Largest all-reduce (bytes, rounded down to a multiple of {VECTOR_BYTES}) the kernels may serve; larger ones "
+     "stay on NCCL. Default: the widest captured decode/verify batch x hidden x element size, at most "
+     f"{DERIVED_MAX_BYTES_CAP}. Env: {MAX_BYTES_ENV}."),
     ("tune", "--sm120-allreduce-tune", parse_tune, TUNE_MODES,
      "Each size goes to the kernels only where this box's routing table (python -m sglang_sm120.tune) measured them "
      "faster than NCCL. auto (default): when no table matches, the launcher runs a quick tune before the ranks start "
@@ -125,26 +99,12 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-def variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The value of SGLANG_SM120_X under either spelling (SGL_SM120_X too), None when unset or empty."""
-    env = os.environ if environ is None else environ
-    found = {spelled: env[spelled] for spelled in (name, "SGL_" + name.removeprefix("SGLANG_"))
-             if env.get(spelled, "") != ""}
-    if len(set(found.values())) > 1:
-        shown = " and ".join(f"{spelled}={value!r}" for spelled, value in found.items())
-        raise SettingError(f"{shown} are one setting at two values: unset one of them")
-    return next(iter(found.values()), None)
-
-
 def settings_from_environment(environ: Mapping[str, str] | None = None) -> OverlaySettings:
     """The settings from the environment, the kernel package's switches checked too; SettingError names the first
     bad variable."""
     kernel_settings.read(environ)
-    given = {}
-    for field, name, parse in ENVIRONMENT:
-        if (raw := variable(name, environ)) is not None:
-            given[field] = parse(raw, name)
-    return OverlaySettings(**given)
+    return OverlaySettings(**{field: parse(*found) for field, name, parse in ENVIRONMENT
+                              if (found := lookup(name, environ)) is not None})
 
 
 def with_flags(settings: OverlaySettings, namespace: object) -> OverlaySettings:
@@ -173,8 +133,9 @@ def kernel_timeout_s(server_args: object | None, environ: Mapping[str, str] | No
 
 
 class SettingAction(argparse.Action):
-    """Parses a flag with one of the parsers above. A bad value ends the command with one line (exit 2), not
-    SGLang's whole usage; a parser built with exit_on_error=False gets an ArgumentError."""
+    """Parses a flag with a parser of the kernel package's family (`parse(name, value)`). A bad value ends the
+    command with one line (exit 2), not SGLang's whole usage; a parser built with exit_on_error=False gets an
+    ArgumentError."""
 
     def __init__(self, option_strings, dest, parse=None, **kwargs):
         self.parse = parse
@@ -182,7 +143,7 @@ class SettingAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         try:
-            value = self.parse(values, option_string or self.option_strings[0])
+            value = self.parse(option_string or self.option_strings[0], values)
         except SettingError as exc:
             if getattr(parser, "exit_on_error", True):
                 parser.exit(2, f"error: argument {'/'.join(self.option_strings)}: {exc}\n")
@@ -240,7 +201,9 @@ def server_arg(server_args, *names):
 def resolve_max_bytes(explicit: int | None, server_args: object | None, hidden_size: int, element_size: int,
                       decode_rows: int | None = None) -> ByteBound:
     if explicit is not None:
-        return ByteBound(int(explicit), f"set explicitly (--sm120-allreduce-max-bytes / {MAX_BYTES_ENV})")
+        whole = int(explicit) // VECTOR_BYTES * VECTOR_BYTES
+        said = "" if whole == explicit else f", rounded down from {explicit} B to whole {VECTOR_BYTES}-byte vectors"
+        return ByteBound(whole, f"set explicitly (--sm120-allreduce-max-bytes / {MAX_BYTES_ENV}){said}")
     return derive_max_bytes(
         hidden_size=hidden_size, element_size=element_size, decode_rows=decode_rows,
         cuda_graph_max_bs=server_arg(server_args, "cuda_graph_max_bs", "cuda_graph_max_bs_decode"),
