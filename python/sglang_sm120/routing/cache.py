@@ -73,7 +73,10 @@ def failure_path(key: Mapping[str, Any], hidden: int, folder: str | None = None)
 
 def writable(folder: str | None = None) -> str | None:
     """None when the cache folder can be created and written, else why not."""
-    folder = cache_dir() if folder is None else folder
+    try:
+        folder = cache_dir() if folder is None else folder
+    except ValueError as exc:  # the setting names a folder that cannot be one (settings.SettingError)
+        return str(exc)
     try:
         os.makedirs(folder, exist_ok=True)
         probe = os.path.join(folder, f".write-check.{os.getpid()}")
