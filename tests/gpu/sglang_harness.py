@@ -529,8 +529,11 @@ def _attach_dry_run_backend(tp, mode: str) -> None:
     backend = TPBackend.for_group(tp, settings, deterministic=False, store=default_store(),
                                   upstream_note=upstream_pcie.activation_note)
     backend.decision = GateDecision(True, "CPU dry run: gate bypassed by the test harness")
-    # no GPU facts: no key either, so the routes are the seeds (the harness runs with the tune off)
-    backend.facts = group_facts([{"mode": mode, "node": "dry-run", "p2p": None}] * tp.world_size)
+    # P2P between every pair, as the gate saw it; no key facts, so the routes are the seeds (the harness runs with
+    # the tune off)
+    uuids = [f"GPU-dry-run-{r}" for r in range(tp.world_size)]
+    backend.facts = group_facts([{"mode": mode, "node": "dry-run", "uuid": uuid, "p2p": dict.fromkeys(uuids, True)}
+                                 for uuid in uuids])
     set_group_backend(tp, backend)
     if getattr(tp, "pcie_ipc_comm", None) is not None:
         upstream_pcie.set_aside_upstream(tp)
