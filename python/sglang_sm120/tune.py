@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from .core import nccl
 from .core.config import hidden_from_model
+from .core.gate import SUPPORTED_WORLD_SIZES
 from .routing import cache, render
 from .routing.table import NCCL, RoutingTable
 from .tuning import processes
@@ -69,8 +70,8 @@ def parse_args(argv: Sequence[str] | None):
     args.kinds_list = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not args.kinds_list or any(k not in ("plain", "fused") for k in args.kinds_list):
         parser.error(f"--kinds {args.kinds!r}: a comma list of plain, fused")
-    if args.tp is not None and args.tp not in (2, 4, 8):
-        parser.error(f"--tp {args.tp}: the kernels run 2, 4 or 8 ranks")
+    if args.tp is not None and args.tp not in SUPPORTED_WORLD_SIZES:
+        parser.error(f"--tp {args.tp}: the kernels run {', '.join(map(str, SUPPORTED_WORLD_SIZES))} ranks")
     for name in ("max_batch", "draft_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -93,7 +94,7 @@ def plan_ranks(tp: int | None, gpus: int, share: bool, chosen: list[int] | None 
             raise SystemExit(f"error: --gpus {chosen}: {tp} devices among the {gpus} visible")
         return tp, list(chosen)
     if tp is None:
-        fitting = [w for w in (2, 4, 8) if w <= gpus] or ([2] if share else [])
+        fitting = [w for w in SUPPORTED_WORLD_SIZES if w <= gpus] or ([min(SUPPORTED_WORLD_SIZES)] if share else [])
         if not fitting:
             raise SystemExit(f"error: {gpus} GPU visible, the kernels need 2, 4 or 8 ranks (--share-gpu --tp 2 "
                              "for a plumbing check)")

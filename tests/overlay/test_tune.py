@@ -34,7 +34,7 @@ def test_a_local_model_folder_gives_its_hidden_size(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--hidden", "7168", "--tp", "3"], "--tp 3: the kernels run 2, 4 or 8 ranks"),
+    (["--hidden", "7168", "--tp", "3"], "--tp 3: the kernels run 2, 4, 8 ranks"),
     (["--hidden", "7168", "--dtype", "fp32"], "unknown dtype 'fp32'"),
     (["--hidden", "7168", "--kinds", "plain,mixed"], "a comma list of plain, fused"),
     (["--hidden", "7168", "--max-batch", "0"], "--max-batch must be >= 1"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import nccl
+from .gate import SM120
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def local_facts(device, mode: str) -> dict[str, Any]:
         if getattr(device, "type", None) == "cuda" and torch.cuda.is_available():
             props = torch.cuda.get_device_properties(_index(device))
             facts.update(capability=[props.major, props.minor], uuid=gpu_uuid(props), name=str(props.name))
-            if mode == "on" or facts["capability"] == [12, 0]:
+            if mode == "on" or tuple(facts["capability"]) == SM120:
                 facts.update(p2p=p2p_row(_index(device)), kernel_error=kernel_error(), key=key_facts(device))
     except Exception as exc:
         facts["probe_error"] = f"{type(exc).__name__}: {exc}"
