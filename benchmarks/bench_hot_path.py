@@ -1,21 +1,24 @@
 """The Python cost of one eager call through the overlay's hooks, on CPU with stand-in ops.
 
-    git worktree add $BEFORE afd8468      # the commit before the hot-path rework; build its kernel library
-    python -m benchmarks.bench_hot_path --before $BEFORE --before-library $BEFORE_SO [--rounds 5]
+    git clone --shared . $BEFORE && git -C $BEFORE checkout 378f36b   # the commit to compare with
+    python -m benchmarks.bench_hot_path --before $BEFORE --before-library $BEFORE_SO [--rounds 7] \
+        [--target fused_boundary=2]
 
 Eager calls (prefill, or CUDA graphs off) run the overlay's Python on every all-reduce and every layer boundary;
 graph replays run none. Timed here, per call, median of repeats:
 - plain: the replaced `GroupCoordinator.all_reduce` on a [4, 7168] bf16 tensor, through the backend's check
   and route lookup, to the workspace's launch;
-- fused: one layer boundary as SGLang makes it: the fusion gate at the source, then the replaced
-  `_forward_with_allreduce_fusion` at the norm (which asks the gate again and runs the fused launch).
+- fused: one layer boundary as SGLang makes it: the norm's ask of the fusion gate, then the replaced
+  `_forward_with_allreduce_fusion` it promises, which runs the fused launch.
 The workspace is the real `IpcAllReduce` object, built without a GPU (its fields set as a construction on a
 PCIe box of 8 ranks would) and with the compiled ops replaced by Python no-ops, so what is timed is the
 overlay's and the kernel package's Python, not a kernel: the checks, the route lookup, the output allocation.
 The tensors are CPU tensors: the workspace's device is set to the CPU so that its device check passes. SGLang's
-group lookup is served by a stand-in `get_parallel`. With --before, both are measured in fresh processes in
-alternating rounds on one machine, since a shared CPU's slow spells exceed the effect; the JSON keeps every round
-and the median over rounds of before / after. Without it, this checkout alone under --label.
+group lookup is served by a stand-in `get_parallel`. Each run also counts the predicates of one call
+(`predicates`: the conditional jumps Python executes, by where their code lives). With --before, both are
+measured in fresh processes in alternating rounds on one machine, since a shared CPU's slow spells exceed the
+effect; the JSON keeps every comparison made, each with its rounds and the median over rounds of before / after.
+Without it, this checkout alone under --label.
 """
 
 from __future__ import annotations
@@ -89,9 +92,11 @@ def build(patch=setattr):
         raise AssertionError("SGLang's own path was taken: the overlay declined the call")
 
     all_reduce = distributed.wrap_group_all_reduce(never)
-    gate = fusion.wrap_fusion_gate(lambda n: False)
+    gate = fusion.wrap_norm_gate(lambda n: False)
     fused = fusion.replace_forward_with_allreduce_fusion(never)
-    norm = types.SimpleNamespace(variance_epsilon=1e-6)
+    fusion.serve(backend)
+    norm = torch.nn.Module()  # what the overlay reads of an SGLang RMSNorm: its epsilon, and that it is plain
+    norm.variance_epsilon = 1e-6
     x = torch.zeros(ROWS, HIDDEN, dtype=torch.bfloat16)
     residual, weight = torch.zeros_like(x), torch.ones(HIDDEN, dtype=torch.bfloat16)
 
@@ -125,6 +130,37 @@ def commit() -> str:
         return "unknown"
 
 
+def predicates(call) -> dict:
+    """The conditional jumps Python executes in one steady-state `call` (each `if`, each operand of `and`/`or`
+    that is tested, each loop or comprehension condition), by where their code lives: the overlay, the kernel
+    package, torch. The caller's own frames are not counted."""
+    import dis
+
+    import sgl_kernel_sm120
+    import sglang_sm120
+
+    jumps = {op for name, op in dis.opmap.items() if "_IF_" in name}
+    roots = {"overlay": os.path.dirname(sglang_sm120.__file__), "kernel_package": os.path.dirname(
+        sgl_kernel_sm120.__file__), "torch": os.path.dirname(torch.__file__)}
+    counts = dict.fromkeys(roots, 0)
+
+    def trace(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] in jumps:
+            for where, root in roots.items():
+                if frame.f_code.co_filename.startswith(root):
+                    counts[where] += 1
+        return trace
+
+    call()
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return counts
+
+
 def measure_here(calls: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     plain, boundary = build()
@@ -133,17 +169,37 @@ def measure_here(calls: int, repeats: int) -> dict:
             "plain": per_call_us(plain, calls, repeats), "fused_boundary": per_call_us(boundary, calls, repeats)}
 
 
+def predicates_in(checkout: str, library: str) -> dict:
+    """This file's predicate count applied to `checkout`'s own benchmark calls, in a fresh process there."""
+    code = ("import json, runpy, sys; count = runpy.run_path(sys.argv[1])['predicates']; "
+            "from benchmarks.bench_hot_path import build; plain, boundary = build(); "
+            "print(json.dumps({'plain': count(plain), 'fused_boundary': count(boundary)}))")
+    done = subprocess.run([sys.executable, "-c", code, __file__], cwd=checkout, env=_env(checkout, library),
+                          check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def measure_in(checkout: str, library: str, label: str, calls: int, repeats: int) -> dict:
     """One run of `checkout`'s own benchmark, in a fresh process on its own kernel library."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        env = dict(os.environ, SGL_SM120_EXT_LIBRARY=library, SGLANG_SM120_EXT_LIBRARY=library,
-                   PYTHONPATH=os.pathsep.join([os.path.join(checkout, "python"), checkout]))
         subprocess.run([sys.executable, "-m", "benchmarks.bench_hot_path", "--label", label, "--out", out,
-                        "--calls", str(calls), "--repeats", str(repeats)], cwd=checkout, env=env, check=True,
-                       capture_output=True)
+                        "--calls", str(calls), "--repeats", str(repeats)], cwd=checkout,
+                       env=_env(checkout, library), check=True, capture_output=True)
         with open(out, encoding="utf-8") as handle:
             return json.load(handle)["runs"][label]
+
+
+def _env(checkout: str, library: str) -> dict:
+    return dict(os.environ, SGL_SM120_EXT_LIBRARY=library, SGLANG_SM120_EXT_LIBRARY=library,
+                PYTHONPATH=os.pathsep.join([os.path.join(checkout, "python"), checkout]))
+
+
+def _target(text: str) -> tuple[str, float]:
+    op, _, ratio = text.partition("=")
+    if op not in OPS:
+        raise argparse.ArgumentTypeError(f"{op!r} is not one of {', '.join(OPS)}")
+    return op, float(ratio)
 
 
 def main(argv=None) -> int:
@@ -157,9 +213,13 @@ def main(argv=None) -> int:
                         "rounds alternating with this checkout, each in a fresh process")
     parser.add_argument("--before-library", metavar="SO", help="the kernel library built from --before's sources")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds with --before")
+    parser.add_argument("--target", type=_target, action="append", metavar="OP=RATIO",
+                        help="the before / after ratio this comparison aims at, per op (default: 2 for both)")
     args = parser.parse_args(argv)
     if not args.before:
         run = measure_here(args.calls, args.repeats)
+        plain, boundary = build()
+        run["predicates"] = {"plain": predicates(plain), "fused_boundary": predicates(boundary)}
         doc = {"runs": {}}
         if os.path.exists(args.out):
             with open(args.out, encoding="utf-8") as handle:
@@ -181,13 +241,24 @@ def main(argv=None) -> int:
             op: round(before[op]["median_us"] / after[op]["median_us"], 2) for op in OPS}})
         print(f"before {before['commit']} / after {after['commit']}: " + ", ".join(
             f"{op} {before[op]['median_us']} / {after[op]['median_us']} us" for op in OPS), flush=True)
+    targets = dict(args.target or [(op, 2.0) for op in OPS])
+    comparison = {"before": rounds[0]["before"]["commit"], "after": rounds[0]["after"]["commit"],
+                  "target": {op: f"before / after >= {ratio:g}" for op, ratio in targets.items()}, "rounds": rounds,
+                  "before_over_after": {op: statistics.median(r["before_over_after"][op] for r in rounds)
+                                        for op in OPS},
+                  "predicates": {"before": predicates_in(args.before, args.before_library),
+                                 "after": predicates_in(here, library)}}
+    comparison["met"] = all(comparison["before_over_after"][op] >= ratio for op, ratio in targets.items())
     doc = {"benchmark": "hot_path_overhead", "what": "Python cost per eager call (us), stand-in ops, CPU",
-           "statistic": "per round: the median over samples; the verdict: the median over rounds of before / after",
-           "target": "before / after >= 2 for both", "rounds": rounds,
-           "before_over_after": {op: statistics.median(r["before_over_after"][op] for r in rounds) for op in OPS}}
-    doc["met"] = all(v >= 2.0 for v in doc["before_over_after"].values())
+           "statistic": "per round: the median over samples; a comparison's verdict: the median over its rounds of "
+                        "before / after", "comparisons": []}
+    if os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    doc["comparisons"].append(comparison)
     _write(args.out, doc)
-    print(f"before / after (median of {len(rounds)} rounds): {doc['before_over_after']}; target met: {doc['met']}")
+    print(f"before / after (median of {len(rounds)} rounds): {comparison['before_over_after']}; target met: "
+          f"{comparison['met']}; predicates {comparison['predicates']}")
     return 0
 
 

@@ -71,6 +71,16 @@ def private_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path_factory.mktemp("sm120-cache")))
 
 
+@pytest.fixture(autouse=True)
+def no_fused_boundary_state():
+    """The fused boundary's module state (the backend served, a claim, the route memo) does not outlive a test:
+    a test that builds or serves a backend leaves nothing for the next one."""
+    yield
+    fusion = sys.modules.get("sglang_sm120.hooks.fusion")
+    if fusion is not None:
+        fusion.serve(None)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """The overlay's variables under both spellings (and SGLang's PCIe-IPC switch) unset for the test.

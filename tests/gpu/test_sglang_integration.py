@@ -141,6 +141,7 @@ def _scenario(rank: int, world: int, plan) -> None:
         x = ints((3, HIDDEN), 1000 * rank + 3).to(device)
         residual = ints((3, HIDDEN), 503).to(device)
         residual_kept = residual.clone()
+        assert fused.ask(3), "the norm gate did not claim 3 rows"  # as SGLang asks before every fused call
         out, residual_out = odd.forward_with_allreduce_fusion(x, residual)
         _sync(ctx)
         summed = exact_sum((3, HIDDEN), 3, world).to(device)
@@ -262,18 +263,31 @@ def _fused_paths(ctx, norm):
     """The release's fusion gates and the SGLang functions that reach the fused kernel: (name, call(x, r))."""
     from types import SimpleNamespace as NS
 
+    from sglang_sm120.hooks import fusion as hooks_fusion
+
+    def fresh_answers(gate):
+        """The gate's answers with no claim standing (a yes claims the next fused call; none follows here)."""
+        answers = []
+        for t in (0, 1, BOUND_ROWS, BOUND_ROWS + 1):
+            hooks_fusion._claim = None
+            answers.append(bool(gate(t)))
+        hooks_fusion._claim = None
+        return answers
+
     if not ctx.is_0523:
         from sglang.srt.layers import communicator
 
         def check_gate():
-            answers = [bool(communicator.apply_flashinfer_allreduce_fusion(t)) for t in (0, 1, BOUND_ROWS,
-                                                                                          BOUND_ROWS + 1)]
+            answers = fresh_answers(communicator.apply_flashinfer_allreduce_fusion)
             assert answers == [False, True, True, False], answers
 
-        calls = [("RMSNorm.forward_with_allreduce_fusion",
-                  lambda x, r: norm.forward_with_allreduce_fusion(x, r, use_attn_tp_group=False))]
+        def attn_input(x, r):  # prepare_attn's ask, then its fused call
+            assert communicator.apply_flashinfer_allreduce_fusion(x.shape[0]), "the gate did not claim the call"
+            return norm.forward_with_allreduce_fusion(x, r, use_attn_tp_group=False)
+
         return NS(gate_names="layers.communicator.apply_flashinfer_allreduce_fusion", check_gate=check_gate,
-                  calls=calls)
+                  calls=[("LayerCommunicator.prepare_attn's gate + RMSNorm.forward_with_allreduce_fusion", attn_input)],
+                  ask=communicator.apply_flashinfer_allreduce_fusion)
 
     from sglang.srt.layers.layer_boundary import exit as exit_mod
     from sglang.srt.layers.layer_boundary.fusions import allreduce
@@ -284,12 +298,13 @@ def _fused_paths(ctx, norm):
 
     def check_gate():
         for gate in (allreduce.flashinfer_ar_fusion_applies, exit_mod.flashinfer_ar_fusion_applies):
-            answers = [bool(gate(t)) for t in (0, 1, BOUND_ROWS, BOUND_ROWS + 1)]
+            answers = fresh_answers(gate)
             assert answers == [False, True, True, False], (gate.__module__, answers)
         assert post_experts_reduction_group() is ctx.tp, "the MoE output's sum is not over the TP group"
         value = ints((3, HIDDEN), 1).to(ctx.device)
         # SGLang skips the clone of a captured residual on this answer: the fused path must return a fresh one.
         assert allreduce.flashinfer_preserves_residual(value, None)
+        hooks_fusion._claim = None  # the FFN input it speaks for does not follow here
 
     def ffn_input(x, r):
         return allreduce.fused_ffn_input(plan, x, r, None)
@@ -299,7 +314,8 @@ def _fused_paths(ctx, norm):
         return allreduce.fused_attn_input(plan, owed, r, None, None, fuses_quant=False, keep_bf16=False)
 
     return NS(gate_names="layer_boundary.fusions.allreduce / exit .flashinfer_ar_fusion_applies",
-              check_gate=check_gate, calls=[("fused_ffn_input", ffn_input), ("fused_attn_input", attn_input)])
+              check_gate=check_gate, calls=[("fused_ffn_input", ffn_input), ("fused_attn_input", attn_input)],
+              ask=allreduce.flashinfer_ar_fusion_applies)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from ..core import config
 from ..runtime.backend import TPBackend, activation_line
 from ..runtime.registry import ATTR, group_backend, set_group_backend
-from . import upstream_pcie
+from . import fusion, upstream_pcie
 
 logger = logging.getLogger("sglang_sm120")
 
@@ -181,6 +181,7 @@ def wrap_group_destroy(original):
     def destroy(self):
         backend = group_backend(self)
         if backend is not None:
+            fusion.serve(None)  # a process has one TP group, so this was the backend served
             backend.close()  # before the process groups the workspace was built over go
             set_group_backend(self, None)
         return original(self)
@@ -221,8 +222,10 @@ def prepare_tp_backend(server_args, hidden_size: int, dtype: torch.dtype,
     fusion_ok = fusion_reduces_over(group)
     draft_tokens = getattr(server_args, "speculative_num_draft_tokens", None)
     verify_rows = int(draft_tokens) if getattr(server_args, "speculative_algorithm", None) and draft_tokens else 1
-    if backend.build(hidden_size, dtype, bound, kernel_timeout_s=config.kernel_timeout_s(server_args),
-                     tune=settings.tune, fusion_ok=fusion_ok, verify_rows=verify_rows) and not fusion_ok:
+    built = backend.build(hidden_size, dtype, bound, kernel_timeout_s=config.kernel_timeout_s(server_args),
+                          tune=settings.tune, fusion_ok=fusion_ok, verify_rows=verify_rows)
+    fusion.serve(backend)  # its fused token counts (none unless built with fusion_ok) are what the gates claim
+    if built and not fusion_ok:
         backend._log_rank0(logging.INFO, f"sglang_sm120 [{backend.name}]: attention-TP/MoE groups differ from the TP "
                                          "group (or DP attention is on); the fused all-reduce + RMSNorm stays with "
                                          "SGLang, plain all-reduces use sm120")

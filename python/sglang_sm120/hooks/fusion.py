@@ -1,17 +1,26 @@
-"""Replacements for the fused all-reduce + residual-add + RMSNorm boundary (0.5.13.post1 names below; 0.5.23's
-gate is `layer_boundary...flashinfer_ar_fusion_applies`, same signature, see seams/v0_5_23.py).
+"""Replacements for the fused all-reduce + residual-add + RMSNorm boundary (0.5.13.post1 names below; 0.5.23's are
+in seams/v0_5_23.py).
 
-The fusion gate decides, per layer boundary, whether the all-reduce is skipped at its source and done by
-`RMSNorm.forward_with_allreduce_fusion` at the next norm, which calls the module function
-`layers.layernorm._forward_with_allreduce_fusion`. Both are looked up as module globals at call time, so replacing
-the module attributes takes effect.
+SGLang defers a sum at its source (a layer's MoE/MLP output, an attention output) and completes it at the next
+norm, `RMSNorm.forward_with_allreduce_fusion`, which calls the module function
+`layers.layernorm._forward_with_allreduce_fusion`. It asks the fusion gate at both ends, on two numbers: the
+source on the batch's token count (`forward_batch.input_ids.shape[0]`), the norm on the partial sum's rows. Here
+the claim is decided once. The first yes records `_claim`, the backend that completes the sum of the next fused
+norm call; every ask until that call answers yes from the record instead of asking again, and the call takes the
+record up. A claimed call completes its sum exactly once whatever its rows: the fused kernel where a route serves
+them, else an all-reduce and the module's own norm. A call without our claim is upstream's (its own gate said
+yes). A source decides afresh on its own number (a claim no norm took up is void there), and SGLang asks a norm
+only for a sum it still owes, so a claim changes who completes a sum, never whether. No claim is made while
+torch.compile traces, and a claim is taken up (or voided) within the forward that made it: SGLang follows every
+ask of a norm with its fused call, 0.5.13.post1 asks a source in every layer, 0.5.23 carries a source's claim to
+the next layer's input.
 
 Three upstream hazards are guarded here:
  (a) EAGLE-3 (0.5.13.post1) captures `hidden_states + residual` before layer i. If layer i-1 deferred its MoE
      all-reduce into layer i's norm, the capture reads an un-reduced partial sum, so layers feeding a capture
      never defer (`wrap_set_layers_to_capture`, `wrap_should_fuse_mlp`).
  (b) Upstream returns the norm of the un-reduced input when its fused op declines after the gate said yes.
-     Once our gate said yes we never decline: if the kernel cannot take the call we all-reduce, then norm.
+     A claimed call never declines: if the kernel cannot take it we all-reduce, then norm.
  (c) The fused path returns a fresh residual (the capture keeps a reference to it); so does our fallback.
 """
 
@@ -19,33 +28,65 @@ from __future__ import annotations
 
 import functools
 import logging
+from types import SimpleNamespace
 
 import torch
-
-from .distributed import tp_backend
 
 logger = logging.getLogger("sglang_sm120")
 
 # Set on a LayerCommunicator whose layer output EAGLE-3 (or DFLASH) captures before the next layer.
 KEEP_MLP_ALLREDUCE = "_sm120_keep_mlp_allreduce"
 
+_NOT_SERVING = SimpleNamespace(fused_tokens=frozenset())
+_serving = _NOT_SERVING  # the TP backend whose fused calls this module routes (serve()); no token count otherwise
+_claim = None  # the backend that completes the sum of the next fused norm call; None: no claim of ours
+# (x.shape, norm module) -> route or None. A norm's first call of a size is checked in full (_first_route); its
+# later calls of that size are the same layer's tensors, whose dtype, device and layout SGLang does not change, and
+# the kernel's own argument check stands behind them (an error, never a wrong sum).
+_routes: dict = {}
+_is_compiling = torch.compiler.is_compiling
 
-def fused_backend(num_tokens: int):
-    """The TP backend when our gate says yes for `num_tokens` rows: built, fused calls reduce over its group, and
-    its routes send a fused call of that size to our kernel (where a table says NCCL + SGLang's norm won, SGLang
-    keeps its own path). A pure function of T and what was agreed at build, so every rank answers the same."""
-    backend = tp_backend()
-    if backend is None or num_tokens not in backend.fused_tokens or torch.compiler.is_compiling():
-        return None
-    return backend
+
+def serve(backend) -> None:
+    """Route fused calls through `backend` (None: no token count is ours). Its `fused_tokens`, set when its
+    workspace was built and emptied when it closes, are the token counts a gate claims."""
+    global _serving, _claim
+    _serving, _claim = backend or _NOT_SERVING, None
+    _routes.clear()
 
 
-def wrap_fusion_gate(original):
+def wrap_norm_gate(original):
+    """The gate a norm asks before completing a sum with the fused op (0.5.13.post1: every ask, the source's
+    included, which `wrap_should_fuse_mlp` makes afresh; 0.5.23: the fused input kernels and
+    `flashinfer_preserves_residual`): the claim's answer while one stands, else ours for the token counts our
+    routes serve, else upstream's."""
+
     @functools.wraps(original)
-    def apply_flashinfer_allreduce_fusion(batch_size: int):
-        return fused_backend(batch_size) is not None or original(batch_size)
+    def gate(batch_size: int):
+        global _claim
+        if _claim is None:
+            if _is_compiling() or batch_size not in _serving.fused_tokens:
+                return original(batch_size)
+            _claim = _serving
+        return True
 
-    return apply_flashinfer_allreduce_fusion
+    return gate
+
+
+def wrap_source_gate(original):
+    """0.5.23's exit, deciding whether an FFN may leave its sum to the next layer's input: afresh on the batch's
+    token count, and a yes is the claim that input honours."""
+
+    @functools.wraps(original)
+    def gate(batch_size: int):
+        global _claim
+        if _is_compiling() or batch_size not in _serving.fused_tokens:
+            _claim = None
+            return original(batch_size)
+        _claim = _serving
+        return True
+
+    return gate
 
 
 def norm_matches_kernel(norm) -> bool:
@@ -57,17 +98,31 @@ def norm_matches_kernel(norm) -> bool:
             and getattr(norm, "_quant_linear", None) is None and hasattr(norm, "variance_epsilon"))
 
 
+def _first_route(backend, norm, x, residual, weight):
+    """The full check of a norm's first call of a size; memoized for sizes within the byte bound."""
+    route = backend.fused_route_for(x, residual, weight) if norm_matches_kernel(norm) else None
+    if x.numel() * x.element_size() <= backend.max_bytes:
+        _routes[x.shape, norm] = route
+    return route
+
+
 def replace_forward_with_allreduce_fusion(original):
     @functools.wraps(original)
     def _forward_with_allreduce_fusion(norm, x, residual, post_residual_addition, weight, use_attn_tp_group=True):
-        backend = fused_backend(x.shape[0]) if residual is not None else None
-        if backend is None:  # a call our gate did not claim: upstream's, unchanged
+        global _claim
+        backend, _claim = _claim, None
+        if backend is None:  # not our claim: upstream's own gate said yes
             return original(norm, x, residual, post_residual_addition, weight, use_attn_tp_group)
-        # From here on the call is ours: the caller skipped its all-reduce because our gate said yes.
+        if residual is None:  # nothing to add the sum to (SGLang's callers always pass one): sum, then norm
+            backend.stats["fused_fallback"] += 1
+            return norm.forward(backend.group_coordinator.all_reduce(x), None, post_residual_addition)
         fresh = post_residual_addition is not None
         if fresh:
             residual = residual + post_residual_addition
-        route = backend.fused_route_for(x, residual, weight) if norm_matches_kernel(norm) else None
+        try:
+            route = _routes[x.shape, norm]
+        except KeyError:
+            route = _first_route(backend, norm, x, residual, weight)
         if route is not None:
             return backend.run_fused(x, residual, weight, norm.variance_epsilon, route)
         # Hazard (b): reduce (ours or NCCL, as the dispatch picks), then the module's own norm, which writes its
@@ -111,12 +166,18 @@ def wrap_set_layers_to_capture(original):
 
 
 def wrap_should_fuse_mlp(original):
+    """0.5.13.post1's source: whether a layer leaves its MLP sum to the next layer's input norm. SGLang's own
+    answer asks the gate on the batch's token count, afresh; while the layer defers, that answer is the claim
+    the next norm honours. A layer feeding a capture keeps its all-reduce while ours fuses (hazard a)."""
+
     @functools.wraps(original)
     def should_fuse_mlp_allreduce_with_next_layer(self, forward_batch) -> bool:
-        fuse = original(self, forward_batch)
-        if fuse and getattr(self, KEEP_MLP_ALLREDUCE, False):
-            backend = tp_backend()
-            return backend is None or not backend.fused_tokens  # our fusion active: keep the reduce here
-        return fuse
+        global _claim
+        _claim = None
+        if original(self, forward_batch) and not (getattr(self, KEEP_MLP_ALLREDUCE, False)
+                                                  and _serving.fused_tokens):
+            return True
+        _claim = None  # nothing is deferred (or a capture keeps it here): no norm takes this answer up
+        return False
 
     return should_fuse_mlp_allreduce_with_next_layer

@@ -209,35 +209,40 @@ class TPBackend:
     # Dispatch. A pure function of the call's shape, dtype and layout and of what was agreed at build, so every
     # rank takes the same path (a mismatch would leave a kernel waiting for its peer).
     def route_for(self, inp: torch.Tensor):
-        """The route of ours for this plain all-reduce, or None (SGLang's own path)."""
+        """The route of ours for this plain all-reduce, or None (SGLang's own path). Sizes above the bound are
+        answered before the memo, which so holds one entry per size and dtype within it."""
         ws = self.workspace
         if ws is None or inp.device != self.device or not inp.is_contiguous():
             return None
-        key = (inp.numel(), inp.dtype)
+        numel = inp.numel()
+        if numel > ws.max_numel:
+            return None
+        key = (numel, inp.dtype)
         try:
             return self._plain[key]
         except KeyError:
             pass
-        route = self._plain[key] = self.routes.route(inp.numel() * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) \
+        route = self._plain[key] = self.routes.route(numel * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) \
             if ws.supports(inp) else None
         return route
 
     def _fused_route(self, rows: int, hidden: int, dtype: torch.dtype, admitted: bool):
-        route = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype], True) if admitted else None
-        self._fused[rows, hidden, dtype] = route
+        """The route of a fused call of this size, memoized; a size the workspace does not admit (above the bound
+        among them) is None before the memo."""
+        if not admitted:
+            return None
+        route = self._fused[rows, hidden, dtype] = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype],
+                                                                     True)
         return route
 
     def fused_route_for(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
         """The route of ours for this fused all-reduce + residual-add + RMSNorm, or None (all-reduce, then norm)."""
         ws = self.workspace
-        if (ws is None or x.dim() != 2 or x.device != self.device or not x.is_contiguous() or residual.shape != x.shape
-                or residual.dtype != x.dtype or residual.device != x.device or weight.dtype != x.dtype
-                or weight.device != x.device or weight.shape != x.shape[1:]):
+        if ws is None or not ws.supports_add_rmsnorm(x, residual, weight):
             return None
-        route = self._fused.get((x.shape[0], x.shape[1], x.dtype), _UNSEEN)
-        if route is _UNSEEN:
-            route = self._fused_route(x.shape[0], x.shape[1], x.dtype, ws.supports_add_rmsnorm(x, residual, weight))
-        return route
+        rows, hidden = x.shape
+        route = self._fused.get((rows, hidden, x.dtype), _UNSEEN)
+        return self._fused_route(rows, hidden, x.dtype, True) if route is _UNSEEN else route
 
     def run(self, inp: torch.Tensor, route) -> torch.Tensor:
         self.stats["sm120"] += 1

@@ -52,13 +52,15 @@ SEAMS = [
     Seam("sglang.srt.model_executor.runner.base_runner:BaseRunner._pre_initialize_flashinfer_allreduce_workspace",
          dist_hooks.wrap_runner_pre_capture,
          "builds the IPC workspace before capture, sized by SGLang's widest decode/verify row count"),
-    Seam(f"{_BOUNDARY}.fusions.allreduce:flashinfer_ar_fusion_applies", fusion_hooks.wrap_fusion_gate,
-         "the gate the fused attention/FFN input kernels and flashinfer_preserves_residual call"),
-    Seam(f"{_BOUNDARY}.exit:flashinfer_ar_fusion_applies", fusion_hooks.wrap_fusion_gate,
-         "the same gate where an FFN exit decides whether a LoRA / TP1-shared-expert sum may be deferred"),
+    Seam(f"{_BOUNDARY}.fusions.allreduce:flashinfer_ar_fusion_applies", fusion_hooks.wrap_norm_gate,
+         "the gate the fused attention/FFN input kernels and flashinfer_preserves_residual call; it honours a "
+         "claim of ours"),
+    Seam(f"{_BOUNDARY}.exit:flashinfer_ar_fusion_applies", fusion_hooks.wrap_source_gate,
+         "the same gate where an FFN exit decides whether a LoRA / TP1-shared-expert sum may be deferred: a "
+         "yes is the claim the next input honours"),
     Seam("sglang.srt.layers.layernorm:_forward_with_allreduce_fusion",
          fusion_hooks.replace_forward_with_allreduce_fusion,
-         "fused all-reduce + residual-add + RMSNorm through sm120; never declines after the gate said yes"),
+         "fused all-reduce + residual-add + RMSNorm through sm120; a call we claimed never declines"),
     Seam("sglang.srt.managers.scheduler:Scheduler.get_internal_state", info_hooks.wrap_get_internal_state,
          "adds the backend's state and device-side call counters to /get_server_info and /server_info"),
 ]

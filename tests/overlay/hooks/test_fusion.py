@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -57,10 +58,25 @@ def set_routes(backend, routes):
 
 
 @pytest.fixture
-def backend(monkeypatch):
+def backend():
     b = fake_backend()
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
+    hooks_fusion.serve(b)
     return b
+
+
+# A norm's ask of the fusion gate, as every release's boundary code makes it before the fused call (upstream's
+# own answer stands in as "no").
+norm_gate = hooks_fusion.wrap_norm_gate(lambda batch_size: False)
+
+
+def fresh_answers(gate, counts):
+    """The gate's answer for each token count, each asked with no claim standing (no fused call follows)."""
+    answers = []
+    for count in counts:
+        hooks_fusion._claim = None
+        answers.append(bool(gate(count)))
+    hooks_fusion._claim = None
+    return answers
 
 
 def ints(*shape, seed=0):
@@ -83,20 +99,20 @@ def rmsnorm():
 
 
 @ONLY_0513
-def test_fusion_gate_yes_only_when_enabled_and_tokens_fit(overlay, backend, monkeypatch):
+def test_fusion_gate_yes_only_when_enabled_and_tokens_fit(overlay, backend):
     from sglang.srt.layers import communicator
 
-    assert [communicator.apply_flashinfer_allreduce_fusion(t) for t in (0, 1, 8, 9, 2048)] == [
-        False, True, True, False, False,
-    ]
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
-    assert not any(communicator.apply_flashinfer_allreduce_fusion(t) for t in (1, 8))
+    gate = communicator.apply_flashinfer_allreduce_fusion
+    assert fresh_answers(gate, (0, 1, 8, 9, 2048)) == [False, True, True, False, False]
+    hooks_fusion.serve(None)
+    assert fresh_answers(gate, (1, 8)) == [False, False]
 
 
 def test_fusion_gate_defers_to_upstream_when_ours_says_no():
     calls = []
-    gate = hooks_fusion.wrap_fusion_gate(lambda bs: calls.append(bs) or "upstream")
+    gate = hooks_fusion.wrap_norm_gate(lambda bs: calls.append(bs) or "upstream")
     assert gate(5) == "upstream" and calls == [5]
+    assert hooks_fusion._claim is None
 
 
 def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(backend):
@@ -109,7 +125,28 @@ def test_fusion_gate_says_no_where_a_tuned_table_routes_the_fused_call_to_nccl(b
                                      measurements={("bfloat16", "fused"): points})
     set_routes(backend, RouteBook(TABLE, table=table, path="p", shape=backend.workspace.shape,
                                   limits=backend.workspace.limits))
-    assert [hooks_fusion.fused_backend(t) is not None for t in (1, 3, 4, 8, 9)] == [True, True, False, False, False]
+    assert fresh_answers(norm_gate, (1, 3, 4, 8, 9)) == [True, True, False, False, False]
+
+
+def test_a_yes_is_a_claim_every_ask_honours_until_the_fused_call_takes_it_up(overlay, backend):
+    assert norm_gate(2)
+    assert hooks_fusion._claim is backend
+    assert norm_gate(9)  # 9 rows are not ours, but a claim stands: the answer is not recomputed
+    norm = rmsnorm()
+    x, residual = ints(9, HIDDEN, seed=1), ints(9, HIDDEN, seed=2)
+    out, res_out = norm.forward_with_allreduce_fusion(x, residual)
+    # the claimed call completes its sum once, without a kernel for its rows: an all-reduce, then the norm
+    assert backend.stats["fused_fallback"] == 1 and backend.group_coordinator.all_reduce_calls == 1
+    ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
+    assert torch.equal(res_out, ref_res) and torch.equal(out, ref_out)
+    assert hooks_fusion._claim is None and not norm_gate(9)
+
+
+def test_a_source_decides_afresh_and_voids_a_claim_no_norm_took_up(backend):
+    source_gate = hooks_fusion.wrap_source_gate(lambda batch_size: False)
+    assert norm_gate(2)
+    assert not source_gate(9) and hooks_fusion._claim is None
+    assert source_gate(3) and hooks_fusion._claim is backend
 
 
 def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_attached(monkeypatch):
@@ -129,16 +166,22 @@ def test_prepare_tp_backend_builds_with_the_settings_parsed_when_the_group_was_a
     assert seen == [("force", 4096)]
 
 
-def test_a_closed_backend_or_one_without_fusion_never_claims_a_boundary(overlay, monkeypatch):
+def test_a_closed_backend_or_one_without_fusion_never_claims_a_boundary():
     b = fake_backend()
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
-    assert hooks_fusion.fused_backend(2) is b
+    hooks_fusion.serve(b)
+    assert fresh_answers(norm_gate, (2,)) == [True]
     b.close()  # a workspace gone: no token count is ours
-    assert hooks_fusion.fused_backend(2) is None
+    assert fresh_answers(norm_gate, (2,)) == [False]
     b = fake_backend()
     b.fused_tokens = frozenset()  # what build() leaves when fused calls would not reduce over this group
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
-    assert hooks_fusion.fused_backend(2) is None
+    hooks_fusion.serve(b)
+    assert fresh_answers(norm_gate, (2,)) == [False]
+
+
+def test_no_claim_is_made_while_torch_compile_traces(backend, monkeypatch):
+    monkeypatch.setattr(hooks_fusion, "_is_compiling", lambda: True)
+    assert not norm_gate(2) and not hooks_fusion.wrap_source_gate(lambda n: False)(2)
+    assert hooks_fusion._claim is None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,6 +196,7 @@ def test_fused_call_uses_kernel_and_returns_fresh_residual(overlay, backend):
     norm = rmsnorm()
     x, residual = ints(3, HIDDEN, seed=1), ints(3, HIDDEN, seed=2)
     x_before, residual_before = x.clone(), residual.clone()
+    assert norm_gate(3)
     out, res_out = norm.forward_with_allreduce_fusion(x, residual)
     assert backend.stats["sm120_fused"] == 1 and backend.stats["fused_fallback"] == 0
     ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
@@ -165,6 +209,7 @@ def test_fused_call_uses_kernel_and_returns_fresh_residual(overlay, backend):
 def test_fused_call_folds_post_residual_addition(overlay, backend):
     norm = rmsnorm()
     x, residual, extra = ints(2, HIDDEN, seed=1), ints(2, HIDDEN, seed=2), ints(2, HIDDEN, seed=3)
+    assert norm_gate(2)
     _, res_out = norm.forward_with_allreduce_fusion(x, residual, post_residual_addition=extra)
     assert torch.equal(res_out, (x.float() * WORLD + residual.float() + extra.float()).to(x.dtype))
 
@@ -174,6 +219,7 @@ def test_declining_kernel_still_reduces_never_returns_unreduced_norm(overlay, ba
     monkeypatch.setattr(backend, "fused_route_for", lambda *a: None)
     x, residual = ints(3, HIDDEN, seed=4), ints(3, HIDDEN, seed=5)
     residual_before = residual.clone()
+    assert norm_gate(3)
     out, res_out = norm.forward_with_allreduce_fusion(x, residual)
     assert backend.stats["fused_fallback"] == 1 and backend.stats["sm120_fused"] == 0
     assert backend.group_coordinator.all_reduce_calls == 1
@@ -188,6 +234,7 @@ def test_norm_variants_with_other_numerics_take_the_fallback(overlay, backend):
     norm = rmsnorm()
     norm.cast_x_before_out_mul = True
     x, residual = ints(2, HIDDEN, seed=6), ints(2, HIDDEN, seed=7)
+    assert norm_gate(2)
     out, res_out = norm.forward_with_allreduce_fusion(x, residual)
     assert backend.stats["fused_fallback"] == 1
     ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
@@ -203,10 +250,156 @@ def test_calls_our_gate_did_not_claim_go_upstream(backend):
 
     fused = hooks_fusion.replace_forward_with_allreduce_fusion(upstream)
     norm = rmsnorm()
-    assert fused(norm, ints(9, HIDDEN), ints(9, HIDDEN), None, norm.weight, False) == "upstream"  # T too large
-    assert fused(norm, ints(2, HIDDEN), None, None, norm.weight, True) == "upstream"  # no residual
-    assert seen == [(9, False, False), (2, True, True)]
-    assert backend.stats["sm120_fused"] == 0
+    assert fused(norm, ints(2, HIDDEN), ints(2, HIDDEN), None, norm.weight, False) == "upstream"  # nothing asked
+    assert not norm_gate(9)  # upstream's own gate said yes
+    assert fused(norm, ints(9, HIDDEN), ints(9, HIDDEN), None, norm.weight, False) == "upstream"
+    assert seen == [(2, False, False), (9, False, False)]
+    assert backend.stats["sm120_fused"] == 0 and hooks_fusion._claim is None
+
+
+def test_a_claimed_call_without_a_residual_still_completes_its_sum(overlay, backend):
+    norm = rmsnorm()
+    x = ints(2, HIDDEN, seed=7)
+    assert norm_gate(2)
+    out = norm.forward_with_allreduce_fusion(x, None)
+    assert backend.group_coordinator.all_reduce_calls == 1 and backend.stats["fused_fallback"] == 1
+    assert torch.equal(out, norm.forward_native((x.float() * WORLD).to(x.dtype)))
+
+
+def test_route_memo_holds_sizes_within_the_bound_only(overlay, backend):
+    norm = rmsnorm()
+    for rows in (2, 2, 3, 9, 12, 9):
+        hooks_fusion._claim = backend  # as a source's claim would: every call here is ours
+        norm.forward_with_allreduce_fusion(ints(rows, HIDDEN), ints(rows, HIDDEN))
+    assert sorted(shape[0] for shape, _ in hooks_fusion._routes) == [2, 3]
+    assert sorted(backend._fused) == [(t, HIDDEN, torch.bfloat16) for t in range(1, 9)]
+    assert backend.stats["sm120_fused"] == 3 and backend.stats["fused_fallback"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 0.5.13.post1's boundary, through SGLang's own LayerCommunicator code: the source asks on the batch's token
+# count, the norm on the partial sum's rows
+
+
+def sglang_0513_layer(norm, *, capture=False):
+    """What LayerCommunicator's should-fuse-MLP, prepare_attn and prepare_mlp read of their layer (TP only)."""
+    from sglang.srt.layers.communicator import CommunicateWithAllReduceAndLayerNormFn, ScatterMode
+
+    layer = SimpleNamespace(
+        input_layernorm=norm, post_attention_layernorm=norm, is_last_layer=False, _speculative_algo=None,
+        layer_scatter_modes=SimpleNamespace(mlp_mode=ScatterMode.FULL), qkv_latent_func=None,
+        _context=SimpleNamespace(tp_size=WORLD, attn_tp_size=WORLD, attn_dp_size=1, cache=None),
+        _communicate_simple_fn=lambda hidden_states, forward_batch, context: hidden_states,
+        _communicate_with_all_reduce_and_layer_norm_fn=functools.partial(
+            CommunicateWithAllReduceAndLayerNormFn._gather_hidden_states_and_residual,
+            residual_input_mode=ScatterMode.TP_ATTN_FULL))
+    if capture:
+        setattr(layer, hooks_fusion.KEEP_MLP_ALLREDUCE, True)
+    return layer
+
+
+@pytest.fixture
+def sglang_0513_sums(monkeypatch, backend):
+    """Every completed sum of the boundary, by who completed it: SGLang's own all-reduces (the MoE's at its
+    source, the norm side's unfused path), ours (the fused kernel, the claimed call's all-reduce)."""
+    from sglang.srt.layers import communicator
+
+    sglang = []
+
+    def sglang_all_reduce(t):
+        sglang.append(t.shape[0])
+        return (t.float() * WORLD).to(t.dtype)
+
+    for name in ("moe_tensor_model_parallel_all_reduce", "attention_tensor_model_parallel_all_reduce"):
+        monkeypatch.setattr(communicator, name, sglang_all_reduce)
+    monkeypatch.setattr(communicator, "is_enable_moe_cp_allgather", lambda: False)
+
+    def count():
+        return {"sglang": len(sglang), "fused": backend.stats["sm120_fused"],
+                "claimed all-reduce": backend.group_coordinator.all_reduce_calls}
+
+    return SimpleNamespace(all_reduce=sglang_all_reduce, count=count)
+
+
+def decode_batch(tokens):
+    return SimpleNamespace(input_ids=torch.zeros(tokens, dtype=torch.long),
+                           forward_mode=SimpleNamespace(is_decode_or_idle=lambda: True))
+
+
+def sglang_0513_moe_boundary(layer, next_layer, batch, partial, residual, sums):
+    """One MoE layer's end and the next layer's input as DeepseekV2DecoderLayer runs them: the source's
+    decision, the MoE's own all-reduce unless deferred (then the tag), the next prepare_attn."""
+    from sglang.srt.layers.communicator import LayerCommunicator
+
+    defer = LayerCommunicator.should_fuse_mlp_allreduce_with_next_layer(layer, batch)
+    if defer:
+        partial._sglang_needs_allreduce_fusion = True
+    else:
+        partial = sums.all_reduce(partial)
+    return defer, LayerCommunicator.prepare_attn(next_layer, partial, residual, batch)
+
+
+@ONLY_0513
+@pytest.mark.parametrize("tokens,rows", [(4, 4), (4, 12), (12, 4), (12, 12)])  # the backend claims <= 8 tokens
+def test_0513_a_deferred_moe_sum_is_completed_exactly_once_whatever_the_norms_rows(
+        overlay, backend, sglang_0513_sums, tokens, rows):
+    norm = rmsnorm()
+    partial, residual = ints(rows, HIDDEN, seed=1), ints(rows, HIDDEN, seed=2)
+    residual_before = residual.clone()
+    defer, (out, res_out) = sglang_0513_moe_boundary(sglang_0513_layer(norm), sglang_0513_layer(norm),
+                                                     decode_batch(tokens), partial, residual, sglang_0513_sums)
+    assert defer is (tokens <= 8)  # the source's number decides
+    done = sglang_0513_sums.count()
+    assert sum(done.values()) == 1, done
+    if defer:  # the norm honours the source's claim whatever its rows: the kernel where it serves them
+        assert done["fused" if rows <= 8 else "claimed all-reduce"] == 1, done
+    ref_out, ref_res = reference((partial.float() * WORLD).to(partial.dtype), residual_before, norm)
+    assert torch.equal(res_out, ref_res)
+    torch.testing.assert_close(out, ref_out, atol=0.05, rtol=0.02)
+    assert hooks_fusion._claim is None
+
+
+@ONLY_0513
+@pytest.mark.parametrize("rows", [4, 12])
+def test_0513_the_attention_sum_is_decided_at_its_norm_alone_and_completed_once(
+        overlay, backend, sglang_0513_sums, rows):
+    from sglang.srt.layers.communicator import LayerCommunicator
+
+    norm = rmsnorm()
+    partial, residual = ints(rows, HIDDEN, seed=3), ints(rows, HIDDEN, seed=4)
+    residual_before = residual.clone()
+    out, res_out = LayerCommunicator.prepare_mlp(sglang_0513_layer(norm), partial, residual, decode_batch(4))
+    done = sglang_0513_sums.count()
+    assert done == {"sglang": int(rows > 8), "fused": int(rows <= 8), "claimed all-reduce": 0}, done
+    ref_out, ref_res = reference((partial.float() * WORLD).to(partial.dtype), residual_before, norm)
+    assert torch.equal(res_out, ref_res)
+    torch.testing.assert_close(out, ref_out, atol=0.05, rtol=0.02)
+
+
+@ONLY_0513
+def test_0513_a_layer_feeding_a_capture_completes_its_own_sum_and_leaves_no_claim(
+        overlay, backend, sglang_0513_sums):
+    norm = rmsnorm()
+    partial, residual = ints(4, HIDDEN, seed=5), ints(4, HIDDEN, seed=6)
+    defer, (_, res_out) = sglang_0513_moe_boundary(sglang_0513_layer(norm, capture=True), sglang_0513_layer(norm),
+                                                   decode_batch(4), partial, residual.clone(), sglang_0513_sums)
+    assert defer is False and sglang_0513_sums.count() == {"sglang": 1, "fused": 0, "claimed all-reduce": 0}
+    assert torch.equal(res_out, (partial.float() * WORLD + residual.float()).to(partial.dtype))
+    assert hooks_fusion._claim is None
+
+
+@ONLY_0513
+def test_0513_fused_moe_boundary_runs_at_most_ten_predicates_of_ours(overlay, backend, sglang_0513_sums):
+    from benchmarks.bench_hot_path import predicates
+
+    norm, batch = rmsnorm(), decode_batch(4)
+    layer, next_layer = sglang_0513_layer(norm), sglang_0513_layer(norm)
+
+    def boundary():
+        sglang_0513_moe_boundary(layer, next_layer, batch, ints(4, HIDDEN), ints(4, HIDDEN), sglang_0513_sums)
+
+    assert predicates(boundary)["overlay"] <= 10
+    assert backend.stats["sm120_fused"] == 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,16 +438,26 @@ def test_capture_of_layer_zero_and_missing_layers_are_skipped():
     assert hooks_fusion.mark_layers_feeding_captures(lm) == [2]
 
 
-def test_should_fuse_is_false_for_marked_layers_only_with_backend(monkeypatch):
-    should_fuse = hooks_fusion.wrap_should_fuse_mlp(lambda self, fb: True)
+def test_should_fuse_is_false_for_marked_layers_only_with_backend():
+    upstream_answer = []
+
+    def upstream(self, forward_batch):  # SGLang's own answer asks the gate with the batch's token count
+        return norm_gate(forward_batch) or upstream_answer[0]
+
+    should_fuse = hooks_fusion.wrap_should_fuse_mlp(upstream)
     plain, captured = SimpleNamespace(), SimpleNamespace(**{hooks_fusion.KEEP_MLP_ALLREDUCE: True})
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: SimpleNamespace(fused_tokens=frozenset({1})))
-    assert should_fuse(plain, None) is True
-    assert should_fuse(captured, None) is False
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
-    assert should_fuse(captured, None) is True  # backend off: upstream unchanged
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: SimpleNamespace(fused_tokens=frozenset()))
-    assert should_fuse(captured, None) is True  # built, but not fusing: upstream unchanged
+    backend = fake_backend()
+    hooks_fusion.serve(backend)
+    upstream_answer[:] = [False]
+    assert should_fuse(plain, 2) is True and hooks_fusion._claim is backend  # the claim the next norm honours
+    assert should_fuse(captured, 2) is False and hooks_fusion._claim is None
+    assert should_fuse(plain, 9) is False and hooks_fusion._claim is None
+    hooks_fusion.serve(None)  # backend off: upstream unchanged
+    upstream_answer[:] = [True]
+    assert should_fuse(captured, 2) is True and hooks_fusion._claim is None
+    backend.fused_tokens = frozenset()  # built, but not fusing: upstream unchanged
+    hooks_fusion.serve(backend)
+    assert should_fuse(captured, 2) is True and hooks_fusion._claim is None
     assert hooks_fusion.wrap_should_fuse_mlp(lambda self, fb: False)(plain, None) is False
 
 
@@ -281,6 +484,8 @@ def test_dispatch_small_to_kernel_large_and_ineligible_to_original(monkeypatch):
     assert all_reduce(group, ints(4, HIDDEN).float()) == "nccl"  # kernel declines fp32
     assert backend.stats == {"sm120": 1, "sm120_fused": 0, "fallback": 2, "fused_fallback": 0}
     assert original_calls == [(9, HIDDEN), (4, HIDDEN)]
+    # the route memo holds sizes within the bound only: one above it is answered before the memo
+    assert sorted(backend._plain, key=str) == [(4 * HIDDEN, torch.float32), (8 * HIDDEN, torch.bfloat16)]
 
 
 def test_dispatch_without_backend_is_upstream():

@@ -5,6 +5,7 @@ code reaches it."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import SimpleNamespace
 
@@ -21,7 +22,17 @@ from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion  # noqa: E402
 from sglang_sm120.hooks import upstream_pcie  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
-from tests.overlay.hooks.test_fusion import HIDDEN, WORLD, fake_backend, ints, reference, rmsnorm  # noqa: E402
+from tests.overlay.hooks.test_fusion import (  # noqa: E402
+    HIDDEN,
+    WORLD,
+    fake_backend,
+    fresh_answers,
+    ints,
+    norm_gate,
+    reference,
+    rmsnorm,
+)
+from tests.support.fakes import FakeGroupCoordinator  # noqa: E402
 
 BOUNDARY = "sglang.srt.layers.layer_boundary"
 
@@ -34,9 +45,9 @@ def overlay():
 
 
 @pytest.fixture
-def backend(monkeypatch):
+def backend():
     b = fake_backend()
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: b)
+    hooks_fusion.serve(b)
     return b
 
 
@@ -77,15 +88,25 @@ def test_every_module_that_holds_the_gate_by_name_is_patched():
     assert all(vars(sys.modules[h])["flashinfer_ar_fusion_applies"] is gate for h in holders)
 
 
-def test_gate_says_yes_only_when_enabled_and_tokens_fit(overlay, backend, monkeypatch):
+def test_gate_says_yes_only_when_enabled_and_tokens_fit(overlay, backend):
     from sglang.srt.layers.layer_boundary import exit as exit_mod
     from sglang.srt.layers.layer_boundary.fusions import allreduce
 
     for gate in (allreduce.flashinfer_ar_fusion_applies, exit_mod.flashinfer_ar_fusion_applies):
-        assert [bool(gate(t)) for t in (0, 1, 8, 9, 2048)] == [False, True, True, False, False]
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
+        assert fresh_answers(gate, (0, 1, 8, 9, 2048)) == [False, True, True, False, False]
+    hooks_fusion.serve(None)
     # upstream's own gate answers on CPU (not SM90/SM100): no
-    assert not any(allreduce.flashinfer_ar_fusion_applies(t) for t in (1, 8))
+    assert fresh_answers(allreduce.flashinfer_ar_fusion_applies, (1, 8)) == [False, False]
+
+
+def test_the_exit_is_a_source_the_input_kernels_honour_its_claim(overlay, backend):
+    from sglang.srt.layers.layer_boundary import exit as exit_mod
+    from sglang.srt.layers.layer_boundary.fusions import allreduce
+
+    assert allreduce.flashinfer_ar_fusion_applies(2) and allreduce.flashinfer_ar_fusion_applies(9)  # honoured
+    assert not exit_mod.flashinfer_ar_fusion_applies(9)  # the exit asks afresh, and voids the standing claim
+    assert not allreduce.flashinfer_ar_fusion_applies(9)
+    assert exit_mod.flashinfer_ar_fusion_applies(4) and allreduce.flashinfer_ar_fusion_applies(9)
 
 
 def test_fused_ffn_input_as_sglang_calls_it_reaches_our_kernel(overlay, backend, monkeypatch):
@@ -99,7 +120,7 @@ def test_fused_ffn_input_as_sglang_calls_it_reaches_our_kernel(overlay, backend,
     ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
     assert torch.equal(res_out, ref_res)
     torch.testing.assert_close(out, ref_out, atol=0.05, rtol=0.02)
-    monkeypatch.setattr(hooks_fusion, "tp_backend", lambda: None)
+    hooks_fusion.serve(None)
     assert allreduce.fused_ffn_input(plan, x, residual, None) is None  # gate no: SGLang completes unfused
 
 
@@ -142,7 +163,26 @@ def test_preserves_residual_contract_follows_our_gate(overlay, backend, monkeypa
     # SGLang skips the clone of a captured residual on this answer, so the fused path must return a fresh one
     # (checked in test_fusion.py::test_fused_call_uses_kernel_and_returns_fresh_residual).
     assert allreduce.flashinfer_preserves_residual(value, None)
+    hooks_fusion._claim = None  # no FFN input follows here
     assert not allreduce.flashinfer_preserves_residual(ints(9, HIDDEN), None)
+
+
+def test_the_ffn_input_keeps_the_promise_its_preserves_answer_made(overlay, backend, monkeypatch):
+    """SGLang asks whether the FFN input will leave the residual in place before that input runs, and keeps the
+    captured residual without a copy on a yes: the input must then take our path (a fresh residual) whatever its
+    rows, and complete its sum once."""
+    from sglang.srt.layers.layer_boundary.fusions import allreduce
+
+    monkeypatch.setattr(allreduce, "get_parallel", lambda: SimpleNamespace(attn_tp_size=WORLD))
+    norm = rmsnorm()
+    plan = SimpleNamespace(norm=norm)
+    assert allreduce.flashinfer_preserves_residual(ints(4, HIDDEN), None)
+    x, residual = ints(9, HIDDEN, seed=5), ints(9, HIDDEN, seed=6)
+    out, res_out = allreduce.fused_ffn_input(plan, x, residual, None)
+    assert res_out is not residual and backend.group_coordinator.all_reduce_calls == 1
+    assert backend.stats["fused_fallback"] == 1 and backend.stats["sm120_fused"] == 0
+    ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual, norm)
+    assert torch.equal(res_out, ref_res) and torch.equal(out, ref_out)
 
 
 def test_norm_with_fused_output_quant_takes_the_reduce_then_norm_path(overlay, backend):
@@ -151,6 +191,7 @@ def test_norm_with_fused_output_quant_takes_the_reduce_then_norm_path(overlay, b
     assert not hooks_fusion.norm_matches_kernel(norm)
     x, residual = ints(2, HIDDEN, seed=6), ints(2, HIDDEN, seed=7)
     residual_before = residual.clone()
+    assert norm_gate(2)
     out, res_out = norm.forward_with_allreduce_fusion(x, residual, use_attn_tp_group=False)
     assert backend.stats["fused_fallback"] == 1 and backend.stats["sm120_fused"] == 0
     ref_out, ref_res = reference((x.float() * WORLD).to(x.dtype), residual_before, norm)
@@ -163,8 +204,82 @@ def test_gemma_norm_reaches_the_same_replacement(overlay, backend):
 
     norm = GemmaRMSNorm(HIDDEN, eps=1e-6).to(torch.bfloat16)
     x, residual = ints(2, HIDDEN, seed=8), ints(2, HIDDEN, seed=9)
+    assert norm_gate(2)
     norm.forward_with_allreduce_fusion(x, residual)
     assert backend.stats["sm120_fused"] + backend.stats["fused_fallback"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the MoE boundary through SGLang's own exit and input code: the exit asks on the batch's token count, the input
+# on the partial sum's rows
+
+
+@pytest.fixture
+def moe_group(monkeypatch):
+    """The group the MoE output's sum is owed over (the TP group, another object than the one our claimed calls
+    reduce over, so that each count says who completed a sum)."""
+    from sglang.srt.layers.layer_boundary import exit as exit_mod
+    from sglang.srt.layers.layer_boundary.fusions import allreduce
+
+    group = FakeGroupCoordinator(WORLD)
+    monkeypatch.setattr(allreduce, "post_experts_reduction_group", lambda: group)
+    monkeypatch.setattr(exit_mod, "_ffn_has_tokens", lambda forward_batch: True)
+    return group
+
+
+def sglang_0523_moe_boundary(tokens, partial, residual, norm, group, *, single_sum):
+    """An FFN exit's decision (`_batch_allows_deferred_sum`: a LoRA / TP1-shared-expert output asks the gate, an
+    ordinary one defers unasked), the sum at the source unless deferred, then the next layer's attention input
+    (`_run_entry` with the release's fused input kernels, its unfused completion and its norm step)."""
+    from sglang.srt.layers.layer_boundary import exit as exit_mod
+    from sglang.srt.layers.layer_boundary import prepare
+    from sglang.srt.layers.layer_boundary.fusions import allreduce
+    from sglang.srt.layers.layer_boundary.output import UnreducedOutput
+    from sglang.srt.layers.layer_boundary.residual.add_norm import NORM_READOUT
+
+    batch = SimpleNamespace(input_ids=torch.zeros(tokens, dtype=torch.long),
+                            residual_stream=SimpleNamespace(residual=None))
+    facts = SimpleNamespace(single_sum=single_sum, fused_consumer_sum=True)
+    defer = exit_mod._batch_allows_deferred_sum(batch, facts, None)
+    hidden = UnreducedOutput(partial=partial, group=group) if defer else group.all_reduce(partial)
+    step = functools.partial(prepare._update_read, pre_move=None, enters_stack=False, read=NORM_READOUT)
+    fusions = allreduce.attn_input_fusions(SimpleNamespace(norm=norm, fusions=None))
+    return defer, prepare._run_entry(hidden, residual, batch, norm, step=step, is_plain_add=True,
+                                     carried_fusions=fusions)
+
+
+@pytest.mark.parametrize("single_sum", [True, False], ids=["ordinary", "lora"])
+@pytest.mark.parametrize("tokens,rows", [(4, 4), (4, 12), (12, 4), (12, 12)])  # the backend claims <= 8 tokens
+def test_a_deferred_moe_sum_is_completed_exactly_once_whatever_the_inputs_rows(
+        overlay, backend, moe_group, single_sum, tokens, rows):
+    norm = rmsnorm()
+    partial, residual = ints(rows, HIDDEN, seed=1), ints(rows, HIDDEN, seed=2)
+    residual_before = residual.clone()
+    defer, (out, res_out) = sglang_0523_moe_boundary(tokens, partial, residual, norm, moe_group,
+                                                     single_sum=single_sum)
+    assert defer is (single_sum or tokens <= 8)
+    done = {"sglang": moe_group.all_reduce_calls, "fused": backend.stats["sm120_fused"],
+            "claimed all-reduce": backend.group_coordinator.all_reduce_calls}
+    assert sum(done.values()) == 1, done
+    if defer and (rows <= 8 or not single_sum):  # ours: decided at the input, or the exit's claim honoured there
+        assert done["fused" if rows <= 8 else "claimed all-reduce"] == 1, done
+    ref_out, ref_res = reference((partial.float() * WORLD).to(partial.dtype), residual_before, norm)
+    assert torch.equal(res_out, ref_res)
+    torch.testing.assert_close(out, ref_out, atol=0.05, rtol=0.02)
+    assert hooks_fusion._claim is None
+
+
+@pytest.mark.parametrize("single_sum", [True, False], ids=["ordinary", "lora"])
+def test_fused_moe_boundary_runs_at_most_ten_predicates_of_ours(overlay, backend, moe_group, single_sum):
+    from benchmarks.bench_hot_path import predicates
+
+    norm = rmsnorm()
+
+    def boundary():
+        sglang_0523_moe_boundary(4, ints(4, HIDDEN), ints(4, HIDDEN), norm, moe_group, single_sum=single_sum)
+
+    assert predicates(boundary)["overlay"] <= 10
+    assert backend.stats["sm120_fused"] == 2
 
 
 # ---------------------------------------------------------------------------------------------------------

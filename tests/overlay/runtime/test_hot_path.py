@@ -52,3 +52,10 @@ def test_the_stand_in_workspace_really_serves_both_calls(monkeypatch):
     boundary()
     stats = group_backend(sglang_group("tp_group")).stats
     assert stats == {"sm120": 1, "sm120_fused": 1, "fallback": 0, "fused_fallback": 0}
+
+
+def test_the_fused_boundary_runs_at_most_ten_predicates_of_ours(monkeypatch):
+    """The norm's ask and the claimed call it promised: the overlay's own conditional jumps (the kernel package's
+    launch and torch's are its own business). Each release's real boundary is counted in tests/overlay/hooks."""
+    _, boundary = bench_hot_path.build(monkeypatch.setattr)
+    assert bench_hot_path.predicates(boundary)["overlay"] <= 10
