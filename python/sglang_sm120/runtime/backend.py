@@ -194,12 +194,10 @@ class TPBackend:
                 islands=None if host else kernel_islands(self.islands, self.world_size),
                 link="auto" if host else (self.link or "auto"))
         except Exception as exc:  # the construction raises on every rank together; agreed below
-            error = f"{type(exc).__name__}: {exc}"
-            # The kernel's own sentence when the host-memory workspace does not fit its tmpfs begins so.
-            at = error.find("host memory:") if isinstance(exc, IpcAllReduceHostMemoryError) else -1
-            outcome = {"error": error,  # pairs: a probe failure's, else None
+            # By type, never by words: a probe failure's pairs, a too small tmpfs's sentence (folder, free, needed).
+            outcome = {"error": f"{type(exc).__name__}: {exc}",
                        "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
-                       "tmpfs": error[at:].splitlines()[0].rstrip(")").strip() if at >= 0 else None}
+                       "tmpfs": exc.tmpfs if isinstance(exc, IpcAllReduceHostMemoryError) else None}
         try:
             failed = {r: o for r, o in enumerate(self._agree(step, outcome)) if o.get("error")}
         except Exception as exc:
