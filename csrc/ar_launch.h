@@ -111,6 +111,60 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Schedule sche
 // every rank's device address space; pushes and polls cross PCIe to host memory (ar_protocol.cuh I11).
 enum class Memory : int { kDevice = 0, kHost = 1 };
 
+// I6 (ar_protocol.cuh states the rule): what a workspace remembers of its calls' streams.
+struct StreamOrder {
+  cudaStream_t eager = nullptr;  // the stream of the latest eager call
+  bool has_eager = false;
+  bool fast = false;                // the next call from `eager` skips the slow path (no captured call seen since)
+  cudaStream_t captured = nullptr;  // the stream of the latest captured call seen, and its capture (0: none)
+  unsigned long long capture = 0;
+};
+
+// What a call from a stream does (I6): go; go after everything issued so far on `after`; be refused (an eager call
+// while `after`, the previous eager call's stream, captures); or kUnknown: CUDA could not say whether `after`
+// captures. `next`: the record once the call is made.
+struct StreamStep {
+  enum Kind { kGo, kOrderAfter, kRefuse, kUnknown } kind;
+  cudaStream_t after;
+  StreamOrder next;
+};
+constexpr unsigned long long kCaptureUnknown = ~0ull;
+
+// I6's rule, pure: `capture_of(s)` is the capture stream s is in (0: none, kCaptureUnknown: CUDA cannot say). The
+// fast path is one comparison. workspace.cu asks CUDA and applies the step; tests/stream_order_check.cu walks
+// SGLang's sequences of streams through it on the host.
+template <typename CaptureOf>
+StreamStep stream_step(const StreamOrder& order, cudaStream_t stream, CaptureOf capture_of) {
+  StreamStep step{StreamStep::kGo, nullptr, order};
+  if (order.fast && stream == order.eager) return step;
+  const unsigned long long capture = capture_of(stream);
+  if (capture == kCaptureUnknown) return {StreamStep::kUnknown, stream, order};
+  const bool other_eager = order.has_eager && order.eager != stream;
+  const unsigned long long eager_capture = other_eager ? capture_of(order.eager) : 0;
+  if (eager_capture == kCaptureUnknown) return {StreamStep::kUnknown, order.eager, order};
+  if (capture != 0) {
+    // Captured: ordered after the previous captured call of this capture when that came from another stream. That
+    // call's stream is the latest captured one seen, or the eager stream when it captures in this capture too (a
+    // captured call from the eager stream takes the fast path, unseen).
+    cudaStream_t previous = stream;
+    if (order.capture == capture) previous = order.captured;
+    else if (eager_capture == capture) previous = order.eager;
+    if (previous != stream) step = {StreamStep::kOrderAfter, previous, order};
+    step.next.captured = stream;
+    step.next.capture = capture;
+    step.next.fast = false;  // every captured call takes the slow path, so the next one sees this one
+    return step;
+  }
+  if (other_eager) {
+    if (eager_capture != 0) return {StreamStep::kRefuse, order.eager, order};
+    step = {StreamStep::kOrderAfter, order.eager, order};
+  }
+  step.next.eager = stream;
+  step.next.has_eager = true;
+  step.next.fast = true;
+  return step;
+}
+
 // The group-agreed launch limits of a workspace (LaunchShape's agreed fields): until the group has agreed, the
 // safe defaults (this GPU's SMs, no clusters: the grouped kernel computes the cluster kernel's bits).
 struct LaunchLimits {
@@ -142,14 +196,8 @@ struct Workspace {
   // Loopback (benchmarks only): one process plays rank 0 of `world`; the peers' slabs are local allocations.
   bool loopback = false;
   char* loopback_slabs[kMaxWorld] = {};
-  // I6 (ar_protocol.cuh): the stream of the latest eager call, whether the next call from it may skip the slow
-  // path, the latest captured call's stream and capture (0: none seen), and the event that orders a change.
-  cudaStream_t eager_stream = nullptr;
-  bool has_eager_stream = false;
-  bool eager_fast = false;
-  cudaStream_t captured_stream = nullptr;
-  unsigned long long capture_id = 0;
-  cudaEvent_t order_event = nullptr;
+  StreamOrder streams;                // I6
+  cudaEvent_t order_event = nullptr;  // I6: orders a call after another stream's
   WorkspaceView view{};
 };
 
@@ -219,7 +267,7 @@ std::string workspace_context_error(const Workspace* ws);
 // orders it (workspace.cu workspace_change_stream; ar_protocol.cuh says the rule). Empty, or why it is refused.
 std::string workspace_change_stream(Workspace* ws, cudaStream_t stream);
 inline std::string workspace_enter_stream(Workspace* ws, cudaStream_t stream) {
-  return ws->eager_fast && stream == ws->eager_stream ? std::string() : workspace_change_stream(ws, stream);
+  return ws->streams.fast && stream == ws->streams.eager ? std::string() : workspace_change_stream(ws, stream);
 }
 
 }  // namespace sgl_sm120

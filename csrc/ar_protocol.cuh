@@ -28,14 +28,14 @@
 //      buffer we write was emptied (I4) by a kernel that has finished.
 //  I6  A rank's calls on one workspace are totally ordered, in the order the host issues them: seq (I5) is read at
 //      a kernel's entry and advanced at its exit, so two calls running at once would take the same seq. The host
-//      keeps it where a call is made (workspace_enter_stream, workspace.cu), at the cost of one comparison: a call
-//      from the stream of the previous eager call goes on. Any other call takes the slow path, which asks CUDA
-//      whether the stream is capturing a graph:
+//      keeps it where a call is made (workspace_enter_stream and the rule, stream_step, in ar_launch.h; applied in
+//      workspace.cu), at the cost of one comparison: a call from the stream of the previous eager call goes on.
+//      Any other call takes the slow path, which asks CUDA whether the streams involved are capturing a graph:
 //        eager, from another stream: it is ordered after everything issued so far on the previous eager stream (an
-//          event recorded there, waited for here), so an alternate or overlap stream is safe, never a hang; that
-//          ordering is what SGLang's own stream changes have already (it synchronizes the device before the eager
-//          warm-up on its capture stream, and serves on its forward stream after capture). Refused, with one
-//          error on every rank since every rank issues the same calls, when the previous eager stream is
+//          event recorded there, waited for here), so an alternate or overlap stream is safe, never a hang. SGLang's
+//          own changes (its eager warm-ups on a capture stream after a device synchronize, then serving on its
+//          forward stream) are ordered already; the event costs them one record and one wait, once. Refused, with
+//          one error on every rank since every rank issues the same calls, when the previous eager stream is
 //          capturing a graph right then: nothing recorded there could be waited for outside its capture.
 //        captured: it runs when the graph is replayed, so it needs no order against eager calls now. Inside one
 //          capture a call from another stream than the previous captured one is ordered after it (an event edge
@@ -43,7 +43,8 @@
 //      What no call shows: replays. A graph replays on the stream it is launched on, so the caller keeps replays
 //      and eager calls on one stream order (SGLang replays and serves eager calls on its forward stream), and
 //      replays no two graphs of one workspace at once. SGL_SM120_DEBUG_NO_STREAM_ORDER drops the event edges on
-//      purpose: calls from two streams then overtake each other (tests/gpu/test_negative_controls.py).
+//      purpose: calls from two streams then overtake each other (tests/gpu/test_negative_controls.py);
+//      tests/stream_order_check.cu walks SGLang's sequences of streams through the rule on the host.
 //  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank claims the
 //      report, records rank, peer, phase, seq and the time waited in host-mapped memory, and marks the workspace
 //      poisoned (Ctrl::poisoned). What follows depends on view.trap_on_timeout:

@@ -539,61 +539,37 @@ std::string order_after(Workspace* ws, cudaStream_t earlier, cudaStream_t later)
 #endif
 }
 
-// The capture `stream` is in (0: none); false when CUDA cannot say.
-bool capture_of(cudaStream_t stream, unsigned long long* id, cudaError_t* err) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  *id = 0;
-  *err = cudaStreamGetCaptureInfo(stream, &status, id);
-  if (*err == cudaSuccess && status == cudaStreamCaptureStatusInvalidated) *err = cudaErrorStreamCaptureInvalidated;
-  if (*err != cudaSuccess) return false;
-  if (status != cudaStreamCaptureStatusActive) *id = 0;
-  return true;
-}
-
 }  // namespace
 
-// I6, the slow path (ar_protocol.cuh states the rule).
+// I6, the slow path: CUDA's answers through the rule (stream_step, ar_launch.h), then its step.
 std::string workspace_change_stream(Workspace* ws, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  unsigned long long capture = 0;
-  if (!capture_of(stream, &capture, &err)) return stream_failure("asking whether the call's stream captures", err);
-  if (capture != 0) {
-    // A captured call. Its order against the previous captured call of the same capture, when that came from
-    // another stream: that call's stream is the latest captured one, or the eager stream when that one captures too
-    // (a captured call from the eager stream takes the fast path, unseen).
-    cudaStream_t previous = stream;
-    unsigned long long eager_capture = 0;
-    if (ws->capture_id == capture) {
-      previous = ws->captured_stream;
-    } else if (ws->has_eager_stream && ws->eager_stream != stream) {
-      if (!capture_of(ws->eager_stream, &eager_capture, &err))
-        return stream_failure("asking whether the previous eager call's stream captures", err);
-      if (eager_capture == capture) previous = ws->eager_stream;
+  cudaError_t failed = cudaSuccess;
+  const StreamStep step = stream_step(ws->streams, stream, [&failed](cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    const cudaError_t err = cudaStreamGetCaptureInfo(s, &status, &id);
+    if (err != cudaSuccess || status == cudaStreamCaptureStatusInvalidated) {
+      failed = err != cudaSuccess ? err : cudaErrorStreamCaptureInvalidated;
+      return kCaptureUnknown;
     }
-    if (previous != stream) {
-      const std::string failed = order_after(ws, previous, stream);
-      if (!failed.empty()) return failed;
-    }
-    ws->captured_stream = stream;
-    ws->capture_id = capture;
-    ws->eager_fast = false;  // every captured call takes this path, so the next one sees this one
-    return "";
-  }
-  if (ws->has_eager_stream && ws->eager_stream != stream) {
-    unsigned long long eager_capture = 0;
-    if (!capture_of(ws->eager_stream, &eager_capture, &err))
-      return stream_failure("asking whether the previous eager call's stream captures", err);
-    if (eager_capture != 0)
+    return status == cudaStreamCaptureStatusActive ? id : 0ull;
+  });
+  switch (step.kind) {
+    case StreamStep::kUnknown:
+      return stream_failure(("asking whether " + stream_name(step.after) + " captures a graph (I6)").c_str(), failed);
+    case StreamStep::kRefuse:
       return "one workspace's calls are totally ordered (csrc/ar_protocol.cuh I6), and this eager call from " +
-             stream_name(stream) + " cannot be ordered after the previous eager call, on " +
-             stream_name(ws->eager_stream) + ", which is capturing a CUDA graph now: make this call on that stream, "
-             "or after its capture ends";
-    const std::string failed = order_after(ws, ws->eager_stream, stream);
-    if (!failed.empty()) return failed;
+             stream_name(stream) + " cannot be ordered after the previous eager call, on " + stream_name(step.after) +
+             ", which is capturing a CUDA graph now: make this call on that stream, or after its capture ends";
+    case StreamStep::kOrderAfter: {
+      const std::string err = order_after(ws, step.after, stream);
+      if (!err.empty()) return err;
+      break;
+    }
+    case StreamStep::kGo:
+      break;
   }
-  ws->eager_stream = stream;
-  ws->has_eager_stream = true;
-  ws->eager_fast = true;
+  ws->streams = step.next;
   return "";
 }
 

@@ -100,7 +100,7 @@ def test_hostmem_create_close_does_not_leak(two_ranks, request):
 @need_ranks(2)
 def test_hostmem_probe_names_a_dropped_write_and_a_corrupted_read(two_ranks, request):
     # Pull runs over host memory too; its loads of a peer's slab there cross the GPU's PCIe read path to host
-    # memory through the IOMMU, so the read rounds run, and must name a corrupted read, there as well.
+    # memory through the IOMMU, so the probe loads there too, and must name a corrupted read, there as well.
     passed(two_ranks, request)
 
 
