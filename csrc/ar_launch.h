@@ -111,6 +111,60 @@ cudaError_t launch_all_reduce_add_rmsnorm(const WorkspaceView& ws, Schedule sche
 // every rank's device address space; pushes and polls cross PCIe to host memory (ar_protocol.cuh I11).
 enum class Memory : int { kDevice = 0, kHost = 1 };
 
+// I6 (ar_protocol.cuh states the rule): what a workspace remembers of its calls' streams.
+struct StreamOrder {
+  cudaStream_t eager = nullptr;  // the stream of the latest eager call
+  bool has_eager = false;
+  bool fast = false;                // the next call from `eager` skips the slow path (no captured call seen since)
+  cudaStream_t captured = nullptr;  // the stream of the latest captured call seen, and its capture (0: none)
+  unsigned long long capture = 0;
+};
+
+// What a call from a stream does (I6): go; go after everything issued so far on `after`; be refused (an eager call
+// while `after`, the previous eager call's stream, captures); or kUnknown: CUDA could not say whether `after`
+// captures. `next`: the record once the call is made.
+struct StreamStep {
+  enum Kind { kGo, kOrderAfter, kRefuse, kUnknown } kind;
+  cudaStream_t after;
+  StreamOrder next;
+};
+constexpr unsigned long long kCaptureUnknown = ~0ull;
+
+// I6's rule, pure: `capture_of(s)` is the capture stream s is in (0: none, kCaptureUnknown: CUDA cannot say). The
+// fast path is one comparison. workspace.cu asks CUDA and applies the step; tests/stream_order_check.cu walks
+// SGLang's sequences of streams through it on the host.
+template <typename CaptureOf>
+StreamStep stream_step(const StreamOrder& order, cudaStream_t stream, CaptureOf capture_of) {
+  StreamStep step{StreamStep::kGo, nullptr, order};
+  if (order.fast && stream == order.eager) return step;
+  const unsigned long long capture = capture_of(stream);
+  if (capture == kCaptureUnknown) return {StreamStep::kUnknown, stream, order};
+  const bool other_eager = order.has_eager && order.eager != stream;
+  const unsigned long long eager_capture = other_eager ? capture_of(order.eager) : 0;
+  if (eager_capture == kCaptureUnknown) return {StreamStep::kUnknown, order.eager, order};
+  if (capture != 0) {
+    // Captured: ordered after the previous captured call of this capture when that came from another stream. That
+    // call's stream is the latest captured one seen, or the eager stream when it captures in this capture too (a
+    // captured call from the eager stream takes the fast path, unseen).
+    cudaStream_t previous = stream;
+    if (order.capture == capture) previous = order.captured;
+    else if (eager_capture == capture) previous = order.eager;
+    if (previous != stream) step = {StreamStep::kOrderAfter, previous, order};
+    step.next.captured = stream;
+    step.next.capture = capture;
+    step.next.fast = false;  // every captured call takes the slow path, so the next one sees this one
+    return step;
+  }
+  if (other_eager) {
+    if (eager_capture != 0) return {StreamStep::kRefuse, order.eager, order};
+    step = {StreamStep::kOrderAfter, order.eager, order};
+  }
+  step.next.eager = stream;
+  step.next.has_eager = true;
+  step.next.fast = true;
+  return step;
+}
+
 // The group-agreed launch limits of a workspace (LaunchShape's agreed fields): until the group has agreed, the
 // safe defaults (this GPU's SMs, no clusters: the grouped kernel computes the cluster kernel's bits).
 struct LaunchLimits {
@@ -142,6 +196,8 @@ struct Workspace {
   // Loopback (benchmarks only): one process plays rank 0 of `world`; the peers' slabs are local allocations.
   bool loopback = false;
   char* loopback_slabs[kMaxWorld] = {};
+  StreamOrder streams;                // I6
+  cudaEvent_t order_event = nullptr;  // I6: orders a call after another stream's
   WorkspaceView view{};
 };
 
@@ -164,9 +220,10 @@ struct WorkspaceConfig {
 
 // Each returns an empty string on success, else what failed (the binding raises it).
 // kHost: creates (cfg.shared_create) or opens the shared file, maps it, and allocates and fills THIS rank's slab
-// (posix_fallocate: a full tmpfs is an error here, not a SIGBUS later; pages on this GPU's NUMA node where the
-// kernel allows it); the whole buffer is pinned by workspace_register_shared once every rank has its slab.
-std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out);
+// (posix_fallocate: a full tmpfs is an error here, not a SIGBUS later, and *out_of_space says it was that; pages on
+// this GPU's NUMA node where the kernel allows it); the whole buffer is pinned by workspace_register_shared once
+// every rank has its slab.
+std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out, bool* out_of_space);
 // kHost, after every rank's workspace_create: pin the shared buffer and map it into the device's address space.
 std::string workspace_register_shared(Workspace* ws);
 // Bytes of the shared host-memory buffer a group of `world` ranks needs (every slab; the same arithmetic as
@@ -189,20 +246,28 @@ std::string workspace_open_peers(Workspace* ws, const cudaIpcMemHandle_t* handle
 // peer still maps (freeing an exported allocation that is still imported elsewhere is undefined in CUDA).
 std::string workspace_close_peers(Workspace* ws);
 std::string workspace_destroy(Workspace* ws);
-// The data-path probe (probe.cu), run in rounds after the peers are open: in each write round every rank writes
-// pattern packs at the round's places in every peer's scratch, and waits for every peer's packs in its own; in
-// each read round (they follow the write rounds) every rank stages packs in its own pull area and loads every
-// peer's. outcomes[p] (kMaxWorld entries) is what this rank received from peer p. The host separates rounds by a
-// group barrier (a round's places may repeat in a later round). Synchronizes the device; run before the first call.
-int probe_round_count(const WorkspaceView& view);
-bool probe_round_reads(const WorkspaceView& view, int round);
-std::string probe_round_name(const WorkspaceView& view, int round);
-std::string workspace_probe(Workspace* ws, long long timeout_ns, int round, int drop_peer, int* outcomes);
+// The data-path probe (probe.cu, P1-P5), run once after the peers are open and before the first call, in one round:
+// every rank writes a pattern pack into every page of every peer's slab and waits for every peer's in its own, and
+// stages packs in its own pull area that every peer loads. `out` gets, per peer, what arrived from it and what its
+// loads returned, with the lowest failed slab offset of each (probe_place_name names it). drop_peer / drop_mode: the
+// tests' debug switch (-1 / 0: none). Waits for the probe on the legacy default stream, not for the whole device.
+std::string workspace_probe(Workspace* ws, long long timeout_ns, int drop_peer, int drop_mode, ProbeOutcomes* out);
+std::string probe_place_name(const WorkspaceView& view, long long slab_offset);
 // Synchronizes the device; counts 16-bit words of both parity regions that are not empty (I1, I4).
 std::string workspace_dirty_halves(const Workspace* ws, long long* count);
 // The negative control of the cluster check (sgl_kernel_sm120/cluster_check.py): launches a kernel that traps.
 std::string launch_debug_trap(cudaStream_t stream);
-// Calls completed (the device's call counter), read without a device synchronize: safe while kernels run.
-std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq);
+// Calls completed, from the host-mapped mirror of the device's call counter (finish_call): a plain load, no CUDA
+// call, safe while kernels run and after a trap.
+unsigned long long workspace_calls_completed(const Workspace* ws);
+// Empty while this process's CUDA context still runs work, else its error (a trap ends the context).
+std::string workspace_context_error(const Workspace* ws);
+
+// I6 where a call is made: the call's stream is the previous eager call's (one comparison), or the slow path
+// orders it (workspace.cu workspace_change_stream; ar_protocol.cuh says the rule). Empty, or why it is refused.
+std::string workspace_change_stream(Workspace* ws, cudaStream_t stream);
+inline std::string workspace_enter_stream(Workspace* ws, cudaStream_t stream) {
+  return ws->streams.fast && stream == ws->streams.eager ? std::string() : workspace_change_stream(ws, stream);
+}
 
 }  // namespace sgl_sm120

@@ -24,10 +24,27 @@
 //      memory (one copy per CTA index, see Ctrl) and is advanced by the kernel at the end of each call
 //      (never by the host, so a captured graph replays correctly). A rank in call s writes into parity s&1 of its peers. A peer can still be in call s-1
 //      (reading parity (s-1)&1, a different buffer) but not in call s-2: our call s-1 needed that peer's
-//      pushes of call s-1, which it issues only after its call s-2 has completed (same stream). So the
+//      pushes of call s-1, which it issues only after its call s-2 has completed (I6). So the
 //      buffer we write was emptied (I4) by a kernel that has finished.
-//  I6  One workspace is used from one stream at a time: seq assumes the calls of a
-//      rank are totally ordered. Capture on one stream and replay on another is fine; concurrent use is not.
+//  I6  A rank's calls on one workspace are totally ordered, in the order the host issues them: seq (I5) is read at
+//      a kernel's entry and advanced at its exit, so two calls running at once would take the same seq. The host
+//      keeps it where a call is made (workspace_enter_stream and the rule, stream_step, in ar_launch.h; applied in
+//      workspace.cu), at the cost of one comparison: a call from the stream of the previous eager call goes on.
+//      Any other call takes the slow path, which asks CUDA whether the streams involved are capturing a graph:
+//        eager, from another stream: it is ordered after everything issued so far on the previous eager stream (an
+//          event recorded there, waited for here), so an alternate or overlap stream is safe, never a hang. SGLang's
+//          own changes (its eager warm-ups on a capture stream after a device synchronize, then serving on its
+//          forward stream) are ordered already; the event costs them one record and one wait, once. Refused, with
+//          one error on every rank since every rank issues the same calls, when the previous eager stream is
+//          capturing a graph right then: nothing recorded there could be waited for outside its capture.
+//        captured: it runs when the graph is replayed, so it needs no order against eager calls now. Inside one
+//          capture a call from another stream than the previous captured one is ordered after it (an event edge
+//          in the graph); and captured calls keep the slow path until the next eager call, so each is checked.
+//      What no call shows: replays. A graph replays on the stream it is launched on, so the caller keeps replays
+//      and eager calls on one stream order (SGLang replays and serves eager calls on its forward stream), and
+//      replays no two graphs of one workspace at once. SGL_SM120_DEBUG_NO_STREAM_ORDER drops the event edges on
+//      purpose: calls from two streams then overtake each other (tests/gpu/test_negative_controls.py);
+//      tests/stream_order_check.cu walks SGLang's sequences of streams through the rule on the host.
 //  I7  Every spin-wait is bounded (timeout_ns). On expiry the first waiting thread of the rank claims the
 //      report, records rank, peer, phase, seq and the time waited in host-mapped memory, and marks the workspace
 //      poisoned (Ctrl::poisoned). What follows depends on view.trap_on_timeout:
@@ -369,13 +386,17 @@ __device__ __forceinline__ unsigned long long load_sequence(const WorkspaceView&
 }
 
 // Advance seq in every slot this CTA owns (b + k * gridDim), after all of its threads have read slot b.
-// Plain stores, no fence: the next reader is the next kernel on the same stream (I6), and kernel
-// completion publishes them; a fence here would also wait for this thread's remote pushes.
+// Plain stores, no fence: the next reader is the next kernel in this workspace's call order (I6), and kernel
+// completion publishes them; a fence here would also wait for this thread's remote pushes. CTA 0's thread 0 also
+// mirrors the count into host-mapped memory (HostRecords::calls_completed) for the host's counters: one aligned
+// 8-byte store, never torn, that may run a call ahead of the other CTAs' end, as slot 0 itself does.
 __device__ __forceinline__ void finish_call(const WorkspaceView& ws, unsigned long long seq) {
   if (ws.host_memory) __threadfence_system();  // I11: each thread, after its own emptying stores
   __syncthreads();
   for (int i = blockIdx.x + threadIdx.x * gridDim.x; i < ws.num_counters; i += gridDim.x * blockDim.x)
     ws.ctrl->seq[i] = seq + 1ull;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    *reinterpret_cast<volatile unsigned long long*>(ws.calls_completed) = seq + 1ull;
 }
 
 // Programmatic dependent launch. Kernels are launched with programmatic stream serialization (when

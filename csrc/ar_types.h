@@ -29,6 +29,15 @@ constexpr uint32_t kEmptyWord = 0x80008000u;
 constexpr int kOwnerBlockPacks = 32;
 constexpr int kOwnerBlockShift = 5;
 
+// The data-path probe's outcome (probe.cu) per peer and kind (0: writes from the peer, 1: this rank's loads from it):
+// the worst ProbeOutcome (atomicMax; 0: every place fine) and the lowest slab offset of a failed place (atomicMin;
+// all ones: none). Only the probe kernel writes them, before the first call; the host resets them per probe.
+constexpr int kProbeKinds = 2;
+struct ProbeOutcomes {
+  int outcome[kMaxWorld][kProbeKinds];
+  unsigned long long failed_at[kMaxWorld][kProbeKinds];
+};
+
 // Local-only control block at the start of each rank's slab.
 // The call sequence number (I5) is kept once per possible CTA index: CTA b reads seq[b] at entry and, at
 // exit, writes seq + 1 into every slot b + k * gridDim below num_counters. So all slots hold the same value
@@ -40,6 +49,7 @@ struct Ctrl {
   unsigned int report_claim;              // first timed-out thread claims the report (I7)
   unsigned int poisoned;                  // 1 once a wait of this workspace timed out (I7): later calls do nothing
   unsigned long long slow_reported;       // seq + 1 of the latest call reported slow (I9), atomicMax'ed
+  ProbeOutcomes probe;
 };
 static_assert(sizeof(Ctrl) <= 4096, "Ctrl must fit in kCtrlBytes");
 
@@ -86,17 +96,19 @@ struct SlowRecord {
   long long waited_ns;
 };
 
-// Both host-mapped records live in one cudaHostAllocMapped block.
+// Both host-mapped records, and the mirror of the call counter, live in one cudaHostAllocMapped block. The mirror:
+// CTA 0 of every call stores its seq + 1 there as it finishes (ar_protocol.cuh finish_call), so the host reads the
+// calls completed with a plain load, no stream and no copy (the server's counters and its monitoring thread).
 struct HostRecords {
   ErrorRecord error;
   SlowRecord slow;
+  unsigned long long calls_completed;
 };
 
-// Outcome of the data-path probe (probe.cu) for one peer, as the receiving rank saw it: in a write round what
-// arrived from that peer, in a read round what this rank's loads from that peer returned. Worse is larger (a
-// round keeps the worst of its places); sgl_kernel_sm120/data_path_probe.py names each.
-enum ProbeOutcome : int {
-  kProbeOk = 1,
+// Outcome of the data-path probe (probe.cu) for one peer, as this rank saw it: what arrived from that peer (its
+// writes), and what this rank's loads from that peer returned. Worse is larger (the probe keeps the worst of each
+// kind's places); sgl_kernel_sm120/data_path_probe.py names each.
+enum ProbeOutcome : int {  // 0: every place of that kind was fine
   kProbeMissing = 2,
   kProbeWrong = 3,
   kProbeReadMissing = 4,
@@ -130,6 +142,7 @@ struct WorkspaceView {
   Ctrl* ctrl;
   ErrorRecord* error;  // device pointer of the host-mapped record
   SlowRecord* slow;    // device pointer of the host-mapped slow-wait report (I9)
+  unsigned long long* calls_completed;  // device pointer of the host-mapped mirror of seq (HostRecords)
   long long timeout_ns;
   long long warn_ns;   // a wait this long is reported (I9); capped at timeout_ns by the host
   int num_counters;  // seq slots in use: the workspace's largest grid (<= kMaxCounters)

@@ -73,7 +73,11 @@ int64_t ws_create(int64_t device, int64_t rank, int64_t world, int64_t max_numel
   cfg.flat = make_topology(flat_island_ranks, flat_twin_ranks, flat_my_island, flat_my_index);
   cfg.islands = make_topology(isl_island_ranks, isl_twin_ranks, isl_my_island, isl_my_index);
   Workspace* ws = nullptr;
-  check_ok(workspace_create(cfg, &ws));
+  bool out_of_space = false;
+  const std::string err = workspace_create(cfg, &ws, &out_of_space);
+  // A full tmpfs is torch.OutOfMemoryError, so the caller knows it by its type (construction.py), not its words.
+  TORCH_CHECK_WITH(OutOfMemoryError, !out_of_space, "sgl_kernel_sm120: ", err);
+  check_ok(err);
   return reinterpret_cast<int64_t>(ws);
 }
 
@@ -227,23 +231,25 @@ void ws_open_peers(int64_t handle, const at::Tensor& handles) {
   check_ok(workspace_open_peers(ws, hs.data()));
 }
 
-std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t round, int64_t drop_peer) {
+// The data-path probe (probe.cu): per peer, [what arrived from it, the slab offset of its lowest failed place, what
+// this rank's loads from it returned, that offset], a ProbeOutcome (0: all fine) and -1 for no failed place.
+std::vector<int64_t> ws_probe(int64_t handle, double timeout_s, int64_t drop_peer, int64_t drop_mode) {
   Workspace* ws = as_workspace(handle);
   TORCH_CHECK(timeout_s > 0 && timeout_s < 3600, "sgl_kernel_sm120: probe timeout must be in (0, 3600) s");
-  int outcomes[kMaxWorld] = {};
-  check_ok(workspace_probe(ws, static_cast<long long>(timeout_s * 1e9), static_cast<int>(round),
-                           static_cast<int>(drop_peer), outcomes));
-  return std::vector<int64_t>(outcomes, outcomes + ws->view.world);
+  ProbeOutcomes got{};
+  check_ok(workspace_probe(ws, static_cast<long long>(timeout_s * 1e9), static_cast<int>(drop_peer),
+                           static_cast<int>(drop_mode), &got));
+  std::vector<int64_t> out;
+  for (int p = 0; p < ws->view.world; ++p)
+    for (int kind = 0; kind < kProbeKinds; ++kind) {
+      out.push_back(got.outcome[p][kind]);
+      out.push_back(static_cast<int64_t>(got.failed_at[p][kind]));  // all ones: -1
+    }
+  return out;
 }
 
-int64_t ws_probe_rounds(int64_t handle) { return probe_round_count(as_workspace(handle)->view); }
-
-bool ws_probe_round_reads(int64_t handle, int64_t round) {
-  return probe_round_reads(as_workspace(handle)->view, static_cast<int>(round));
-}
-
-std::string ws_probe_round_name(int64_t handle, int64_t round) {
-  return probe_round_name(as_workspace(handle)->view, static_cast<int>(round));
+std::string ws_probe_place_name(int64_t handle, int64_t slab_offset) {
+  return probe_place_name(as_workspace(handle)->view, slab_offset);
 }
 
 // The cluster check's negative control (sgl_kernel_sm120/cluster_check.py): a kernel that traps, as an illegal
@@ -274,10 +280,11 @@ int64_t ws_dirty_halves(int64_t handle) {
 
 // Calls completed, read without synchronizing the device (graph replays included): for live counters.
 int64_t ws_calls_completed(int64_t handle) {
-  unsigned long long s = 0;
-  check_ok(workspace_calls_completed(as_workspace(handle), &s));
-  return static_cast<int64_t>(s);
+  return static_cast<int64_t>(workspace_calls_completed(as_workspace(handle)));
 }
+
+// Raises once this process's CUDA context has ended (a trap): the watchdog's question.
+void ws_check_context(int64_t handle) { check_ok(workspace_context_error(as_workspace(handle))); }
 
 int64_t ws_sm_count(int64_t handle) { return as_workspace(handle)->view.num_counters; }
 
@@ -351,8 +358,10 @@ void all_reduce(int64_t handle, const at::Tensor& inp, at::Tensor& out, int64_t 
   check_fits(ws, inp.numel(), s);
   const c10::cuda::CUDAGuard guard(ws->device);
   const LaunchShape shape = launch_shape(ws, static_cast<int>(threads), ctas, pdl, 0, transport, window);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_ok(workspace_enter_stream(ws, stream));  // I6
   const cudaError_t err = launch_all_reduce(ws->view, s, type, inp.data_ptr(), out.data_ptr(), inp.numel(), shape,
-                                            c10::cuda::getCurrentCUDAStream().stream());
+                                            stream);
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce launch: ", cudaGetErrorString(err));
 }
 
@@ -385,10 +394,12 @@ void all_reduce_add_rmsnorm(int64_t handle, const at::Tensor& inp, const at::Ten
   TORCH_CHECK(known_cluster, "cluster must be 0 (the kernels' rule), 1 or one of ", listed(kClusterSizes));
   // threads 0: the fused kernels size their own CTAs
   const LaunchShape shape = launch_shape(ws, 0, ctas, pdl, static_cast<int>(cluster), transport, window);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_ok(workspace_enter_stream(ws, stream));  // I6
   const cudaError_t err = launch_all_reduce_add_rmsnorm(
       ws->view, s, type, inp.data_ptr(), residual.data_ptr(), weight.data_ptr(),
       norm_out.data_ptr(), residual_out.data_ptr(), static_cast<int>(rows), static_cast<int>(hidden),
-      static_cast<float>(eps), shape, c10::cuda::getCurrentCUDAStream().stream());
+      static_cast<float>(eps), shape, stream);
   TORCH_CHECK(err == cudaSuccess, "sgl_kernel_sm120 all_reduce_add_rmsnorm launch: ", cudaGetErrorString(err));
 }
 
@@ -411,9 +422,7 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_cluster_capacity(int ws) -> int[]", &ws_cluster_capacity);
   m.def("ws_set_launch_limits(int ws, int sm_budget, int[] cluster_capacity) -> ()", &ws_set_launch_limits);
   m.def("ws_launch_limits(int ws) -> int[]", &ws_launch_limits);
-  m.def("ws_probe_rounds(int ws) -> int", &ws_probe_rounds);
-  m.def("ws_probe_round_name(int ws, int round) -> str", &ws_probe_round_name);
-  m.def("ws_probe_round_reads(int ws, int round) -> bool", &ws_probe_round_reads);
+  m.def("ws_probe_place_name(int ws, int slab_offset) -> str", &ws_probe_place_name);
   m.def("debug_trap(int device) -> ()", &debug_trap);
   m.def("ws_create_loopback(int device, int world, int max_numel) -> int", &ws_create_loopback);
   m.def("ws_loopback_refill(int ws) -> ()", &ws_loopback_refill);
@@ -423,12 +432,13 @@ TORCH_LIBRARY(sgl_kernel_sm120, m) {
   m.def("ws_ipc_handle(int ws) -> Tensor", &ws_ipc_handle);
   m.def("ws_open_peers(int ws, Tensor handles) -> ()", &ws_open_peers);
   m.def("ws_close_peers(int ws) -> ()", &ws_close_peers);
-  m.def("ws_probe(int ws, float timeout_s, int round, int drop_peer) -> int[]", &ws_probe);
+  m.def("ws_probe(int ws, float timeout_s, int drop_peer, int drop_mode) -> int[]", &ws_probe);
   m.def("ws_destroy(int ws) -> ()", &ws_destroy);
   m.def("ws_error_record_address(int ws) -> int", &ws_error_record_address);
   m.def("ws_slow_record_address(int ws) -> int", &ws_slow_record_address);
   m.def("ws_dirty_halves(int ws) -> int", &ws_dirty_halves);
   m.def("ws_calls_completed(int ws) -> int", &ws_calls_completed);
+  m.def("ws_check_context(int ws) -> ()", &ws_check_context);
   m.def("kernel_limits() -> str", &kernel_limits);
   m.def("ws_sm_count(int ws) -> int", &ws_sm_count);
   m.def(

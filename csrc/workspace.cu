@@ -161,7 +161,7 @@ bool prefer_numa_node(void* addr, long long bytes, int node) {
 // to a missing page would raise SIGBUS. The buffer is pinned later
 // (workspace_register_shared), once every rank's slab exists: pinning earlier would allocate the other slabs'
 // pages here.
-std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
+std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws, bool* out_of_space) {
   if (cfg.shared_name.empty() || cfg.shared_name.find('/') != std::string::npos)
     return "host memory: the shared file's name must be non-empty and hold no '/' (got '" + cfg.shared_name + "')";
   const std::string dir = cfg.shared_dir.empty() ? std::string("/dev/shm") : cfg.shared_dir;
@@ -201,6 +201,7 @@ std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws) {
   const int rc = posix_fallocate(fd, own, ws->slab_bytes);
   close(fd);
   if (rc != 0) {
+    *out_of_space = rc == ENOSPC;
     struct statvfs fs {};
     const long long free_bytes =
         statvfs(dir.c_str(), &fs) == 0 ? static_cast<long long>(fs.f_bavail) * static_cast<long long>(fs.f_frsize) : -1;
@@ -227,8 +228,10 @@ std::string init_control(Workspace* ws, char* ctrl) {
     if (err == cudaSuccess) {
       ws->view.error = &device_view->error;
       ws->view.slow = &device_view->slow;
+      ws->view.calls_completed = &device_view->calls_completed;
     }
   }
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ws->order_event, cudaEventDisableTiming);  // I6
   if (err != cudaSuccess) return cuda_failure("initialising the workspace's control block", err);
   ws->view.ctrl = reinterpret_cast<Ctrl*>(ctrl);
   return "";
@@ -236,8 +239,9 @@ std::string init_control(Workspace* ws, char* ctrl) {
 
 }  // namespace
 
-std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
+std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out, bool* out_of_space) {
   *out = nullptr;
+  *out_of_space = false;
   if (!is_world_size(cfg.world)) return "world size must be one of " + listed(kWorldSizes);
   if (cfg.rank < 0 || cfg.rank >= cfg.world) return "rank out of range";
   if (cfg.max_numel <= 0 || cfg.max_numel % kElemsPerPack != 0) return "max_numel must be a positive multiple of 8";
@@ -269,7 +273,7 @@ std::string workspace_create(const WorkspaceConfig& cfg, Workspace** out) {
   if (cfg.memory == Memory::kHost) {
     cudaError_t err = cudaMalloc(&ws->local, kCtrlBytes);
     if (err != cudaSuccess) failure = cuda_failure("cudaMalloc of the control block", err);
-    if (failure.empty()) failure = map_shared_scratch(cfg, ws);
+    if (failure.empty()) failure = map_shared_scratch(cfg, ws, out_of_space);
   } else {
     cudaError_t err = cudaMalloc(&ws->local, ws->slab_bytes);
     if (err != cudaSuccess) {
@@ -350,7 +354,8 @@ std::string workspace_create_loopback(int device, int world, long long max_numel
   cfg.flat.num_islands = 1;
   for (int r = 0; r < world; ++r) cfg.flat.island_ranks[r] = r;
   Workspace* ws = nullptr;
-  std::string err = workspace_create(cfg, &ws);
+  bool out_of_space = false;
+  std::string err = workspace_create(cfg, &ws, &out_of_space);
   if (!err.empty()) return err;
   ws->loopback = true;
   // A benchmark of the kernels' own work: it trusts the device's cluster capacity (no cluster check, no group).
@@ -465,6 +470,7 @@ std::string workspace_destroy(Workspace* ws) {
   if (ws->shared_owner && ws->shared_linked) unlink(ws->shared_name.c_str());  // a failed creation
   if (ws->local) note("cudaFree", cudaFree(ws->local));
   if (ws->host_records) note("cudaFreeHost", cudaFreeHost(ws->host_records));
+  if (ws->order_event) note("cudaEventDestroy", cudaEventDestroy(ws->order_event));
   delete ws;
   return first_error;
 }
@@ -489,19 +495,81 @@ std::string workspace_dirty_halves(const Workspace* ws, long long* count) {
   return "";
 }
 
-// A live counter for monitoring (the server's /get_server_info): the copy runs on a stream of its own created
-// non-blocking, so it waits for no kernel, graph replay or spin-wait on the serving streams, and it is a plain
-// 8-byte aligned read of slot 0, which only CTA 0 of a call writes (I5), so it never sees a torn value. It may
-// lag the serving stream by the calls still in flight, which is all a counter read from outside can promise.
-std::string workspace_calls_completed(const Workspace* ws, unsigned long long* seq) {
-  SGL_RETURN_IF_CUDA("cudaSetDevice", cudaSetDevice(ws->device));
-  cudaStream_t side = nullptr;
-  SGL_RETURN_IF_CUDA("cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  cudaError_t err = cudaMemcpyAsync(seq, &ws->view.ctrl->seq[0], sizeof(*seq), cudaMemcpyDeviceToHost, side);
-  if (err == cudaSuccess) err = cudaStreamSynchronize(side);
-  const cudaError_t destroyed = cudaStreamDestroy(side);
-  if (err == cudaSuccess) err = destroyed;
-  if (err != cudaSuccess) return cuda_failure("reading the call counter", err);
+unsigned long long workspace_calls_completed(const Workspace* ws) {
+  return *reinterpret_cast<const volatile unsigned long long*>(&ws->host_records->calls_completed);
+}
+
+// A query of the legacy stream: "not ready" is a busy, living context; a trap's error is sticky and comes back here.
+std::string workspace_context_error(const Workspace* ws) {
+  cudaError_t err = cudaSetDevice(ws->device);
+  if (err == cudaSuccess) err = cudaStreamQuery(nullptr);
+  if (err == cudaSuccess || err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return "";
+  }
+  return cuda_failure("the CUDA context", err);
+}
+
+namespace {
+
+// The CUDA failure of an I6 step, the runtime's last error cleared (it is not sticky, and a later torch check of
+// its own launch would otherwise report it).
+std::string stream_failure(const char* what, cudaError_t err) {
+  (void)cudaGetLastError();
+  return cuda_failure(what, err);
+}
+
+std::string stream_name(cudaStream_t stream) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%p", static_cast<void*>(stream));
+  return stream == nullptr ? std::string("the default stream") : "stream " + std::string(text);
+}
+
+// I6: `later` waits for everything issued on `earlier` so far. SGL_SM120_DEBUG_NO_STREAM_ORDER breaks it on purpose.
+std::string order_after(Workspace* ws, cudaStream_t earlier, cudaStream_t later) {
+#ifdef SGL_SM120_DEBUG_NO_STREAM_ORDER
+  (void)ws;
+  (void)earlier;
+  (void)later;
+  return "";
+#else
+  cudaError_t err = cudaEventRecord(ws->order_event, earlier);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(later, ws->order_event, 0);
+  return err == cudaSuccess ? "" : stream_failure("ordering a call after the previous stream's (I6)", err);
+#endif
+}
+
+}  // namespace
+
+// I6, the slow path: CUDA's answers through the rule (stream_step, ar_launch.h), then its step.
+std::string workspace_change_stream(Workspace* ws, cudaStream_t stream) {
+  cudaError_t failed = cudaSuccess;
+  const StreamStep step = stream_step(ws->streams, stream, [&failed](cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    const cudaError_t err = cudaStreamGetCaptureInfo(s, &status, &id);
+    if (err != cudaSuccess || status == cudaStreamCaptureStatusInvalidated) {
+      failed = err != cudaSuccess ? err : cudaErrorStreamCaptureInvalidated;
+      return kCaptureUnknown;
+    }
+    return status == cudaStreamCaptureStatusActive ? id : 0ull;
+  });
+  switch (step.kind) {
+    case StreamStep::kUnknown:
+      return stream_failure(("asking whether " + stream_name(step.after) + " captures a graph (I6)").c_str(), failed);
+    case StreamStep::kRefuse:
+      return "one workspace's calls are totally ordered (csrc/ar_protocol.cuh I6), and this eager call from " +
+             stream_name(stream) + " cannot be ordered after the previous eager call, on " + stream_name(step.after) +
+             ", which is capturing a CUDA graph now: make this call on that stream, or after its capture ends";
+    case StreamStep::kOrderAfter: {
+      const std::string err = order_after(ws, step.after, stream);
+      if (!err.empty()) return err;
+      break;
+    }
+    case StreamStep::kGo:
+      break;
+  }
+  ws->streams = step.next;
   return "";
 }
 

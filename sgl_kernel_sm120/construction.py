@@ -15,7 +15,8 @@ import secrets
 import torch
 
 from . import _ext, cluster_check
-from .exchange import HOST_MEMORY_ERROR, agree, attempt
+from .errors import IpcAllReduceHostMemoryError
+from .exchange import agree, attempt
 from .policy import CLUSTER_SIZES, Memory
 from .settings import VARIABLES, KernelSettings
 
@@ -69,21 +70,22 @@ class Config:
 
 
 def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
-    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else a HOST_MEMORY_ERROR
-    naming the folder, its free space and the size needed); a fresh name for its shared file (rank 0's is used)."""
+    """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else
+    IpcAllReduceHostMemoryError naming the folder, its free space and the size needed); a fresh name for its shared
+    file (rank 0's is used)."""
     try:
         need = int(ops.host_shared_bytes_for(config.world_size, config.max_numel, config.oneshot_max_numel))
         stat = os.statvfs(config.shm_dir)
         free = stat.f_bavail * stat.f_frsize
     except Exception as exc:
-        raise RuntimeError(f"{HOST_MEMORY_ERROR} checking the free space of {config.shm_dir}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+        raise IpcAllReduceHostMemoryError(f"host memory: checking the free space of {config.shm_dir}: "
+                                          f"{type(exc).__name__}: {exc}") from exc
     if free < need and not settings.debug_shm_no_precheck:
-        raise RuntimeError(f"{HOST_MEMORY_ERROR} {config.shm_dir} has {free / 2**20:.1f} MiB free, the workspace "
-                           f"needs {need / 2**20:.1f} MiB ({config.world_size} slabs of "
-                           f"{need / config.world_size / 2**20:.1f} MiB); enlarge it (docker run --shm-size=1g; "
-                           "Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or point "
-                           f"{VARIABLES['shm_dir']} at a larger tmpfs")
+        raise IpcAllReduceHostMemoryError(
+            f"host memory: {config.shm_dir} has {free / 2**20:.1f} MiB free, the workspace needs "
+            f"{need / 2**20:.1f} MiB ({config.world_size} slabs of {need / config.world_size / 2**20:.1f} MiB); "
+            "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
+            f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
     return f"sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}"
 
 
@@ -119,7 +121,11 @@ def build(ops, exchange, config: Config, settings: KernelSettings, shared_name: 
 
     def create(shared_create: bool = False) -> dict:
         nonlocal handle
-        handle = int(ops.ws_create(*config.create_args(shared_name, shared_create)))
+        try:
+            handle = int(ops.ws_create(*config.create_args(shared_name, shared_create)))
+        except torch.cuda.OutOfMemoryError as exc:  # the library's type for a tmpfs that filled up since the check
+            sentence = str(exc).splitlines()[0].removeprefix("sgl_kernel_sm120: ")
+            raise IpcAllReduceHostMemoryError(sentence) from exc
         limits = local_launch_limits(ops, handle, config.device_index, settings)
         if config.memory is Memory.DEVICE:
             limits["ipc"] = bytes(ops.ws_ipc_handle(handle).tolist()).hex()

@@ -6,7 +6,10 @@ class KernelsNotBuiltError(ImportError):
 
 
 class IpcAllReduceError(RuntimeError):
-    """A collective step of the workspace failed on at least one rank (raised on every rank)."""
+    """A collective step of the workspace failed on at least one rank (raised on every rank). `kind` is how a rank's
+    failure crosses to its peers (exchange.agree), so that every rank raises the same type whatever its words."""
+
+    kind = "error"
 
 
 class IpcAllReduceProbeError(IpcAllReduceError):
@@ -27,7 +30,13 @@ class IpcAllReduceProbeError(IpcAllReduceError):
 
 class IpcAllReduceHostMemoryError(IpcAllReduceError):
     """The host-memory workspace does not fit the tmpfs that holds it (a small /dev/shm: Docker and Kubernetes
-    default to 64 MiB). The message names the folder, its free space and the size needed."""
+    default to 64 MiB). `tmpfs` is the sentence naming the folder, its free space and the size needed."""
+
+    kind = "host_memory"
+
+    def __init__(self, message: str, tmpfs: str | None = None):
+        super().__init__(message)
+        self.tmpfs = message if tmpfs is None else tmpfs
 
 
 class IpcAllReduceTimeoutError(IpcAllReduceError):

@@ -14,8 +14,6 @@ from typing import Any
 
 from .errors import IpcAllReduceError, IpcAllReduceHostMemoryError
 
-HOST_MEMORY_ERROR = "host memory:"  # how a failure of the host-memory workspace's size begins
-
 
 class GlooExchange:
     """An exchange over a torch.distributed CPU group (gloo), within the group's own timeout."""
@@ -42,23 +40,28 @@ def exchange_of(group_or_exchange):
     return GlooExchange(group_or_exchange)
 
 
-def attempt(step: Callable[[], Any]) -> tuple[str | None, Any]:
-    """(None, what `step` returned), or (its error as text, None): a rank's outcome of a collective step."""
+def attempt(step: Callable[[], Any]) -> tuple[dict | None, Any]:
+    """(None, what `step` returned), or (its error, None): a rank's outcome of a collective step. The error is its
+    kind (IpcAllReduceError.kind), its text, and a host-memory shortfall's sentence: codes, not words, cross ranks."""
     try:
         return None, step()
     except Exception as exc:  # every rank must learn of it: see agree()
-        return f"{type(exc).__name__}: {exc}", None
+        kind = exc.kind if isinstance(exc, IpcAllReduceError) else IpcAllReduceError.kind
+        tmpfs = exc.tmpfs if isinstance(exc, IpcAllReduceHostMemoryError) else None
+        return {"kind": kind, "text": f"{type(exc).__name__}: {exc}", "tmpfs": tmpfs}, None
 
 
-def agree(exchange, step: str, error: str | None, payload: Any = None) -> list:
+def agree(exchange, step: str, error: dict | None, payload: Any = None) -> list:
     """One round: every rank's (error, payload) gathered. If any rank failed, every rank raises the same error
-    naming each failed rank, so no rank waits in a later round for a peer that gave up; else every rank's payload,
-    in rank order."""
+    naming each failed rank, so no rank waits in a later round for a peer that gave up (IpcAllReduceHostMemoryError
+    when a rank's tmpfs was short, with its sentence); else every rank's payload, in rank order."""
     outcomes = exchange.all_gather([error, payload])
     failed = {rank: err for rank, (err, _) in enumerate(outcomes) if err}
-    if failed:
-        detail = "; ".join(f"rank {rank}: {err}" for rank, err in sorted(failed.items()))
-        host_memory = any(HOST_MEMORY_ERROR in err for err in failed.values())  # the overlay names the folder
-        raise (IpcAllReduceHostMemoryError if host_memory else IpcAllReduceError)(f"IpcAllReduce {step} failed "
-                                                                                  f"({detail})")
-    return [payload for _, payload in outcomes]
+    if not failed:
+        return [payload for _, payload in outcomes]
+    detail = "; ".join(f"rank {rank}: {err['text']}" for rank, err in sorted(failed.items()))
+    message = f"IpcAllReduce {step} failed ({detail})"
+    short = [err["tmpfs"] for err in failed.values() if err["kind"] == IpcAllReduceHostMemoryError.kind]
+    if short:  # the overlay names the folder and the sizes
+        raise IpcAllReduceHostMemoryError(message, short[0])
+    raise IpcAllReduceError(message)

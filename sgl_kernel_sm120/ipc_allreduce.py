@@ -6,11 +6,11 @@
     ar.close()
 
 Construction is collective: one round for the arguments (their agreement, the NVLink vote, the tmpfs check), then
-construction.build's, then one per data-path probe round. The checked ops check a call once (`refusal`, which
+construction.build's, then one for the data-path probe. The checked ops check a call once (`refusal`, which
 explains); `launch` and `launch_fused` run a route the caller checked and resolved (policy.resolve), checking
-nothing: the C++ ops check what memory safety needs. One workspace serves one stream order (csrc/ar_protocol.cuh
-I6), and every rank makes the same calls, which `supports()`, `refusal()` and the seeds, pure in group-identical
-inputs, keep so.
+nothing: the C++ ops check what memory safety needs, and keep a rank's calls in one order whatever stream they come
+from (csrc/ar_protocol.cuh I6). Every rank makes the same calls, which `supports()`, `refusal()` and the seeds, pure
+in group-identical inputs, keep so.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class IpcAllReduce:
                                                   every_rank[0]["name"])
         try:
             if self.world_size > 1:
-                self.probe_rounds, self.probe_read_rounds = data_path_probe.run(
-                    ops, self._handle, self.exchange, self.memory.value, self.timeout_s, self.settings.debug_probe_drop)
+                data_path_probe.run(ops, self._handle, self.exchange, self.memory.value, self.timeout_s,
+                                    self.settings.debug_probe_drop)
         except Exception:
             self._release()
             raise
@@ -81,7 +81,6 @@ class IpcAllReduce:
                     transport, settings: switches.KernelSettings) -> None:
         """This rank's fields from the constructor's arguments, nothing built yet; ValueError on a bad one."""
         self._handle, self._watchdog, self._shape = 0, None, None
-        self.probe_rounds, self.probe_read_rounds = 0, ()
         self.settings = settings
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if self.device.type != "cuda":
@@ -145,7 +144,7 @@ class IpcAllReduce:
         """For the watchdog: False once closed; raises once a trap has ended the CUDA context."""
         if self._handle == 0:
             return False
-        _ext.ops().ws_calls_completed(self._handle)
+        _ext.ops().ws_check_context(self._handle)
         return True
 
     def describe_fused_launch(self) -> str:
@@ -324,8 +323,8 @@ class IpcAllReduce:
         return int(_ext.ops().ws_dirty_halves(self._handle))
 
     def calls_completed(self) -> int:
-        """Calls completed, counted on the device (graph replays included), read without synchronizing: safe from a
-        monitoring thread while the serving stream runs; may lag calls in flight."""
+        """Calls completed, counted on the device (graph replays included) and mirrored into host-mapped memory: a
+        plain load, safe from a monitoring thread while the serving stream runs; may lag calls in flight."""
         if self._handle == 0:
             raise IpcAllReduceError("IpcAllReduce is closed")
         return int(_ext.ops().ws_calls_completed(self._handle))

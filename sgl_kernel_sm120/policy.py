@@ -153,6 +153,9 @@ class Route:
     cluster: int | None = None  # fused one-shot: CTAs per row (ROW_SPLITS)
     threads: int | None = None  # plain kernels: threads per CTA
     window: int | None = None  # staged push: passes in flight before their pacing waits, 1 .. world - 1
+    # (schedule, threads, ctas, cluster, transport, window) as the ops take them (0: the kernels' rule): derived once,
+    # when the route is made, so a call's launch converts nothing.
+    launch_args: tuple[int, int, int, int, int, int] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for name, kind in (("schedule", Schedule), ("transport", Transport), ("memory", Memory)):
@@ -169,13 +172,8 @@ class Route:
             raise ValueError(f"threads {self.threads}: a CTA is whole warps of {THREAD_GRAIN}")
         if self.window is not None and self.transport is not Transport.STAGED:
             raise ValueError(f"window {self.window}: only staged push runs its passes in a window")
-
-    @functools.cached_property
-    def launch_args(self) -> tuple[int, int, int, int, int, int]:
-        """(schedule, threads, ctas, cluster, transport, window) as the ops take them (0: the kernels' rule), built
-        once per route: a call's launch converts nothing."""
-        return (int(self.schedule), self.threads or 0, self.ctas or 0, self.cluster or 0, self.transport.code,
-                self.window or 0)
+        object.__setattr__(self, "launch_args", (int(self.schedule), self.threads or 0, self.ctas or 0,
+                                                 self.cluster or 0, self.transport.code, self.window or 0))
 
     @property
     def id(self) -> str:

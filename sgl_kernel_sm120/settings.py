@@ -17,7 +17,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 LEGACY_PREFIX, PREFIX = "SGL_", "SGLANG_"
-DEBUG_PROBE_DROP_READS = "read"  # the probe-drop switch's round that means every read round
+# The probe-drop switch's parts (csrc/probe.cu): the writes only, the loads only, the writes into the slab's last
+# page only (a mapping broken for part of a slab); none given: the writes and the loads.
+PROBE_DROP_PARTS = ("write", "read", "last")
 PROBE_DROP_MEMORIES = ("device", "host", "any")
 MAX_SECONDS = 1e9  # a wait bound past it is a typo (and the kernels count waits in 64-bit nanoseconds)
 
@@ -28,13 +30,14 @@ class SettingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ProbeDrop:
-    """The data-path probe's negative control (SGL_SM120_DEBUG_PROBE_DROP=SRC:DST[:ROUND|:read][@MEMORY]): rank
-    `src` skips its probe writes to `dst` and corrupts its loads from it, in every round (`round` None), in one round,
-    or in the read rounds only ("read"), in workspaces of `memory` ("device", "host" or "any")."""
+    """The data-path probe's negative control (SGL_SM120_DEBUG_PROBE_DROP=SRC:DST[:write|:read|:last][@MEMORY]):
+    rank `src` skips its probe writes to `dst` and corrupts its loads from it (`part` None), only skips the writes
+    ("write"), only corrupts the loads ("read"), or skips only its writes into the last page of `dst`'s slab
+    ("last"), in workspaces of `memory` ("device", "host" or "any")."""
 
     src: int
     dst: int
-    round: int | str | None = None
+    part: str | None = None
     memory: str = "device"
 
 
@@ -175,14 +178,14 @@ def _probe_drop(name: str, raw: str) -> ProbeDrop:
     spec, _, memory = raw.partition("@")
     parts = spec.split(":")
     try:
-        if len(parts) not in (2, 3) or (memory or "device") not in PROBE_DROP_MEMORIES:
+        part = parts[2] if len(parts) == 3 else None
+        if len(parts) not in (2, 3) or part not in (None, *PROBE_DROP_PARTS) or \
+                (memory or "device") not in PROBE_DROP_MEMORIES:
             raise ValueError
-        when = parts[2] if len(parts) == 3 else None
-        return ProbeDrop(int(parts[0]), int(parts[1]),
-                         when if when in (None, DEBUG_PROBE_DROP_READS) else int(when), memory or "device")
+        return ProbeDrop(int(parts[0]), int(parts[1]), part, memory or "device")
     except ValueError:
-        raise refuse(name, raw, f"SRC:DST, SRC:DST:ROUND or SRC:DST:{DEBUG_PROBE_DROP_READS} (rank and round "
-                                "numbers), optionally followed by @device (the default), @host or @any") from None
+        raise refuse(name, raw, f"SRC:DST or SRC:DST:{'|'.join(PROBE_DROP_PARTS)} (SRC and DST rank numbers), "
+                                "optionally followed by @device (the default), @host or @any") from None
 
 
 _BOOL = choice({"1": True, "0": False})

@@ -19,10 +19,11 @@ LIMITS_JSON = {"plain_max_threads": 512, "max_packs_per_thread": 16, "max_fused_
 
 class FakeOps:
     """The workspace ops as construction, the probe and close call them. `fails`: the op that raises here;
-    `probe_outcome`: what every peer's probe pack did (1: arrived)."""
+    `probe_outcome`: what every peer's probe writes did (0: arrived; csrc/ar_types.h ProbeOutcome), the failed place
+    at slab offset 4096."""
 
-    def __init__(self, fails: str | None = None, probe_outcome: int = 1, world: int = 2, probe_rounds: int = 3):
-        self.fails, self.probe_outcome, self.world, self.probe_rounds = fails, probe_outcome, world, probe_rounds
+    def __init__(self, fails: str | None = None, probe_outcome: int = 0, world: int = 2):
+        self.fails, self.probe_outcome, self.world = fails, probe_outcome, world
         self.live: set[int] = set()  # handles created and not destroyed
         self.records: dict[int, tuple[ErrorRecord, SlowRecord]] = {}
         self._next = 1
@@ -70,17 +71,12 @@ class FakeOps:
     def ws_set_launch_limits(self, handle, sm_budget, capacity):
         self._maybe_fail("ws_set_launch_limits")
 
-    def ws_probe_rounds(self, handle):
-        return self.probe_rounds
+    def ws_probe(self, handle, timeout_s, drop_peer, drop_mode):
+        at = 4096 if self.probe_outcome else -1
+        return [self.probe_outcome, at, 0, -1] * self.world
 
-    def ws_probe_round_reads(self, handle, round_index):
-        return round_index == self.probe_rounds - 1
-
-    def ws_probe(self, handle, timeout_s, round_index, drop):
-        return [self.probe_outcome] * self.world
-
-    def ws_probe_round_name(self, handle, round_index):
-        return f"R{round_index}"
+    def ws_probe_place_name(self, handle, slab_offset):
+        return f"the page at slab byte {slab_offset}"
 
     def ws_error_record_address(self, handle):
         return ctypes.addressof(self.records[handle][0])
@@ -90,6 +86,9 @@ class FakeOps:
 
     def ws_calls_completed(self, handle):
         return 0
+
+    def ws_check_context(self, handle):
+        self._maybe_fail("ws_check_context")
 
     def kernel_limits(self):
         return json.dumps(LIMITS_JSON)

@@ -1,11 +1,12 @@
-// Host-only check of the probe's read places (csrc/probe.cu R1, R2), built and run by tests/test_probe_places.py:
-// the places' geometry decides whether a read round can pass on a healthy fabric (two readers on one place would
-// empty each other's pack) and whether it covers the edges pull loads from, and none of it needs a GPU. Also that
-// the write rounds reach both ends of the flag area.
-// One translation unit with the sources, so their internal helpers (scratch_sizes, read_place) are in reach.
+// Host-only check of the data-path probe's places and tags (csrc/probe.cu P1, P2), built and run by
+// tests/test_probe_places.py: the places decide whether the one probe round can pass on a healthy fabric (two
+// senders or readers on one place would take each other's pack) and whether it reaches every page a peer uses, and
+// none of it needs a GPU.
+// One translation unit with the sources, so their internal helpers (scratch_sizes, write_place) are in reach.
 #include <cstdio>
 #include <set>
-#include <utility>
+#include <string>
+#include <tuple>
 
 #include "../csrc/probe.cu"
 #include "../csrc/workspace.cu"
@@ -19,14 +20,18 @@ namespace {
 
 int failures = 0;
 
-void fail(const char* what, int world, long long max_numel, int parity, int owner, int reader, int place) {
+void fail(const std::string& what, int world, long long max_numel, long long at) {
   if (++failures <= 20)
-    std::printf("FAIL %s: world %d max_numel %lld parity %d owner %d reader %d place %d\n", what, world, max_numel,
-                parity, owner, reader, place);
+    std::printf("FAIL %s: world %d max_numel %lld slab offset %lld\n", what.c_str(), world, max_numel, at);
 }
 
-// The view as workspace_create lays it out for these sizes.
-sgl_sm120::WorkspaceView view_for(int world, long long max_numel, const sgl_sm120::Topology& islands) {
+bool has_empty_half(uint4 v) {
+  for (uint32_t w : {v.x, v.y, v.z, v.w})
+    if ((w & 0xFFFFu) == sgl_sm120::kEmptyHalf || (w >> 16) == sgl_sm120::kEmptyHalf) return true;
+  return false;
+}
+
+void check(int world, long long max_numel, const sgl_sm120::Topology& islands) {
   using namespace sgl_sm120;
   Topology flat{};
   flat.island_size = world;
@@ -42,58 +47,51 @@ sgl_sm120::WorkspaceView view_for(int world, long long max_numel, const sgl_sm12
   v.pull_input_bytes = z.pull_input;
   v.flat = flat;
   v.islands = islands;
-  return v;
-}
-
-void check(int world, long long max_numel, const sgl_sm120::Topology& islands) {
-  using namespace sgl_sm120;
-  WorkspaceView v = view_for(world, max_numel, islands);
-  // The read rounds are the last two, one per parity, after every write round.
-  const int rounds = probe_round_count(v);
-  for (int r = 0; r < rounds; ++r)
-    if (probe_round_reads(v, r) != (r >= rounds - kReadRounds)) fail("round kind", world, max_numel, -1, -1, -1, r);
-  if (probe_round_reads(v, rounds)) fail("round past the end reads", world, max_numel, -1, -1, -1, rounds);
-  // The flag rounds write the first and last pack of the flag area, which holds the flags of both call parities.
-  bool flags_first = false, flags_last = false;
-  for (int r = 0; r < write_round_count(v); ++r) {
-    if (area_of(v, r) != kAreaFlags) continue;
-    for (int sender = 0; sender < world; ++sender) {
-      flags_first |= probe_place(v, r, sender, 0) == kCtrlBytes;
-      flags_last |= probe_place(v, r, sender, 1) == kCtrlBytes + kFlagBytes - kPackBytes;
-    }
-  }
-  if (!flags_first || !flags_last)
-    fail("an end of the flag area no write round reaches", world, max_numel, -1, -1, -1, -1);
-  // pull.cuh's parts of one parity's area, as its consumers address them (R1): input copy, plane 0, 1, result.
-  const long long part_start[4] = {0, v.pull_input_bytes, v.pull_input_bytes + v.chunk_slot_bytes,
-                                   v.pull_input_bytes + 2 * v.chunk_slot_bytes};
-  const long long part_end[4] = {v.pull_input_bytes, v.pull_input_bytes + v.chunk_slot_bytes,
-                                 v.pull_input_bytes + 2 * v.chunk_slot_bytes, v.pull_region_bytes};
-  if (part_end[3] != v.pull_input_bytes + 3 * v.chunk_slot_bytes)
-    fail("pull area size", world, max_numel, -1, -1, -1, -1);
-  for (int parity = 0; parity < 2; ++parity) {
-    const long long area = v.pull_offset + parity * v.pull_region_bytes;
-    for (int owner = 0; owner < world; ++owner) {
-      std::set<long long> used;
-      std::set<std::pair<int, int>> edges;  // (part, end) reached by some reader
-      for (int reader = 0; reader < world; ++reader) {
-        if (reader == owner) continue;
-        for (int place = 0; place < kReadPlaces; ++place) {
-          const long long at = read_place(v, parity, owner, reader, place);
-          const int part = place >> 1;
-          if (at % kPackBytes != 0) fail("misaligned", world, max_numel, parity, owner, reader, place);
-          if (at < area + part_start[part] || at + kPackBytes > area + part_end[part])
-            fail("outside its part", world, max_numel, parity, owner, reader, place);
-          if (!used.insert(at).second)
-            fail("shared by two readers or places", world, max_numel, parity, owner, reader, place);
-          if ((place & 1) == 0 && at == area + part_start[part]) edges.insert({part, 0});
-          if ((place & 1) == 1 && at + kPackBytes == area + part_end[part]) edges.insert({part, 1});
+  const long long first = kProbePageFirst, end = probe_page_end(v), reads_from = read_page_first(v);
+  // Coverage: the write pages are every page after the Ctrl head up to the slab's end, the read pages every page
+  // holding pull-area bytes.
+  if (first * kProbePageBytes != kCtrlBytes) fail("write pages start elsewhere than after the Ctrl", world, max_numel, 0);
+  if (end * kProbePageBytes != z.slab) fail("write pages end elsewhere than at the slab's end", world, max_numel, 0);
+  if (reads_from * kProbePageBytes > v.pull_offset || (reads_from + 1) * kProbePageBytes <= v.pull_offset)
+    fail("read pages start elsewhere than at the pull areas' first page", world, max_numel, v.pull_offset);
+  for (int owner = 0; owner < world; ++owner) {
+    std::set<long long> used;  // every place in this rank's slab, writes and reads (P1)
+    auto place = [&](long long at, long long page, const char* kind) {
+      if (at % kPackBytes != 0) fail(std::string(kind) + " place misaligned", world, max_numel, at);
+      if (at < page * kProbePageBytes || at + kPackBytes > (page + 1) * kProbePageBytes)
+        fail(std::string(kind) + " place outside its page", world, max_numel, at);
+      if (at < kCtrlBytes || at + kPackBytes > z.slab) fail(std::string(kind) + " place outside the scratch", world,
+                                                            max_numel, at);
+      if (!used.insert(at).second) fail(std::string(kind) + " place shared", world, max_numel, at);
+    };
+    for (long long page = first; page < end; ++page)
+      for (int sender = 0; sender < world; ++sender)
+        if (sender != owner) place(write_place(page, sender), page, "write");
+    for (long long page = reads_from; page < end; ++page)
+      for (int reader = 0; reader < world; ++reader)
+        if (reader != owner) place(read_place(v, page, owner, reader), page, "read");
+    // P2: tags distinct per (kind, from, to, page) among the packs this slab sees, none empty or all zero.
+    std::set<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>> tags;
+    for (long long page = first; page < end; ++page)
+      for (int peer = 0; peer < world; ++peer) {
+        if (peer == owner) continue;
+        for (const uint4 t : {probe_pattern(false, peer, owner, page), probe_pattern(true, owner, peer, page)}) {
+          if (has_empty_half(t) || (t.x | t.y | t.z | t.w) == 0u) fail("a tag reads as empty", world, max_numel, page);
+          if (!tags.insert({t.x, t.y, t.z, t.w}).second) fail("two places share a tag", world, max_numel, page);
         }
       }
-      if (edges.size() != 2 * 4)
-        fail("an edge of the pull area nobody loads", world, max_numel, parity, owner, -1, -1);
-    }
   }
+  // Names of the places the host reports.
+  const auto named = [&](long long at, const char* want) {
+    if (probe_place_name(v, at).find(want) == std::string::npos)
+      fail("place named '" + probe_place_name(v, at) + "', not '" + want + "'", world, max_numel, at);
+  };
+  named(kCtrlBytes, "the flag area");
+  named(kRegionsOffset, "the push region of parity 0 (one-shot slot 0, chunk block 0)");
+  named(kRegionsOffset + z.region + z.oneshot_slot, "the push region of parity 1 (one-shot slot 1,");
+  named(v.pull_offset, "the pull area of parity 0 (input copy)");
+  named(v.pull_offset + z.pull_region + z.pull_input, "the pull area of parity 1 (partial plane 0)");
+  named(v.pull_offset + 2 * z.pull_region - kPackBytes, "the pull area of parity 1 (result)");
 }
 
 }  // namespace

@@ -37,7 +37,7 @@ def _rank(rank: int, port: int, scenario: str, failing_rank: int, queue) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     op = {"ipc_handle": "ws_ipc_handle", "unlink": "ws_unlink_shared", "close_peers": "ws_close_peers"}[scenario]
-    ops = FakeOps(op if rank == failing_rank else None, probe_outcome=2 if scenario == "close_peers" else 1,
+    ops = FakeOps(op if rank == failing_rank else None, probe_outcome=2 if scenario == "close_peers" else 0,
                   world=WORLD)
     exchange = exchange_of(dist.group.WORLD)
     memory = Memory.HOST if scenario == "unlink" else Memory.DEVICE

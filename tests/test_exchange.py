@@ -28,10 +28,36 @@ def test_one_rank_s_failure_is_the_same_error_on_every_rank_naming_it():
     assert {str(a) for a in answers} == {"IpcAllReduce the step failed (rank 1: ZeroDivisionError: division by zero)"}
 
 
-def test_a_host_memory_size_failure_has_its_own_type():
-    answers = run_threads(2, lambda rank, ex: agree(ex, "size", "RuntimeError: host memory: /dev/shm has 4.0 MiB"
-                                                    if rank else None))
-    assert all(isinstance(a, IpcAllReduceHostMemoryError) for a in answers), answers
+def test_a_host_memory_shortfall_crosses_ranks_as_its_kind_with_its_sentence():
+    sentence = "/dev/shm has 4.0 MiB free, the workspace needs 16.0 MiB"
+
+    def step(rank, exchange):
+        def size_check():
+            if rank == 1:
+                raise IpcAllReduceHostMemoryError(f"host memory: {sentence}", sentence)
+
+        return agree(exchange, "size", *attempt(size_check))
+
+    answers = run_threads(2, step)
+    assert all(isinstance(a, IpcAllReduceHostMemoryError) and a.tmpfs == sentence for a in answers), answers
+    assert {str(a) for a in answers} == {f"IpcAllReduce size failed (rank 1: IpcAllReduceHostMemoryError: host "
+                                         f"memory: {sentence})"}
+
+
+def _raise(exc: Exception):
+    raise exc
+
+
+def test_an_error_is_carried_by_its_kind_not_by_its_words():
+    """A message that reads like a host-memory shortfall is a plain error when its type is not one, and a
+    host-memory shortfall stays one however it is worded."""
+    worded = RuntimeError("host memory: /dev/shm has 4.0 MiB free")
+    answers = run_threads(2, lambda rank, ex: agree(ex, "words", *attempt(lambda: _raise(worded) if rank else 0)))
+    assert all(type(a) is IpcAllReduceError for a in answers), answers
+    typed = IpcAllReduceHostMemoryError("no room", "1 MiB free, 2 MiB needed")
+    answers = run_threads(2, lambda rank, ex: agree(ex, "kind", *attempt(lambda: _raise(typed) if rank else 0)))
+    assert all(isinstance(a, IpcAllReduceHostMemoryError) and a.tmpfs == "1 MiB free, 2 MiB needed"
+               for a in answers), answers
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ from tests.test_build import _built_library
 # (ws_host_numa: scripts/diagnose_hostmem_create.py) and the tests' checks of agreed limits and clean scratch
 # (ws_launch_limits, ws_dirty_halves).
 OPS = {"ws_create", "ws_register_shared", "ws_link_local", "host_shared_bytes_for", "ws_host_numa",
-       "cluster_capacity_for", "ws_cluster_capacity", "ws_set_launch_limits", "ws_launch_limits", "ws_probe_rounds",
-       "ws_probe_round_name", "ws_probe_round_reads", "debug_trap", "ws_create_loopback", "ws_loopback_refill",
-       "ws_unlink_shared", "fused_cluster_for", "ws_ipc_handle", "ws_open_peers", "ws_close_peers", "ws_probe",
-       "ws_destroy", "ws_error_record_address", "ws_slow_record_address", "ws_dirty_halves", "ws_calls_completed",
-       "kernel_limits", "ws_sm_count", "all_reduce", "all_reduce_add_rmsnorm"}
+       "cluster_capacity_for", "ws_cluster_capacity", "ws_set_launch_limits", "ws_launch_limits",
+       "ws_probe_place_name", "debug_trap", "ws_create_loopback", "ws_loopback_refill", "ws_unlink_shared",
+       "fused_cluster_for", "ws_ipc_handle", "ws_open_peers", "ws_close_peers", "ws_probe", "ws_destroy",
+       "ws_error_record_address", "ws_slow_record_address", "ws_dirty_halves", "ws_calls_completed",
+       "ws_check_context", "kernel_limits", "ws_sm_count", "all_reduce", "all_reduce_add_rmsnorm"}
 
 
 def test_the_library_registers_exactly_the_ops_the_package_knows():

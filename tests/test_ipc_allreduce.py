@@ -42,8 +42,9 @@ def _build(rank, exchange, settings, **kwargs):
 
 @pytest.mark.parametrize("memory, world, expected", [
     ("device", 1, 2),  # arguments, allocation; no peers, no probe
-    ("device", 2, 3 + 3),  # arguments, allocation, opening the peers; 3 probe rounds (FakeOps)
-    ("host", 2, 1 + 2 + 2 + 3),  # arguments (with the size check), creation, mapping, pinning x 2; the probe
+    ("device", 2, 3 + 1),  # arguments, allocation, opening the peers; the probe's one round
+    ("device", 8, 3 + 1),  # the same at 8 ranks: no round grows with the world size or the slab
+    ("host", 2, 1 + 2 + 2 + 1),  # arguments (with the size check), creation, mapping, pinning x 2; the probe
 ])
 def test_construction_takes_the_rounds_its_docstring_counts(fake_library, memory, world, expected):
     ops, settings = fake_library

@@ -58,7 +58,8 @@ def test_every_setting_has_both_spellings_whichever_it_is_named_by():
     ("library", "/tmp/lib.so", "/tmp/lib.so"),
     ("debug_cluster_check", "trap", "trap"),
     ("debug_probe_drop", "1:0:read@any", ProbeDrop(1, 0, "read", "any")),
-    ("debug_probe_drop", "1:0:5", ProbeDrop(1, 0, 5, "device")),
+    ("debug_probe_drop", "1:0:last", ProbeDrop(1, 0, "last", "device")),
+    ("debug_probe_drop", "1:0@host", ProbeDrop(1, 0, None, "host")),
     ("debug_shm_no_precheck", "1", True),
 ])
 @pytest.mark.parametrize("legacy", [True, False])
@@ -153,9 +154,10 @@ def test_the_environment_a_process_started_with_is_read_from_the_system():
     ("SGL_SM120_DEBUG_SHM_NO_PRECHECK", "true", "one of 1, 0"),
     ("SGL_SM120_DEBUG_PROBE_DROP", "1-0", "SRC:DST"),
     ("SGL_SM120_DEBUG_PROBE_DROP", "1:0@p2p", "@device (the default), @host or @any"),
-    ("SGL_SM120_DEBUG_PROBE_DROP", "1:0:reads", "SRC:DST:read"),
-    ("SGL_SM120_DEBUG_PROBE_DROP", "1:0:read:2", "SRC:DST:read"),
-    ("SGL_SM120_DEBUG_PROBE_DROP", "1:read", "SRC:DST:read"),
+    ("SGL_SM120_DEBUG_PROBE_DROP", "1:0:reads", "SRC:DST:write|read|last"),
+    ("SGL_SM120_DEBUG_PROBE_DROP", "1:0:5", "SRC:DST:write|read|last"),  # rounds are gone: one round
+    ("SGL_SM120_DEBUG_PROBE_DROP", "1:0:read:2", "SRC:DST:write|read|last"),
+    ("SGL_SM120_DEBUG_PROBE_DROP", "1:read", "SRC:DST:write|read|last"),
 ])
 def test_a_bad_value_is_one_line_naming_the_variable_its_value_and_what_is_allowed(name, value, allowed):
     with pytest.raises(SettingError) as caught:

@@ -55,6 +55,8 @@ TWO_RANKS = {
     "test_hostmem_graph_replays": (scenarios._scenario_graph, (21, 12)),
     "test_hostmem_create_close_does_not_leak": (scenarios._scenario_create_close, (16,)),
     "test_hostmem_probe_names_a_dropped_write_and_a_corrupted_read": (scenarios._scenario_probe_drops, ()),
+    "test_hostmem_calls_from_two_streams_keep_the_host_s_order":
+        (scenarios._scenario_two_streams_keep_the_call_order, ()),
     "test_hostmem_rank_skipping_a_call_ends_in_timeout_error_exit_mode":
         (scenarios._scenario_rank_skips_a_call, ("exit",)),
     "test_hostmem_rank_skipping_a_call_ends_in_timeout_error_not_hang":
@@ -100,7 +102,14 @@ def test_hostmem_create_close_does_not_leak(two_ranks, request):
 @need_ranks(2)
 def test_hostmem_probe_names_a_dropped_write_and_a_corrupted_read(two_ranks, request):
     # Pull runs over host memory too; its loads of a peer's slab there cross the GPU's PCIe read path to host
-    # memory through the IOMMU, so the read rounds run, and must name a corrupted read, there as well.
+    # memory through the IOMMU, so the probe loads there too, and must name a corrupted read, there as well.
+    passed(two_ranks, request)
+
+
+@need_ranks(2)
+def test_hostmem_calls_from_two_streams_keep_the_host_s_order(two_ranks, request):
+    # I6 holds whatever the memory: the order between streams is the host's, and host memory's emptying stores are
+    # fenced inside each call (I11).
     passed(two_ranks, request)
 
 

@@ -543,17 +543,21 @@ def _scenario_late_peer(rank, world, late_call, sleep_s):
 
 
 # --------------------------------------------------------------------------------------------------------
-def _expect_probe_error(world, rank, spec, pair, what, where):
+def _expect_probe_error(world, rank, spec, expected):
+    """Construction with the probe-drop switch at `spec` fails on every rank with exactly the `expected` pairs:
+    (sender, receiver, what, where), `what` and `where` parts of the pair's text."""
     for name, value in spelled_out("SGL_SM120_DEBUG_PROBE_DROP", spec + f"@{_memory()}").items():
         os.environ[name] = value  # the switch leaves host memory alone unless told
     try:
         _make(world, rank, 64 * 7168, timeout_s=2.0)  # the probe's polls: min(5 s, timeout_s); arrivals take ms
     except IpcAllReduceProbeError as err:
-        assert len(err.pairs) == 1 and err.pairs[0][:2] == pair, err.pairs
-        assert what in err.pairs[0][2] and where in err.pairs[0][2], err.pairs
-        assert f"rank {pair[0]} -> rank {pair[1]}" in str(err) and "ACS" in str(err), str(err)
+        assert sorted(p[:2] for p in err.pairs) == sorted(e[:2] for e in expected), (spec, err.pairs)
+        for sender, receiver, what, where in expected:
+            (text,) = [p[2] for p in err.pairs if p[:2] == (sender, receiver) and what in p[2]]
+            assert where in text, (spec, text)
+            assert f"rank {sender} -> rank {receiver}" in str(err) and "ACS" in str(err), str(err)
     else:
-        raise AssertionError(f"the probe did not notice {what!r} ({spec})")
+        raise AssertionError(f"the probe did not notice {expected} ({spec})")
     finally:
         for name in spelled_out("SGL_SM120_DEBUG_PROBE_DROP", ""):
             os.environ.pop(name, None)
@@ -561,23 +565,19 @@ def _expect_probe_error(world, rank, spec, pair, what, where):
 
 def _scenario_probe_drops(rank, world):
     """The debug switch breaks rank 1's probe on its path to rank 0: construction must fail on every rank naming
-    the one pair, which way the data went and the area, never end later in a timeout trap or wrong sums. Dropped
-    writes (every round, then the last write round only: a mapping broken for part of a slab); corrupted peer loads,
-    pull's data path, which carries no sentinels (every read round, then the last only). A workspace built after
-    each failure works, through push and pull, and the probe leaves its scratch clean."""
+    each broken pair, which way the data went and the place, never end later in a timeout trap or wrong sums.
+    Dropped writes (into every page, then into the slab's last page only: a mapping broken for part of a slab);
+    corrupted peer loads, pull's data path, which carries no sentinels; both at once. A workspace built after each
+    failure works, through push and pull, and the probe leaves its scratch clean."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    probe = _make(world, rank, 64 * 7168)
-    reads = probe.probe_read_rounds
-    last_write = max(r for r in range(probe.probe_rounds) if r not in reads)
-    probe.close()
-    assert last_write >= 5, f"only {last_write + 1} probe write rounds"
-    assert len(reads) == 2, f"expected one read round per parity, got rounds {reads}"
-    cases = (("1:0", (1, 0), "write never arrived", "parity 0, the one-shot slots"),
-             (f"1:0:{last_write}", (1, 0), "write never arrived", "parity 1, the flags"),
-             ("1:0:read", (0, 1), "rank 1's loads from rank 0 returned wrong data", "parity 0, peer loads"),
-             (f"1:0:{reads[-1]}", (0, 1), "rank 1's loads from rank 0 returned wrong data", "parity 1, peer loads"))
-    for spec, pair, what, where in cases:
-        _expect_probe_error(world, rank, spec, pair, what, where)
+    dropped = (1, 0, "write never arrived", "the flag area")  # the lowest failed place: the first page after Ctrl
+    corrupted = (0, 1, "rank 1's loads from rank 0 returned wrong data", "the pull area of parity 0 (input copy)")
+    cases = (("1:0:write", [dropped]),
+             ("1:0:last", [(1, 0, "write never arrived", "the pull area of parity 1")]),
+             ("1:0:read", [corrupted]),
+             ("1:0", [dropped, corrupted]))
+    for spec, expected in cases:
+        _expect_probe_error(world, rank, spec, expected)
     ar = _make(world, rank, 64 * 7168)
     try:
         x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
@@ -588,6 +588,136 @@ def _scenario_probe_drops(rank, world):
         assert ar.scratch_dirty_count() == 0, "the probe left scratch dirty"
     finally:
         ar.close()
+
+
+# --------------------------------------------------------------------------------------------------------
+# I6 (csrc/ar_protocol.cuh): one workspace's calls stay in the host's order whatever stream they come from.
+SPIN_CYCLES = 2_000_000  # torch.cuda._sleep: about a millisecond, longer than a small call
+
+
+def _stream_case(call: int, world: int, dev):
+    """Call `call`'s inputs on every rank and its expected sum: a size of its own (rows 1..5 of 7168), so a call
+    paired with another one's peer waits for packs that never come or sums the wrong data."""
+    rows = call % 5 + 1
+    inputs = [_int_tensor((rows, 7168), torch.bfloat16, _stable_seed("streams", call, r), dev) for r in range(world)]
+    return inputs, reference_all_reduce(inputs)
+
+
+def _scenario_two_streams_keep_the_call_order(rank, world, calls=40):
+    """Calls alternate between two streams with no order between them from the caller, and rank 0 holds the first
+    stream back with a spin kernel before each of its calls, so its second stream's calls would overtake them: the
+    workspace orders each call after the previous stream's (I6), so every sum is exact on every rank, no wait times
+    out, and the scratch is clean after them. SGL_SM120_DEBUG_NO_STREAM_ORDER, which drops that order, fails here
+    (tests/gpu/test_negative_controls.py)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168, timeout_s=10.0, on_timeout="exit")
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    failures = []
+    try:
+        cases = [_stream_case(call, world, dev) for call in range(calls)]
+        torch.cuda.synchronize()
+        outputs = []
+        for call, (inputs, _) in enumerate(cases):
+            with torch.cuda.stream(streams[call % 2]):
+                if rank == 0 and call % 2 == 0:
+                    torch.cuda._sleep(SPIN_CYCLES)
+                outputs.append(ar.all_reduce(inputs[rank]) if call % 3 else
+                               ar.all_reduce_add_rmsnorm(inputs[rank], torch.zeros_like(inputs[rank]),
+                                                         torch.ones(7168, dtype=torch.bfloat16, device=dev), EPS)[1])
+        torch.cuda.synchronize()
+        ar.synchronize()  # raises the timeout a wait recorded
+        for call, ((_, expected), got) in enumerate(zip(cases, outputs, strict=True)):
+            if not torch.equal(got, expected):
+                failures.append(f"call {call} from stream {call % 2}: wrong sum")
+        if ar.scratch_dirty_count():
+            failures.append("scratch not clean after the calls from two streams")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+def _scenario_captured_calls_from_two_streams_keep_their_order(rank, world, calls=12, replays=5):
+    """One graph whose calls alternate between its capture stream and a stream forked from it, with no order between
+    the two branches from the caller (rank 0's capture-stream branch starts each call with a spin kernel): the
+    workspace adds an edge from each call to the next (I6), so every replay's sums are exact on every rank."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168, timeout_s=10.0, on_timeout="exit")
+    main, side = torch.cuda.Stream(), torch.cuda.Stream()
+    failures = []
+    try:
+        static = [_stream_case(call, world, dev)[0][rank].clone() for call in range(calls)]
+        with torch.cuda.stream(main):
+            ar.all_reduce(static[0])  # the eager warm-up on the capture stream, as SGLang's
+        torch.cuda.synchronize()
+        graph, outputs = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph, stream=main):
+            side.wait_stream(main)
+            for call, x in enumerate(static):
+                with torch.cuda.stream(main if call % 2 == 0 else side):
+                    if rank == 0 and call % 2 == 0:
+                        torch.cuda._sleep(SPIN_CYCLES)
+                    outputs.append(ar.all_reduce(x))
+            main.wait_stream(side)
+        for replay in range(replays):
+            expected = []
+            for call, x in enumerate(static):
+                inputs, want = _stream_case(call + 1000 * (replay + 1), world, dev)  # the same rows, fresh values
+                x.copy_(inputs[rank])
+                expected.append(want)
+            graph.replay()
+            torch.cuda.synchronize()
+            ar.synchronize()
+            failures += [f"replay {replay} call {call}: wrong sum" for call, (got, want)
+                         in enumerate(zip(outputs, expected, strict=True)) if not torch.equal(got, want)]
+        if ar.scratch_dirty_count():
+            failures.append("scratch not clean after the replays")
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
+
+
+def _scenario_an_unorderable_call_is_refused_on_every_rank(rank, world):
+    """An eager call from a second stream while the stream of the previous eager call captures a graph cannot be
+    ordered after it (nothing recorded inside a capture can be waited for outside it): every rank refuses it with
+    one error naming I6, at once, with no kernel launched, so no rank waits for another. The workspace then works:
+    the graph's replay and eager calls from either stream are exact."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ar = _make(world, rank, 64 * 7168, timeout_s=10.0, on_timeout="exit")
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    failures = []
+    try:
+        x = torch.full((3, 7168), rank + 1, dtype=torch.bfloat16, device=dev)
+        out = torch.empty_like(x)  # given, so that the refused call allocates nothing during the capture
+        expected = torch.full_like(x, world * (world + 1) // 2)
+        with torch.cuda.stream(first):
+            ar.all_reduce(x)  # the eager stream is `first`
+        torch.cuda.synchronize()
+        graph, refusal = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph, stream=first, capture_error_mode="relaxed"):
+            captured = ar.all_reduce(x)
+            with torch.cuda.stream(second):
+                try:
+                    ar.all_reduce(x, out)
+                except RuntimeError as exc:
+                    refusal = str(exc)
+        every: list = [None] * world
+        dist.all_gather_object(every, refusal)
+        if not all(r and "I6" in r and "capturing a CUDA graph" in r for r in every):
+            failures.append(f"the call was not refused on every rank: {every}")
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(captured, expected):
+            failures.append("the captured call's replay is wrong")
+        for stream in (second, first, second):
+            with torch.cuda.stream(stream):
+                got = ar.all_reduce(x)
+            torch.cuda.synchronize()
+            if not torch.equal(got, expected):
+                failures.append("an eager call after the refusal is wrong")
+        ar.synchronize()
+    finally:
+        ar.close()
+    assert not failures, "\n".join(failures[:20])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -632,6 +762,11 @@ TWO_RANKS = {
     "test_late_peer_is_waited_for_and_warned_about_not_an_error": (_scenario_late_peer, (3, 3.0)),
     "test_probe_names_a_dropped_write_and_a_corrupted_read_on_every_rank": (_scenario_probe_drops, ()),
     "test_device_call_counter_counts_graph_replays": (_scenario_device_counter, ()),
+    "test_calls_from_two_streams_keep_the_host_s_order": (_scenario_two_streams_keep_the_call_order, ()),
+    "test_captured_calls_from_two_streams_keep_their_order": (
+        _scenario_captured_calls_from_two_streams_keep_their_order, ()),
+    "test_an_eager_call_that_cannot_be_ordered_is_refused_on_every_rank": (
+        _scenario_an_unorderable_call_is_refused_on_every_rank, ()),
     "test_rank_skipping_a_call_ends_in_timeout_error_exit_mode": (_scenario_rank_skips_a_call, ("exit",)),
     "test_rank_skipping_a_call_ends_in_timeout_error_not_hang": (_scenario_rank_skips_a_call, ("trap",)),
 }
@@ -690,6 +825,21 @@ def test_probe_names_a_dropped_write_and_a_corrupted_read_on_every_rank(two_rank
 
 @need_ranks(2)
 def test_device_call_counter_counts_graph_replays(two_ranks, request):
+    passed(two_ranks, request)
+
+
+@need_ranks(2)
+def test_calls_from_two_streams_keep_the_host_s_order(two_ranks, request):
+    passed(two_ranks, request)
+
+
+@need_ranks(2)
+def test_captured_calls_from_two_streams_keep_their_order(two_ranks, request):
+    passed(two_ranks, request)
+
+
+@need_ranks(2)
+def test_an_eager_call_that_cannot_be_ordered_is_refused_on_every_rank(two_ranks, request):
     passed(two_ranks, request)
 
 

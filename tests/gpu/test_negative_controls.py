@@ -4,6 +4,9 @@ purpose must make the ordinary checks fail. A suite that passed these builds wou
   SGL_SM120_DEBUG_NO_CLEAR       consumers leave scratch dirty (breaks I4): later calls read stale packs
   SGL_SM120_DEBUG_SINGLE_BUFFER  one scratch buffer instead of two (breaks I5): a rank that runs ahead
                                  overwrites, or has cleared, packs its peer has not consumed yet
+  SGL_SM120_DEBUG_NO_STREAM_ORDER a call from another stream is not ordered after the previous one (breaks I6):
+                                 calls from two streams overtake each other on one rank and pair with the wrong
+                                 calls of its peer (its own scenario: calls alternating between two streams)
 
 Each build is loaded in the spawned ranks instead of the packaged `_C` (SGL_SM120_EXT_LIBRARY), and runs a CUDA
 graph of mixed calls (sizes, plain and fused, every schedule) replayed many times, with a short spin bound and the
@@ -28,7 +31,7 @@ import pytest
 
 from sgl_kernel_sm120.settings import VARIABLES, spelled_out
 from tests.gpu.harness import need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
-from tests.gpu.test_ipc_allreduce import _scenario_graph
+from tests.gpu.test_ipc_allreduce import _scenario_graph, _scenario_two_streams_keep_the_call_order
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
@@ -45,6 +48,7 @@ load(name=name, sources=sources, extra_cflags=["-O2", "-D" + flag], extra_cuda_c
 
 
 FLAGS = ["SGL_SM120_DEBUG_NO_CLEAR", "SGL_SM120_DEBUG_SINGLE_BUFFER"]
+STREAM_FLAG = "SGL_SM120_DEBUG_NO_STREAM_ORDER"
 # The transports' own invariants (csrc/transports/): caught in the one-process concurrent mode
 # (tests/gpu/test_transports.py), where the ranks' kernels really run at once.
 TRANSPORT_FLAGS = ["SGL_SM120_DEBUG_FLAG_BEFORE_DATA", "SGL_SM120_DEBUG_STAGED_SKIP_PASS"]
@@ -65,7 +69,7 @@ def _build_broken(flag: str, out: str) -> str:
 
 
 @need_ranks(2)
-@pytest.mark.parametrize("flag", FLAGS)
+@pytest.mark.parametrize("flag", [*FLAGS, STREAM_FLAG])
 def test_broken_protocol_is_caught(flag, monkeypatch):
     with tempfile.TemporaryDirectory() as scratch:
         library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
@@ -73,7 +77,10 @@ def test_broken_protocol_is_caught(flag, monkeypatch):
                             **spelled_out(VARIABLES["timeout_s"], "2")}.items():
             monkeypatch.setenv(name, value)
         with pytest.raises(AssertionError) as caught:
-            run_ranks(2, _scenario_graph, 24, 100, "exit", timeout_s=300)
+            if flag == STREAM_FLAG:
+                run_ranks(2, _scenario_two_streams_keep_the_call_order, timeout_s=300)
+            else:
+                run_ranks(2, _scenario_graph, 24, 100, "exit", timeout_s=300)
     report = str(caught.value)
     assert "wrong" in report or "timed out" in report or "scratch not clean" in report, report[-2000:]
 
@@ -84,7 +91,7 @@ if __name__ == "__main__":
 
     target = sys.argv[1]
     os.makedirs(target, exist_ok=True)
-    everything = FLAGS + TRANSPORT_FLAGS
+    everything = FLAGS + [STREAM_FLAG] + TRANSPORT_FLAGS
     with concurrent.futures.ThreadPoolExecutor(len(everything)) as pool:
         for path in pool.map(lambda flag: _build_broken(flag, target), everything):
             print("built", path, flush=True)

@@ -1,11 +1,11 @@
 """A box whose P2P data path drops writes must not run the P2P workspace, and must say why (issue: broken P2P).
 
-The kernel's debug switch SGL_SM120_DEBUG_PROBE_DROP=1:0 makes rank 1's construction probe skip its write to
-rank 0, which is what ACS redirection or a translating IOMMU does to real writes while cudaDeviceCanAccessPeer
-still says yes; like such a fault it leaves the host-memory workspace alone (no `@host`), so the retry there
-builds. Server-style init (SGLang's own init_distributed_environment + initialize_model_parallel, the
-overlay's pre-capture seam; either supported release, one GPU per rank or ranks sharing one: see
-tests/gpu/sglang_harness.py), then:
+The kernel's debug switch SGL_SM120_DEBUG_PROBE_DROP=1:0 makes rank 1's construction probe skip its writes to
+rank 0 and corrupt its loads from it, which is what ACS redirection or a translating IOMMU does to real traffic
+while cudaDeviceCanAccessPeer still says yes; like such a fault it leaves the host-memory workspace alone (no
+`@host`), so the retry there builds. Server-style init (SGLang's own init_distributed_environment +
+initialize_model_parallel, the overlay's pre-capture seam; either supported release, one GPU per rank or ranks
+sharing one: see tests/gpu/sglang_harness.py), then:
 - SGLANG_SM120_HOSTMEM=off: the backend is off on every rank, the failing pair in the reason and in the
   DISABLED line, and all-reduces still correct (SGLang's own path);
 - SGLANG_SM120_HOSTMEM=auto (the default): the workspace is rebuilt once in pinned host memory, the pair is

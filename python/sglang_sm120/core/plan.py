@@ -42,15 +42,13 @@ def plan(p2p: Sequence[Sequence[bool]] | None, hostmem: str, topology: Topology 
 
 
 def failure_of(exc: BaseException) -> dict[str, Any]:
-    """One rank's failed construction as the group agrees on it: the error, the data-path probe's failed pairs (or
-    None), and the host-memory workspace's tmpfs shortage (or None)."""
+    """One rank's failed construction as the group agrees on it, by the error's type, never its words: the error,
+    the data-path probe's failed pairs (or None), and a too small tmpfs's sentence: folder, free, needed (or None)."""
     from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError, IpcAllReduceProbeError
 
-    error = f"{type(exc).__name__}: {exc}"
-    # The kernel's own sentence when the host-memory workspace does not fit its tmpfs begins so.
-    at = error.find("host memory:") if isinstance(exc, IpcAllReduceHostMemoryError) else -1
-    return {"error": error, "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
-            "tmpfs": error[at:].splitlines()[0].rstrip(")").strip() if at >= 0 else None}
+    return {"error": f"{type(exc).__name__}: {exc}",
+            "pairs": [list(p) for p in exc.pairs] if isinstance(exc, IpcAllReduceProbeError) else None,
+            "tmpfs": exc.tmpfs if isinstance(exc, IpcAllReduceHostMemoryError) else None}
 
 
 def detail(failed: dict[int, dict]) -> str:

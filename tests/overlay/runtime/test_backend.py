@@ -3,6 +3,7 @@ threads sharing an in-memory c10d store; the kernel workspace is a fake."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -502,14 +503,16 @@ def test_host_workspace_failure_is_not_retried(fake_kernel_module):
 
 def test_host_workspace_that_does_not_fit_its_tmpfs_names_the_folder_and_sizes(fake_kernel_module, caplog):
     """A small /dev/shm (64 MiB in Docker and Kubernetes) leaves the group on NCCL with one line
-    that names the folder, its free space and the size needed, not a SIGBUS."""
+    that names the folder, its free space and the size needed, not a SIGBUS. The sentence travels as the error's
+    attribute, so its words do not decide anything."""
     from sgl_kernel_sm120.errors import IpcAllReduceHostMemoryError
 
     caplog.set_level(logging.INFO, logger="sglang_sm120")
-    sentence = ("host memory: /dev/shm has 60.0 MiB free, the workspace needs 112.0 MiB (8 slabs of 14.0 MiB); "
+    sentence = ("/dev/shm has 60.0 MiB free, the workspace needs 112.0 MiB (8 slabs of 14.0 MiB); "
                 "enlarge it (docker run --shm-size=1g) or point SGL_SM120_SHM_DIR at a larger tmpfs")
-    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error=f"IpcAllReduce host-memory workspace size check "
-                                    f"failed (rank 0: {sentence})", host_error_type=IpcAllReduceHostMemoryError)
+    fake = FakeIpcAllReduce.failing(probe_pairs=None, host_error=f"IpcAllReduce argument check failed (rank 0: "
+                                    f"IpcAllReduceHostMemoryError: {sentence})",
+                                    host_error_type=functools.partial(IpcAllReduceHostMemoryError, tmpfs=sentence))
     fake_kernel_module.IpcAllReduce = fake
     backends = _build_all(2, dist.HashStore(), "tp:shm-small", memory="host")
     assert fake.attempts == ["host", "host"]
