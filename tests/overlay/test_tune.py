@@ -97,6 +97,15 @@ def _canned(monkeypatch, attempt, planned="seen-1"):
     return seen
 
 
+def _box_table():
+    """A plain bf16 table of BOX's GPUs, rows 1 and 2, tuned under what the tool sees as "seen-1"."""
+    table = _table([10, 10], [5, 5])
+    table.key.update(BOX)
+    table.workload["rows"] = [1, 2]
+    table.planned = "seen-1"
+    return table
+
+
 def _good(table):
     return launch.Attempt(table.to_dict(), table.digest(), None, None, [])
 
@@ -182,10 +191,7 @@ def test_force_tunes_past_a_failure_note(monkeypatch, tmp_path):
 
 def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
-    table = _table([10, 10], [5, 5])
-    table.key.update(BOX)
-    table.workload["rows"] = [1, 2]
-    table.planned = "seen-1"
+    table = _box_table()
     cache.save(table)
     seen = _canned(monkeypatch, _good(table))
     assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0
@@ -201,10 +207,7 @@ def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(m
 
 def test_a_second_launch_waits_for_the_first_ones_tune_and_uses_its_table(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
-    table = _table([10, 10], [5, 5])
-    table.key.update(BOX)
-    table.workload["rows"] = [1, 2]
-    table.planned = "seen-1"
+    table = _box_table()
     seen = _canned(monkeypatch, _good(table))
     with cache.tune_lock(BOX, wait_s=0) as held:
         assert held

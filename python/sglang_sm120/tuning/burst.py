@@ -128,35 +128,31 @@ class Trial:
         for b in range(max(1, int(burst))):
             offset = self.offset + b * self.slots.calls
             self.slots.feed(offset)
-            start, stop, read = self.backend.timer()
-            start()
-            self.graph.replay()
-            stop()
-            timers.append(read)
+            timers.append(self._timed_replay())
             self._check(f"graph replay {b + 1}", offset)
         if replays:
             for _ in range(int(warmup)):
                 self.graph.replay()
-            timers = []
-            for _ in range(int(replays)):
-                start, stop, read = self.backend.timer()
-                start()
-                self.graph.replay()
-                stop()
-                timers.append(read)
+            timers = [self._timed_replay() for _ in range(int(replays))]
             self._check(f"after {warmup + replays} more replays", offset)
         self.backend.synchronize()
         self.check_timeouts()
         lanes = self.bank.lanes
-        read = torch.stack([self.wrong, *(p for lane in lanes for p in self.prints[lane])]).tolist()  # one copy
-        if read[0]:
+        values = torch.stack([self.wrong, *(p for lane in lanes for p in self.prints[lane])]).tolist()  # one copy
+        if values[0]:
             self._raise_first_wrong()
         per_lane = len(self.prints[lanes[0]])
-        prints = {lane: read[1 + i * per_lane:1 + (i + 1) * per_lane] for i, lane in enumerate(lanes)}
-        if any(p != prints[self.bank.lanes[0]] for p in prints.values()):  # lanes of this process; ranks: the Tuner
+        prints = [values[1 + i * per_lane:1 + (i + 1) * per_lane] for i in range(len(lanes))]
+        if any(p != prints[0] for p in prints):  # lanes of this process; across ranks: the Tuner
             raise AssertionError("the ranks' outputs differ in some bit")
-        digest = hashlib.sha256(repr(prints[self.bank.lanes[0]]).encode()).hexdigest()
-        return digest, [read() / self.slots.calls for read in timers]
+        return hashlib.sha256(repr(prints[0]).encode()).hexdigest(), [read() / self.slots.calls for read in timers]
+
+    def _timed_replay(self) -> Callable[[], float]:
+        start, stop, read = self.backend.timer()
+        start()
+        self.graph.replay()
+        stop()
+        return read
 
     def _raise_first_wrong(self) -> None:
         for where, per_slot in self.wrong_at:

@@ -179,6 +179,18 @@ class Tuner:
             self.notes.append(f"{dtype} {kind}: NCCL failed at {nbytes} B ({why}); no size from there on is routed "
                               "to our kernels, for want of an NCCL time to beat")
 
+    def _trials(self, cids, ours, kind, dtype, rows, nbytes, profile, failed, stopped) -> dict[str, float]:
+        """Each candidate's agreed time (the burst's or, with `profile`, the profile's); a failure is recorded."""
+        out = {}
+        for cid in cids:
+            us, why = self._trial(cid, ours[cid], kind, dtype, rows, profile)
+            self.counts["profiled" if profile else "ranked"] += 1
+            if us is None:
+                self._fail(cid, ours[cid], why, rows, nbytes, failed, stopped, dtype, kind)
+            else:
+                out[cid] = us
+        return out
+
     def _measure(self, dtype: str, kind: str, shape: WorkspaceShape, limits: KernelLimits) -> list[Point]:
         """Every size of the ladder with every candidate, ascending (a failure or a prune holds from its size up);
         then, in a quick tune, every other captured size with the candidates profiled at the ladder's sizes on
@@ -221,7 +233,6 @@ class Tuner:
                 failed[cid] = why
         self.counts["skipped"] += len(failed)
         times: dict[str, float] = {}
-        ranked: dict[str, float] = {}
         left = [cid for cid in ours if cid not in failed]
         if NCCL in stopped and stopped[NCCL][0] <= rows:  # no NCCL time to beat: nothing of ours is tried
             failed.update({NCCL: stopped[NCCL][1], **{cid: "not tried: NCCL failed" for cid in left}})
@@ -237,24 +248,13 @@ class Tuner:
             left = []
         else:
             times[NCCL] = nccl
-        for cid in left:  # the burst: every candidate checked exact, its best replay ranks it
-            us, why = self._trial(cid, ours[cid], kind, dtype, rows, profile=False)
-            self.counts["ranked"] += 1
-            if us is None:
-                self._fail(cid, ours[cid], why, rows, nbytes, failed, stopped, dtype, kind)
-            else:
-                ranked[cid] = us
+        # the burst: every candidate checked exact, its best replay ranks it
+        ranked = self._trials(left, ours, kind, dtype, rows, nbytes, False, failed, stopped)
         order = sorted(ranked, key=lambda c: (ranked[c], c))  # agreed numbers: the same list on every rank
         chosen = order[:spec.survivors] if spec.survivors > 0 and only is None else order
         if previous_best in ranked and previous_best not in chosen:
             chosen.append(previous_best)  # so a route can keep its sustained run
-        for cid in chosen:
-            us, why = self._trial(cid, ours[cid], kind, dtype, rows, profile=True)
-            self.counts["profiled"] += 1
-            if us is None:
-                self._fail(cid, ours[cid], why, rows, nbytes, failed, stopped, dtype, kind)
-            else:
-                times[cid] = us
+        times.update(self._trials(chosen, ours, kind, dtype, rows, nbytes, True, failed, stopped))
         point = Point(rows=rows, nbytes=nbytes, times=times, failed=failed,
                       ranked={c: us for c, us in ranked.items() if c not in times})
         return _Measured(point, ranked)

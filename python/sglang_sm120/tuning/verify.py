@@ -59,10 +59,6 @@ def fused_target(rows: int, hidden: int, phase: int = 0, device=None):
     return torch.where(col % 4 == 0, sign * 2.0 ** (k + 1), zero), 2.0 ** -k
 
 
-def fused_weight(hidden: int, dtype: str, device=None):
-    return torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).to(getattr(torch, dtype))
-
-
 class SizeBank:
     """One size's cases on `device` for the ranks `lanes` of this process (one rank, or every rank of a one-process
     group): `x[lane]` [cases, rows, hidden], the fused residual [cases, rows, hidden] (the same on every rank), and
@@ -77,7 +73,8 @@ class SizeBank:
         self.lanes = list(lanes)
         x = {lane: [] for lane in self.lanes}
         residuals, expected = [], []
-        self.weight = fused_weight(hidden, dtype, device) if kind == "fused" else None
+        self.weight = torch.tensor([(1, 2, 3, -1, -2)[i % 5] for i in range(hidden)], device=device).to(
+            self.torch_dtype) if kind == "fused" else None
         for case in range(self.cases):
             inputs = [rank_input(case, r, rows, hidden, dtype, device) for r in range(world)]
             total = torch.stack([t.float() for t in inputs]).sum(0)  # small integers: exact in any order
@@ -93,21 +90,6 @@ class SizeBank:
         self.x = {lane: torch.stack(cases_) for lane, cases_ in x.items()}
         self.residual = torch.stack(residuals) if residuals else None
         self.expected = torch.stack(expected)
-
-
-def mismatch(name: str, got, expected) -> str | None:
-    """None when `got` equals `expected` exactly, else the first difference in words; compared on the CPU (the
-    tuner's tensors live on the GPU)."""
-    got, expected = got.detach().to("cpu"), expected.detach().to("cpu")
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return f"{name}: shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} {expected.dtype}"
-    g, e = got.float(), expected.float()
-    bad = torch.isnan(g) | (g != e)
-    if not bool(bad.any()):
-        return None
-    index = tuple(int(i) for i in bad.nonzero()[0])
-    return (f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, first at {list(index)}: "
-            f"got {g[index].item()}, expected {e[index].item()}")
 
 
 def wrong_elements(got, expected):
