@@ -76,7 +76,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 # One GPU: multi-rank tests run with their ranks sharing it (correctness only).
 [ "$NGPU" -lt 2 ] && export SGL_SM120_TEST_SHARE_GPUS=${SGL_SM120_TEST_SHARE_GPUS:-1}
-GPU_TAG=$($PY -c "import torch; n=torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else n.split()[-1])")
+GPU_TAG=$($PY -c "import re, torch; n=torch.cuda.get_device_name(0).lower(); m=re.search(r'\bh\d00\b', n)
+print(m.group() if m else re.sub(r'[^a-z0-9]+', '_', n.replace('nvidia', '')).strip('_'))")
 export SGL_SM120_NEGATIVE_BUILDS=${SGL_SM120_NEGATIVE_BUILDS:-$WORK/negative-builds}
 status=0
 kexpr() {  # kexpr [BASE]: the stage's -k expression, BASE and TEST_SELECT combined ("" selects everything)

@@ -205,7 +205,9 @@ class IpcAllReduce:
         if why:
             raise ValueError(f"IpcAllReduce cannot run this call: {why}")
         route = policy.resolve(route, inp.nbytes, self.shape, self.limits, True)
-        return self.launch_fused(route, inp, residual, weight, eps, norm_out, residual_out)
+        if norm_out is None and residual_out is None:
+            return self.launch_fused(route, inp, residual, weight, eps)
+        return self.launch_fused_into(route, inp, residual, weight, eps, norm_out, residual_out)
 
     def _route(self, inp: torch.Tensor, route: Route | None, **fields) -> Route:
         """`route`, else the seed route of this size; each given field replaces the route's."""
@@ -249,9 +251,22 @@ class IpcAllReduce:
             return out
         return target
 
-    def launch_fused(self, route: Route, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     norm_out: torch.Tensor | None = None,
-                     residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch_fused(self, route: Route, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh (norm, summed): every eager layer boundary's call, so one predicate when the inputs are aligned."""
+        schedule, _, ctas, cluster, transport, window = route.launch_args
+        residual, weight = residual.contiguous(), weight.contiguous()
+        if (inp.data_ptr() | residual.data_ptr() | weight.data_ptr()) % 16:
+            inp, residual, weight = _aligned_copy(inp), _aligned_copy(residual), _aligned_copy(weight)
+        norm, summed = torch.empty_like(inp), torch.empty_like(inp)
+        _ext.ops().all_reduce_add_rmsnorm(self._handle, inp, residual, weight, float(eps), norm, summed, schedule,
+                                          ctas, self.use_pdl, cluster, transport, window)
+        return norm, summed
+
+    def launch_fused_into(self, route: Route, inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float, norm_out: torch.Tensor | None,
+                          residual_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """launch_fused into the outputs given (a graph's buffers), through fresh ones where one is unaligned."""
         schedule, _, ctas, cluster, transport, window = route.launch_args
         norm = torch.empty_like(inp) if norm_out is None or not _aligned(norm_out) else norm_out
         summed = torch.empty_like(inp) if residual_out is None or not _aligned(residual_out) else residual_out

@@ -191,6 +191,34 @@ def test_a_launch_hands_the_resolved_route_to_the_op_field_by_field(monkeypatch)
     ]
 
 
+@pytest.mark.parametrize("unaligned", ["inp", "residual", "weight"])
+def test_a_fused_launch_copies_a_tensor_at_an_unaligned_address_and_passes_aligned_ones_as_they_are(
+        monkeypatch, unaligned):
+    """The kernels read 16-byte packs: an input at an odd offset (a view into a larger tensor) is copied to a fresh,
+    aligned one with the same values; aligned inputs reach the op themselves, whichever entry point is used."""
+    seen = []
+
+    class Ops:
+        def all_reduce_add_rmsnorm(self, handle, inp, residual, weight, *rest):
+            seen.append((inp, residual, weight))
+
+    monkeypatch.setattr(_ext, "ops", lambda: Ops())
+    ws = _workspace()
+    route = Route("ONESHOT", "push", "device", ctas=188, cluster=4)
+    base = torch.arange(3 * 64 + 1, dtype=torch.bfloat16)
+    tensors = {"inp": torch.ones(3, 64, dtype=torch.bfloat16), "residual": torch.ones(3, 64, dtype=torch.bfloat16),
+               "weight": torch.ones(64, dtype=torch.bfloat16)}
+    tensors[unaligned] = (base[1:] if unaligned != "weight" else base[1:65]).view(tensors[unaligned].shape)
+    assert tensors[unaligned].data_ptr() % 16
+    given = (tensors["inp"], tensors["residual"], tensors["weight"])
+    ws.launch_fused(route, *given, 1e-6)
+    ws.launch_fused_into(route, *given, 1e-6, torch.empty(3, 64, dtype=torch.bfloat16), None)
+    for passed in seen:
+        for name, sent, original in zip(("inp", "residual", "weight"), passed, given, strict=True):
+            assert sent.data_ptr() % 16 == 0 and torch.equal(sent, original), name
+            assert (sent is original) == (name != unaligned), name
+
+
 def test_what_the_workspace_takes_is_a_function_of_the_tensor_and_its_fixed_attributes():
     ws = _workspace()
     x = torch.zeros(3, 64, dtype=torch.bfloat16)

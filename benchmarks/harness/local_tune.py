@@ -70,6 +70,7 @@ class LocalGroupMeasurer(BurstMeasurer):
         return "NCCL, not run (one process; its time injected)"
 
     def reset(self) -> None:
+        self.forget_graphs()
         comms, self._comms = self._comms, None
         if comms is not None:
             self._close_group(comms)

@@ -101,13 +101,16 @@ def _group_worker(rank: int, world: int, cache_dir: str, tune: str, expect: str,
                      store=_get_default_store())
     assert comm.resolve_gate().enabled, comm.decision
     bound = ByteBound(4 * HIDDEN * 2, "4 rows")
-    assert comm.build(HIDDEN, torch.bfloat16, bound, kernel_timeout_s=30.0, tune=tune), comm.build_error
+    built = comm.build(HIDDEN, torch.bfloat16, bound, kernel_timeout_s=30.0, tune=tune)
+    if expect == "all-nccl":  # no table of this box: the ranks never measure, they name the command that does and
+        # hold no workspace for a server that routes nothing to it
+        assert not built and comm.workspace is None and comm.routes.source == "nccl", (built, comm.routes.source)
+        assert "no routing table of this box" in comm.build_error, comm.build_error
+        assert rank != 0 or any("ALL SIZES ON NCCL" in line for line in lines), lines
+        assert rank != 0 or any("python -m sglang_sm120.tune --tp 2" in line for line in lines), lines
+        return
+    assert built, comm.build_error
     try:
-        if expect == "all-nccl":  # no table of this box: the ranks never measure, they name the command that does
-            assert comm.routes.source == "nccl", (comm.routes.source, comm.routes.why)
-            assert rank != 0 or any("ALL SIZES ON NCCL" in line for line in lines), lines
-            assert rank != 0 or any("python -m sglang_sm120.tune --tp 2" in line for line in lines), lines
-            return
         assert comm.routes.source == "table", (comm.routes.source, comm.routes.why)
         assert comm.memory == memory, (comm.memory, comm.memory_note)
         if rank == 0:

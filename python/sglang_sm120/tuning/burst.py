@@ -96,8 +96,6 @@ class Trial:
         self.graph = backend.capture(lanes)
         device = slots.ring.device
         self.wrong = torch.zeros((), dtype=torch.int64, device=device)
-        self.wrong_at: list[tuple[str, Any]] = []  # (where, per-slot counts), read after the one synchronization
-        self.prints = {lane: [] for lane in self.bank.lanes}
 
     def _call(self, ws, route: Route, lane: int, k: int) -> Callable[[], Any]:
         """One call, its arguments checked once, here; it launches the route resolved as a server resolves it."""
@@ -110,7 +108,7 @@ class Trial:
         resolved = resolve(route, x.numel() * x.element_size(), ws.shape, ws.limits, fused)
         if not fused:
             return lambda: ws.launch(resolved, x, outs[0])
-        return lambda: ws.launch_fused(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
+        return lambda: ws.launch_fused_into(resolved, x, residual, bank.weight, bank.eps, outs[0], outs[1])
 
     def _check(self, where: str, offset: int) -> None:
         """Stream-ordered: every lane's outputs against the cases fed at `offset`, counted and fingerprinted."""
@@ -125,6 +123,9 @@ class Trial:
         """(this process's digest, us per call of each timed replay): the burst's replays when `replays` is 0,
         else the profile's. Raises AssertionError naming the first wrong output."""
         timers, offset = [], self.offset
+        self.wrong.zero_()  # a kept Trial runs again for its profile: only this run's checks count
+        self.wrong_at: list[tuple[str, Any]] = []  # (where, per-slot counts), read after the one synchronization
+        self.prints = {lane: [] for lane in self.bank.lanes}
         for b in range(max(1, int(burst))):
             offset = self.offset + b * self.slots.calls
             self.slots.feed(offset)

@@ -53,10 +53,18 @@ class BurstMeasurer:
     def __init__(self, spec, world: int, lanes: Sequence[int], device, backend):
         self.spec, self.world, self.lanes, self.device, self.backend = spec, int(world), list(lanes), device, backend
         self._slots: tuple[tuple, Slots] | None = None  # (kind, dtype, rows), its slots
+        # this size's Trials by route id: a survivor's profile replays the graph its burst captured and checked
+        self._trials: dict[str, Trial] = {}
+
+    def forget_graphs(self) -> None:
+        """Drop the kept Trials: their graphs launch on the workspace they were captured on (call before closing
+        it)."""
+        self._trials = {}
 
     def _slots_for(self, kind: str, dtype: str, rows: int) -> Slots:
         if self._slots is None or self._slots[0] != (kind, dtype, rows):
             self._slots = None  # one size at a time (the Tuner measures a size's candidates together)
+            self.forget_graphs()
             calls = int(self.spec.calls)
             bank = SizeBank(kind, dtype, rows, int(self.spec.hidden), self.world, self.lanes, self.device,
                             case_count(calls))
@@ -65,12 +73,15 @@ class BurstMeasurer:
 
     def _run(self, route: Route, kind: str, dtype: str, rows: int, profile: bool, workspaces: Mapping[int, Any],
              check_timeouts: Callable[[], None]) -> tuple[str, list[float]]:
-        trial = Trial(self._slots_for(kind, dtype, rows), route, route_id(route), workspaces, self.backend,
-                      check_timeouts)
-        spec = self.spec
-        if profile:
-            return trial.run(int(spec.burst), int(spec.warmup), int(spec.iters))
-        return trial.run(int(spec.burst))
+        slots, rid, spec = self._slots_for(kind, dtype, rows), route_id(route), self.spec
+        kept = self._trials.pop(rid, None) if profile else None
+        trial = kept or Trial(slots, route, rid, workspaces, self.backend, check_timeouts)
+        if not profile:
+            digest_and_times = trial.run(int(spec.burst))
+            self._trials[rid] = trial  # kept only once it passed
+            return digest_and_times
+        # a kept graph passed its burst: one fed and checked replay before the profile's replays is enough
+        return trial.run(1 if kept else int(spec.burst), int(spec.warmup), int(spec.iters))
 
 
 class CudaMeasurer(BurstMeasurer):
@@ -100,6 +111,7 @@ class CudaMeasurer(BurstMeasurer):
         return "NCCL (torch.distributed.all_reduce)" if kind == "plain" else f"NCCL + {self.norm_name}"
 
     def reset(self) -> None:
+        self.forget_graphs()
         ws, self._ws = self._ws, None
         if ws is not None:
             try:

@@ -93,7 +93,7 @@ class FakeWorkspace:
         self._issue(("plain", x, (out,), None, None, None), route)
         return out
 
-    def launch_fused(self, route, x, residual, weight, eps, norm_out, res_out):
+    def launch_fused_into(self, route, x, residual, weight, eps, norm_out, res_out):
         self._issue(("fused", x, (norm_out, res_out), residual, weight, eps), route)
         return norm_out, res_out
 

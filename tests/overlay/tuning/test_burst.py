@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.routing import table as tbl
-from sglang_sm120.tuning import verify
+from sglang_sm120.tuning import candidates, verify
 from sglang_sm120.tuning.tuner import Tuner, TuneSpec
 
 from .fake_group import FakeBackend, FakeGroup
@@ -46,10 +46,9 @@ def ours_timed(table) -> set[str]:
     return {cid for points in table.measurements.values() for p in points for cid in p.times if cid != tbl.NCCL}
 
 
-def trials(table) -> int:
-    """Trials run: every candidate's burst, and every profile (each captures its own graph)."""
-    pairs = table.workload["pairs"]
-    return pairs["ranked"] + pairs["profiled"]
+def bursts(table) -> int:
+    """Graphs captured: one per candidate's burst; a survivor's profile replays the graph its burst checked."""
+    return table.workload["pairs"]["ranked"]
 
 
 @pytest.mark.parametrize("kinds", [("plain",), ("fused",)])
@@ -57,7 +56,20 @@ def test_a_correct_candidate_passes_and_its_checked_graph_is_the_one_timed(kinds
     table, group, backend = tune("good", kinds)
     assert not ours_failed(table), ours_failed(table)
     assert ours_timed(table) and any(e.route is not None for e in table.entries)
-    assert backend.captures == trials(table) > 0
+    assert backend.captures == bursts(table) > 0 and table.workload["pairs"]["profiled"] > 0
+
+
+def test_a_reset_forgets_the_kept_graphs_whose_workspace_it_closes():
+    group = FakeGroup(2, "good")
+    spec = TuneSpec.make(HIDDEN, 4, quick=True, dtypes=["bfloat16"], kinds=["plain"], debug_nccl_us=1e6)
+    measurer = LocalGroupMeasurer(world=2, device="cpu", spec=spec, backend=FakeBackend(group),
+                                  make_group=lambda *args: group.workspaces, close_group=lambda comms: None)
+    shape = measurer.shape()
+    route = next(iter(candidates.candidates("plain", 2 * HIDDEN * 2, HIDDEN, shape, measurer.limits(), True)))
+    measurer.trial(route, "plain", "bfloat16", 2, profile=False)
+    assert measurer._trials
+    measurer.reset()
+    assert not measurer._trials
 
 
 @pytest.mark.parametrize("kinds", [("plain",), ("fused",)])
@@ -145,7 +157,7 @@ def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_gra
     assert digest_burst and burst == [10.0 / spec.calls] * spec.burst
     digest_profile, profile = m.trial(route, "fused", "bfloat16", 2, profile=True)
     assert digest_profile and profile == [10.0 / spec.calls] * spec.iters
-    assert backend.captures == 2 and set(group.launches) == {route}
+    assert backend.captures == 1 and set(group.launches) == {route}  # the profile replays the burst's graph
     # NCCL's step: an all-reduce of zeros on the NCCL group, then the incumbent add + RMSNorm in place
     reduced = []
     monkeypatch.setattr(torch.distributed, "all_reduce",
