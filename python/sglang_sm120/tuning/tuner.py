@@ -157,7 +157,9 @@ class Tuner:
             try:
                 local = (None, *self.measurer.trial(route, kind, dtype, rows, profile))
             except Exception as exc:  # noqa: BLE001 - recorded, agreed, never routed to
-                local = (f"{'profile' if profile else 'verify'}: {short_error(exc)}", None, None)
+                # a wrong output is a verification failure in whichever pass its check ran
+                what = "profile" if profile and not isinstance(exc, AssertionError) else "verify"
+                local = (f"{what}: {short_error(exc)}", None, None)
             gathered = self._agreed(local)
         verdict = reduce_verdicts([(err, digest) for err, digest, _ in gathered])
         if verdict is not None:
@@ -219,8 +221,9 @@ class Tuner:
 
     def _size(self, dtype: str, kind: str, rows: int, shape: WorkspaceShape, limits: KernelLimits,
               stopped: dict[str, tuple[int, str]], only: set[str] | None, previous_best: str | None) -> _Measured:
-        """One size: NCCL profiled, every candidate (or those in `only`) checked in a burst, the fastest few (every
-        one in a full tune, or of `only`) and `previous_best` profiled. A failure stops its candidate from here up."""
+        """One size: NCCL profiled, every candidate checked in a burst, the fastest few (every one in a full tune) and
+        `previous_best` profiled; with `only`, those candidates profiled, each checked by its profile's own burst. A
+        failure stops its candidate from here up."""
         spec, nbytes = self.spec, rows * self.spec.hidden * ELEMENT_BYTES
         ours = {route_id(r): r for r in cand.candidates(kind, nbytes, spec.hidden, shape, limits, spec.quick)}
         if only is not None:
@@ -248,10 +251,13 @@ class Tuner:
             left = []
         else:
             times[NCCL] = nccl
+        if only is not None:  # every one is profiled: its profile's own burst checks it, one pass, not two
+            times.update(self._trials(left, ours, kind, dtype, rows, nbytes, True, failed, stopped))
+            return _Measured(Point(rows=rows, nbytes=nbytes, times=times, failed=failed), {})
         # the burst: every candidate checked exact, its best replay ranks it
         ranked = self._trials(left, ours, kind, dtype, rows, nbytes, False, failed, stopped)
         order = sorted(ranked, key=lambda c: (ranked[c], c))  # agreed numbers: the same list on every rank
-        chosen = order[:spec.survivors] if spec.survivors > 0 and only is None else order
+        chosen = order[:spec.survivors] if spec.survivors > 0 else order
         if previous_best in ranked and previous_best not in chosen:
             chosen.append(previous_best)  # so a route can keep its sustained run
         times.update(self._trials(chosen, ours, kind, dtype, rows, nbytes, True, failed, stopped))

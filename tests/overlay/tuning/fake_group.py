@@ -6,7 +6,8 @@ fakes break the contract the way real bugs do:
 - "stale": every call returns the previous call's result (a kernel reading the last call's packs);
 - "single_buffer": correct while the host synchronizes between calls, but a call issued while the previous one
   is still in flight reuses that one's buffer, which then holds the new call's result (a broken double buffer);
-- "zero_sign": rank 1 turns every +0 of its outputs into -0 (the same values, other bits than its peers').
+- "zero_sign": rank 1 turns every +0 of its outputs into -0 (the same values, other bits than its peers');
+- `wrong_rows`: at these row counts only, every output of rank 1 is off by one (a size-specific fault).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ MODES = ("good", "stale", "single_buffer", "zero_sign")
 
 
 class FakeGroup:
-    def __init__(self, world: int, mode: str = "good", sm_budget: int = 16, clusters=()):
+    def __init__(self, world: int, mode: str = "good", sm_budget: int = 16, clusters=(), wrong_rows=()):
         if mode not in MODES:
             raise ValueError(mode)
-        self.world, self.mode = world, mode
+        self.world, self.mode, self.wrong_rows = world, mode, set(wrong_rows)
         self.workspaces = [FakeWorkspace(self, r, sm_budget, clusters) for r in range(world)]
         self.pending: dict[int, dict[int, tuple]] = {}
         self.previous: dict[int, tuple] = {}  # rank -> the last completed call's result (stale mode)
@@ -52,6 +53,8 @@ class FakeGroup:
                 self.previous[rank] = tuple(t.clone() for t in result)
             if self.mode == "zero_sign" and rank == 1:
                 written = tuple(torch.where(t == 0, torch.full_like(t, -0.0), t) for t in written)
+            if rank == 1 and outs[0].shape[0] in self.wrong_rows:
+                written = tuple(t + 1 for t in written)
             for out, value in zip(outs, written, strict=True):
                 out.copy_(value)
             if self.mode == "single_buffer":

@@ -14,7 +14,7 @@ import torch
 from benchmarks.harness.local_tune import LocalGroupMeasurer
 from sglang_sm120.routing import table as tbl
 from sglang_sm120.tuning import candidates, verify
-from sglang_sm120.tuning.tuner import Tuner, TuneSpec
+from sglang_sm120.tuning.tuner import Tuner, TuneSpec, rows_ladder
 
 from .fake_group import FakeBackend, FakeGroup
 
@@ -57,6 +57,25 @@ def test_a_correct_candidate_passes_and_its_checked_graph_is_the_one_timed(kinds
     assert not ours_failed(table), ours_failed(table)
     assert ours_timed(table) and any(e.route is not None for e in table.entries)
     assert backend.captures == bursts(table) > 0 and table.workload["pairs"]["profiled"] > 0
+
+
+def test_a_captured_size_off_the_ladder_is_checked_by_its_profile_and_a_wrong_candidate_there_is_not_routed():
+    """Off the ladder every candidate tried is profiled, in one pass whose own burst checks it first."""
+    group = FakeGroup(2, "good", wrong_rows={5})
+    backend = FakeBackend(group)
+    spec = TuneSpec.make(HIDDEN, 8, quick=True, dtypes=["bfloat16"], kinds=["plain"], debug_nccl_us=1e6,
+                         graph_rows=[5])
+    measurer = LocalGroupMeasurer(world=2, device="cpu", spec=spec, backend=backend,
+                                  make_group=lambda *args: group.workspaces, close_group=lambda comms: None)
+    table = Tuner(measurer, spec, rank=0, world=1, gather=lambda obj: [obj], key=KEY).run()
+    points = {p.rows: p for p in table.measurements[("bfloat16", "plain")]}
+    assert 5 in points and 5 not in rows_ladder(8, True)
+    off = points[5].failed
+    assert off and all("verify: AssertionError: graph replay 1, rank 1 call" in why for cid, why in off.items()
+                       if cid != tbl.NCCL), off
+    assert not set(points[5].times) - {tbl.NCCL}, points[5]
+    assert all(not p.failed for rows, p in points.items() if rows != 5), points
+    assert tbl.lookup(table, 5 * HIDDEN * 2, "bfloat16", False) is None
 
 
 def test_a_reset_forgets_the_kept_graphs_whose_workspace_it_closes():
