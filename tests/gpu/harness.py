@@ -44,6 +44,13 @@ def need_ranks(ranks: int):
     )
 
 
+def dirty_halves(workspace) -> int:
+    """Half-words of a workspace's scratch that are not empty: 0 after every completed call (I4). Synchronizes."""
+    from sgl_kernel_sm120 import _ext
+
+    return int(_ext.ops().ws_dirty_halves(workspace._handle))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

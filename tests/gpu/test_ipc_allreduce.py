@@ -37,6 +37,7 @@ from sgl_kernel_sm120 import (
 from sgl_kernel_sm120.settings import read as read_settings
 from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu.harness import (
+    dirty_halves,
     need_ranks,
     run_ranks,
     run_scenarios,
@@ -173,7 +174,7 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
             for name, t in (("all_reduce", out), ("norm_out", norm), ("residual_out", res_out)):
                 digests.add(f"{tag} {name}", t)
         failures += digests.differing()
-        dirty = ar.scratch_dirty_count()
+        dirty = dirty_halves(ar)
         if dirty:
             failures.append(f"scratch not clean after the sweep: {dirty} half-words")
     finally:
@@ -243,7 +244,7 @@ def _scenario_cluster_sizes_and_fallback(rank, world):
                     failures.append(f"[{rows}, {hidden}] {name}: the fallback's bits differ from the clusters'")
             digests.add(f"[{rows}, {hidden}] the fallback's norm_out", b[0])
         failures += digests.differing()
-        if with_clusters.scratch_dirty_count():
+        if dirty_halves(with_clusters):
             failures.append("scratch not clean after the cluster sweep")
     finally:
         with_clusters.close()
@@ -288,7 +289,7 @@ def _scenario_random_and_special_values(rank, world):
                     failures.append(f"{dtype} {schedule.name}: special values differ")
                 digests.add(f"{dtype} {schedule.name} special values", out)
         failures += digests.differing()
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean")
     finally:
         ar.close()
@@ -335,7 +336,7 @@ def _scenario_back_to_back(rank, world, calls):
                 failures.append(f"call {call} ({kind}) wrong")
         if ar.calls_completed() - seq0 != calls:
             failures.append(f"device call counter advanced by {ar.calls_completed() - seq0}, expected {calls}")
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after back-to-back calls")
     finally:
         ar.close()
@@ -393,7 +394,7 @@ def _scenario_graph(rank, world, calls_in_graph, replays, on_timeout="trap"):
                     failures.append(f"replay {replay} call {call} wrong")
             if failures:
                 break
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after replays")
         del graph
     finally:
@@ -585,7 +586,7 @@ def _scenario_probe_drops(rank, world):
             out = ar.all_reduce(x, transport=transport)
             ar.synchronize()
             assert torch.equal(out, torch.full_like(x, world)), f"wrong {transport} sum after a failed probe"
-        assert ar.scratch_dirty_count() == 0, "the probe left scratch dirty"
+        assert dirty_halves(ar) == 0, "the probe left scratch dirty"
     finally:
         ar.close()
 
@@ -629,7 +630,7 @@ def _scenario_two_streams_keep_the_call_order(rank, world, calls=40):
         for call, ((_, expected), got) in enumerate(zip(cases, outputs, strict=True)):
             if not torch.equal(got, expected):
                 failures.append(f"call {call} from stream {call % 2}: wrong sum")
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after the calls from two streams")
     finally:
         ar.close()
@@ -669,7 +670,7 @@ def _scenario_captured_calls_from_two_streams_keep_their_order(rank, world, call
             ar.synchronize()
             failures += [f"replay {replay} call {call}: wrong sum" for call, (got, want)
                          in enumerate(zip(outputs, expected, strict=True)) if not torch.equal(got, want)]
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after the replays")
     finally:
         ar.close()

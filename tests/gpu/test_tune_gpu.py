@@ -223,7 +223,7 @@ def test_a_starting_group_without_a_table_sends_every_size_to_nccl_and_names_the
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("world", [2, 8])
 def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_out_file(tmp_path, world):
-    """The whole group as _debug.local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
+    """The whole group as local_group.local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
     candidate verified on every rank; the table goes to --out and never into the cache."""
     from sgl_kernel_sm120 import cluster_check
     from sglang_sm120.routing.table import RoutingTable, lookup, route_id
