@@ -10,7 +10,7 @@ import torch
 
 import sgl_kernel_sm120 as k
 from sgl_kernel_sm120 import _abi, _ext
-from sgl_kernel_sm120.settings import spelled_out
+from tests.support.env import spelled_out
 from tests.test_build import _built_library
 
 # Every op of csrc/torch_bindings.cpp. The product calls all but these, which serve the loopback benchmark

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu import test_ipc_allreduce as scenarios
 from tests.gpu.harness import (
     need_ranks,
@@ -30,6 +29,7 @@ from tests.gpu.harness import (
     spawn_env,
 )
 from tests.gpu.test_ipc_allreduce import passed
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 

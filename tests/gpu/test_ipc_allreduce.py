@@ -35,7 +35,6 @@ from sgl_kernel_sm120 import (
     reference_all_reduce_add_rmsnorm,
 )
 from sgl_kernel_sm120.settings import read as read_settings
-from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu.harness import (
     dirty_halves,
     need_ranks,
@@ -45,6 +44,7 @@ from tests.gpu.harness import (
     shared_cluster_cache,  # noqa: F401 - a fixture
     spawn_env,
 )
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 

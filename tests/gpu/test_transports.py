@@ -35,9 +35,10 @@ from sgl_kernel_sm120 import (
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
-from sgl_kernel_sm120.settings import VARIABLES, spelled_out
+from sgl_kernel_sm120.settings import VARIABLES
 from tests.gpu.harness import dirty_halves, need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
 from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 

@@ -233,11 +233,6 @@ def restore_all() -> int:
         return count
 
 
-def applied_targets() -> list[str]:
-    with _lock:
-        return [entry.seam.target for entry in _applied]
-
-
 def pending_targets() -> list[str]:
     with _lock:
         return [seam.target for seams in (_finder.pending.values() if _finder else []) for seam in seams]

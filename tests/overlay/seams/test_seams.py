@@ -21,6 +21,13 @@ from sglang_sm120.core import config  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
+
+def applied_targets() -> list[str]:
+    """The targets of the seams applied now, in the order they were applied."""
+    with base._lock:
+        return [entry.seam.target for entry in base._applied]
+
+
 # Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
 ONLY_0513 = requires_sglang("0.5.13.post1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -36,7 +43,7 @@ def test_every_seam_patched_and_restored():
     sglang_sm120.activate()
     try:
         assert plugin.is_active()
-        assert sorted(base.applied_targets()) == sorted(originals)
+        assert sorted(applied_targets()) == sorted(originals)
         for target, original in originals.items():
             now = current(target)
             assert now is not original, target
@@ -50,10 +57,10 @@ def test_every_seam_patched_and_restored():
 
 
 def test_activation_is_idempotent(overlay):
-    first = {target: current(target) for target in base.applied_targets()}
+    first = {target: current(target) for target in applied_targets()}
     sglang_sm120.activate()
     plugin.activate()
-    assert {target: current(target) for target in base.applied_targets()} == first
+    assert {target: current(target) for target in applied_targets()} == first
     # even if our bookkeeping were lost, a marked attribute is never wrapped twice
     assert base.apply(seams.load_table().SEAMS) == 0
 
@@ -63,7 +70,7 @@ def test_unknown_version_is_refused_naming_supported_ones(monkeypatch):
     with pytest.raises(seams.UnsupportedSGLangVersion, match=r"0\.5\.99.*0\.5\.13\.post1"):
         sglang_sm120.activate()
     assert not plugin.is_active()
-    assert base.applied_targets() == []
+    assert applied_targets() == []
 
 
 def test_unknown_version_with_our_flag_on_the_command_line_stops_in_one_line(monkeypatch, capsys):
@@ -287,7 +294,7 @@ def test_unresolved_target_fails_activation_naming_it(monkeypatch, version, bad_
             base.apply(table.SEAMS)
     assert any(problem.startswith(bad_target) for problem in caught.value.problems)
     assert not plugin.is_active()
-    assert base.applied_targets() == [] and base.pending_targets() == []
+    assert applied_targets() == [] and base.pending_targets() == []
 
 
 @pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
