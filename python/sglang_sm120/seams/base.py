@@ -28,9 +28,10 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Seam:
+    """Why each seam exists: docs/overlay.md's table of its release (a test holds it to the seam tables)."""
+
     target: str  # "package.module:Owner.attribute" or "package.module:attribute"
     factory: Callable[[Any], Any]  # original (raw) -> replacement (raw)
-    why: str
 
     @property
     def module_name(self) -> str:

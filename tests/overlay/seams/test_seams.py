@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def current(target):
-    return base._raw(*base.Seam(target, None, "").locate())
+    return base._raw(*base.Seam(target, None).locate())
 
 
 def test_every_seam_patched_and_restored():
@@ -95,7 +95,7 @@ def test_the_pinned_version_has_a_table():
 
 def test_failed_seam_rolls_back_the_others(monkeypatch):
     table = seams.load_table()
-    broken = list(table.SEAMS) + [base.Seam("sglang.srt.server_args:ServerArgs.no_such_attribute", lambda o: o, "x")]
+    broken = list(table.SEAMS) + [base.Seam("sglang.srt.server_args:ServerArgs.no_such_attribute", lambda o: o)]
     originals = {seam.target: current(seam.target) for seam in table.SEAMS}
     with pytest.raises(AttributeError, match="no_such_attribute"):
         base.apply(broken)
@@ -251,7 +251,7 @@ def test_seams_of_modules_not_yet_imported_apply_on_import(tmp_path, monkeypatch
 
         return answer
 
-    seam = base.Seam("sm120_seam_probe_pkg.late:answer", plus_one, "test")
+    seam = base.Seam("sm120_seam_probe_pkg.late:answer", plus_one)
     try:
         assert base.apply([seam]) == 0
         assert "sm120_seam_probe_pkg.late:answer" in base.pending_targets()
@@ -285,7 +285,7 @@ def test_unresolved_target_fails_activation_naming_it(monkeypatch, version, bad_
     import sglang.srt.server_args  # noqa: F401  (imported: its attributes are checked, not only located)
 
     table = table_modules()[version]
-    fake = base.Seam(bad_target, lambda original: original, "test")
+    fake = base.Seam(bad_target, lambda original: original)
     monkeypatch.setattr(table, "SEAMS", list(table.SEAMS) + [fake])
     with pytest.raises(base.UnresolvedSeamTarget, match=re.escape(named)) as caught:
         if version == seams.sglang_version():
