@@ -303,21 +303,6 @@ class IpcAllReduce:
         """The timeout a kernel recorded, if any (a CPU read: works after the trap)."""
         return self._watchdog.timeout_error() if self._watchdog is not None else None
 
-    def slow_wait(self) -> tuple[int, int, str, float] | None:
-        """The latest slow wait a kernel reported (I9): (call, peer, phase, seconds)."""
-        return self._watchdog.slow_wait() if self._watchdog is not None else None
-
-    def synchronize(self) -> None:
-        """torch.cuda.synchronize for this device; a kernel timeout raises IpcAllReduceTimeoutError."""
-        try:
-            torch.cuda.synchronize(self.device)
-        except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
-            if (err := self.timeout_error()) is not None:
-                raise err from exc
-            raise
-        if (err := self.timeout_error()) is not None:
-            raise err
-
     def calls_completed(self) -> int:
         """Calls completed, counted on the device (graph replays included) and mirrored into host-mapped memory: a
         plain load, safe from a monitoring thread while the serving stream runs; may lag calls in flight."""

@@ -36,7 +36,13 @@ from sgl_kernel_sm120 import (
     reference_all_reduce_add_rmsnorm,
 )
 from sgl_kernel_sm120.settings import VARIABLES
-from tests.gpu.harness import dirty_halves, need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
+from tests.gpu.harness import (
+    dirty_halves,
+    need_ranks,
+    run_ranks,
+    shared_cluster_cache,  # noqa: F401 - a fixture
+    synchronize,
+)
 from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
 from tests.support.env import spelled_out
 
@@ -152,7 +158,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
     cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024  # host memory: a smaller one-shot bound
     x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
     out = ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
-    ar.synchronize()
+    synchronize(ar)
     assert torch.equal(out, torch.full_like(x, world)), "call #0 gave a wrong sum"
     dist.barrier()
     failure = None
@@ -161,7 +167,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
         if rank != skipper:
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
-                ar.synchronize()
+                synchronize(ar)
             except IpcAllReduceTimeoutError as err:
                 assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
                 assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
@@ -171,7 +177,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull", ctas=1)
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
-                ar.synchronize()
+                synchronize(ar)
             except IpcAllReduceTimeoutError as err:
                 assert err.rank == rank and err.seq == 2, f"wrong details: {err}"
             else:
