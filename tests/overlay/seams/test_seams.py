@@ -337,7 +337,8 @@ def test_upstream_pcie_ipc_is_not_requested_where_sglang_has_none(monkeypatch):
     from sglang_sm120.hooks import upstream_pcie
 
     monkeypatch.setenv(upstream_pcie.ENV, "1")
-    assert upstream_pcie.upstream_pcie_ipc_requested() is upstream_pcie.upstream_has_pcie_ipc()
+    has_one = upstream_pcie.find_module_spec(upstream_pcie.UPSTREAM_MODULE) is not None
+    assert upstream_pcie.upstream_pcie_ipc_requested() is has_one
 
 
 @pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
