@@ -80,6 +80,7 @@ def test_parse_2_28_and_2_30():
                             "1->0": {"P2P/MNNVL/CE": 1, "P2P/indirect/0[0]/read": 1, "SHM/direct/direct": 1,
                                      "NET/IB/0(0)/GDRDMA(PCI)/Shared": 1}}
     assert nccl.pairs_by_kind(got["pairs"]) == {"P2P": ["0->1", "1->0"], "NET": ["1->0"], "SHM": ["1->0"]}
+    assert [nccl.kind(v) for v in got["pairs"]["1->0"]] == ["P2P", "P2P", "SHM", "NET"]
     assert nccl.parse_log(SHM_2_30) == {"nccl_version": None, "pairs": {"3->2": {"SHM/direct": 1}}}
     assert nccl.parse_log("box:1:1 [0] NCCL INFO Channel 00/02 : 0 1\n")["pairs"] == {}
 

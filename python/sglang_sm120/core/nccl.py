@@ -41,12 +41,16 @@ def parse_log(text: str) -> dict:
     return {"nccl_version": v.group(1) if v else None, "pairs": named}
 
 
+def kind(via: str) -> str:
+    """'P2P/CUMEM/read' -> 'P2P', 'SHM/direct/direct' -> 'SHM', 'NET/Socket/0' -> 'NET'."""
+    return via.split("/", 1)[0]
+
+
 def pairs_by_kind(pairs: Mapping[str, Mapping[str, int]]) -> dict[str, list[str]]:
-    """{'SHM': ['0->1', ...], 'P2P': [...]}: which pairs NCCL connected through each kind ('P2P/CUMEM/read' is
-    P2P, 'NET/Socket/0' NET)."""
+    """{'SHM': ['0->1', ...], 'P2P': [...]}: which pairs NCCL connected through each kind."""
     out: dict[str, list[str]] = {}
     for pair, via in pairs.items():
-        for k in sorted({name.split("/", 1)[0] for name in via}):
+        for k in sorted({kind(name) for name in via}):
             out.setdefault(k, []).append(pair)
     return out
 
