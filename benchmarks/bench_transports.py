@@ -26,7 +26,7 @@ Two modes, bf16 [rows, 7168], rows 1, 3, 4, 16, 64, W = 2, 4, 8, plain and fused
   Schedules ONESHOT and flat TWOSHOT (a loopback workspace has no islands);
   one-shot results are checked (every source holds 1.0, so the sum is W), two-shot ones are not (the packs
   this rank does not own come from stand-in owners).
-- concurrent: one process runs the whole group (sgl_kernel_sm120._debug.local_group, each rank on a W-th of the
+- concurrent: one process runs the whole group (benchmarks.harness.local_group, each rank on a W-th of the
   SMs) as W parallel branches of one CUDA graph, so the ranks really exchange (in one GPU's memory) and wait for one
   another: ONESHOT, TWOSHOT and (W >= 4, two islands) ISLAND. Per call: the graph's replay time / calls.
 Median over `iters` replays. Each stage's wall time is printed and kept (`stage_seconds`): about 500 loopback
@@ -221,8 +221,8 @@ def _loopback(args, dev, stages: dict) -> tuple[list[dict], dict, dict, int]:
 
 
 def _concurrent(args, dev, stages: dict) -> list[dict]:
+    from benchmarks.harness.local_group import close_local_group, local_group
     from sgl_kernel_sm120 import Schedule
-    from sgl_kernel_sm120._debug import close_local_group, local_group
 
     records = []
     for world in WORLDS:

@@ -1,5 +1,5 @@
 """Does the quick tune a server runs at its start pick the launch a sweep of every launch finds fastest? One GPU,
-the ranks as concurrent workspaces of one process (sgl_kernel_sm120._debug.local_group, each rank on a W-th of the
+the ranks as concurrent workspaces of one process (benchmarks.harness.local_group, each rank on a W-th of the
 SMs): the setting the one-process tune measures in, so the tuner and the sweep see the same kernels on the same budget.
 
     python -m benchmarks.bench_tuner_pick [--out benchmarks/results] [--worlds 2 4 8] [--iters 30] [--calls 20]
@@ -168,7 +168,7 @@ class Group:
     def open(self) -> list:
         import torch
 
-        from sgl_kernel_sm120._debug import local_group
+        from benchmarks.harness.local_group import local_group
 
         if self.comms is None:
             self.comms = local_group(self.device, self.world, max(ROWS) * HIDDEN, torch.bfloat16, link="auto",
@@ -177,7 +177,7 @@ class Group:
         return self.comms
 
     def close(self) -> None:
-        from sgl_kernel_sm120._debug import close_local_group
+        from benchmarks.harness.local_group import close_local_group
 
         comms, self.comms = self.comms, None
         if comms is not None:

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, timeout_s: float, queue) -> None:
                       on_timeout="trap")
     x = torch.ones(3, 7168, dtype=torch.bfloat16, device="cuda")
     ar.all_reduce(x, schedule=Schedule.ONESHOT)
-    ar.synchronize()
+    torch.cuda.synchronize()
     dist.barrier()
     start = time.monotonic()
     if rank == world - 1:

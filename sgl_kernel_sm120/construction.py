@@ -69,14 +69,22 @@ class Config:
                 self.shm_dir if self.memory is Memory.HOST else "", shared_name, shared_create)
 
 
+SHM_ADVICE = ("enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
+              f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
+
+
+def shm_room(ops, world_size: int, max_numel: int, oneshot_max_numel: int, folder: str) -> tuple[int, int]:
+    """(bytes the host-memory workspace needs, bytes free in the tmpfs `folder`)."""
+    stat = os.statvfs(folder)
+    return int(ops.host_shared_bytes_for(world_size, max_numel, oneshot_max_numel)), stat.f_bavail * stat.f_frsize
+
+
 def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
     """Before anything is allocated: the tmpfs has room for the whole host-memory workspace (else
     IpcAllReduceHostMemoryError naming the folder, its free space and the size needed); a fresh name for its shared
     file (rank 0's is used)."""
     try:
-        need = int(ops.host_shared_bytes_for(config.world_size, config.max_numel, config.oneshot_max_numel))
-        stat = os.statvfs(config.shm_dir)
-        free = stat.f_bavail * stat.f_frsize
+        need, free = shm_room(ops, config.world_size, config.max_numel, config.oneshot_max_numel, config.shm_dir)
     except Exception as exc:
         raise IpcAllReduceHostMemoryError(f"host memory: checking the free space of {config.shm_dir}: "
                                           f"{type(exc).__name__}: {exc}") from exc
@@ -84,8 +92,7 @@ def host_file_name(ops, config: Config, settings: KernelSettings) -> str:
         raise IpcAllReduceHostMemoryError(
             f"host memory: {config.shm_dir} has {free / 2**20:.1f} MiB free, the workspace needs "
             f"{need / 2**20:.1f} MiB ({config.world_size} slabs of {need / config.world_size / 2**20:.1f} MiB); "
-            "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
-            f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
+            + SHM_ADVICE)
     return f"sgl_sm120_{os.getpid()}_{secrets.token_hex(6)}"
 
 

@@ -283,7 +283,7 @@ class IpcAllReduce:
         unmapped ours (freeing what another process maps is undefined in CUDA), then free ours. collective=False,
         or after a kernel timeout (the context may be gone, the peers dead): the same without the barrier."""
         if self.exchange is None and self._handle:
-            raise IpcAllReduceError("a workspace of a local group closes with its group: _debug.close_local_group()")
+            raise IpcAllReduceError("a workspace of a local group closes with its group (close_local_group)")
         if self._watchdog is not None:
             self._watchdog.stop()
         if self._handle == 0:
@@ -317,25 +317,6 @@ class IpcAllReduce:
     def timeout_error(self) -> IpcAllReduceTimeoutError | None:
         """The timeout a kernel recorded, if any (a CPU read: works after the trap)."""
         return self._watchdog.timeout_error() if self._watchdog is not None else None
-
-    def slow_wait(self) -> tuple[int, int, str, float] | None:
-        """The latest slow wait a kernel reported (I9): (call, peer, phase, seconds)."""
-        return self._watchdog.slow_wait() if self._watchdog is not None else None
-
-    def synchronize(self) -> None:
-        """torch.cuda.synchronize for this device; a kernel timeout raises IpcAllReduceTimeoutError."""
-        try:
-            torch.cuda.synchronize(self.device)
-        except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
-            if (err := self.timeout_error()) is not None:
-                raise err from exc
-            raise
-        if (err := self.timeout_error()) is not None:
-            raise err
-
-    def scratch_dirty_count(self) -> int:
-        """Half-words of this rank's scratch that are not empty: 0 after every completed call (I4). Synchronizes."""
-        return int(_ext.ops().ws_dirty_halves(self._handle))
 
     def calls_completed(self) -> int:
         """Calls completed, counted on the device (graph replays included) and mirrored into host-mapped memory: a

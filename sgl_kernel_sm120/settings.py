@@ -64,11 +64,6 @@ def spellings(name: str) -> tuple[str, str]:
     return LEGACY_PREFIX + stem, PREFIX + stem
 
 
-def spelled_out(name: str, value: str) -> dict[str, str]:
-    """The setting at `value` under both spellings: what setting it for a child process must write."""
-    return dict.fromkeys(spellings(name), value)
-
-
 @functools.cache
 def _started_with() -> dict[str, str]:
     """The environment this process was started with (Linux keeps it apart: changes to os.environ do not reach

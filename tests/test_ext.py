@@ -10,14 +10,14 @@ import torch
 
 import sgl_kernel_sm120 as k
 from sgl_kernel_sm120 import _abi, _ext
-from sgl_kernel_sm120.settings import spelled_out
+from tests.support.env import spelled_out
 from tests.test_build import _built_library
 
 # Every op of csrc/torch_bindings.cpp. The product calls all but these, which serve the loopback benchmark
 # (ws_create_loopback, ws_loopback_refill, fused_cluster_for: benchmarks/bench_transports.py), the one-process group
-# of the tests and benchmarks (ws_link_local: _debug.py), the doctor (cluster_capacity_for), a diagnostic script
-# (ws_host_numa: scripts/diagnose_hostmem_create.py) and the tests' checks of agreed limits and clean scratch
-# (ws_launch_limits, ws_dirty_halves).
+# of the tests and benchmarks (ws_link_local: benchmarks/harness/local_group.py), the doctor (cluster_capacity_for),
+# a diagnostic script (ws_host_numa: scripts/diagnose_hostmem_create.py) and the tests' checks of agreed limits and
+# clean scratch (ws_launch_limits, ws_dirty_halves: tests/gpu/harness.py).
 OPS = {"ws_create", "ws_register_shared", "ws_link_local", "host_shared_bytes_for", "ws_host_numa",
        "cluster_capacity_for", "ws_cluster_capacity", "ws_set_launch_limits", "ws_launch_limits",
        "ws_probe_place_name", "debug_trap", "ws_create_loopback", "ws_loopback_refill", "ws_unlink_shared",

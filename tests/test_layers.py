@@ -3,10 +3,10 @@ function) points down the layers or sideways within one, and no group of modules
 
     sgl_kernel_sm120:     _abi, errors, settings  <  _ext, reference, watchdog, exchange  <  policy (which
                           reads the kernel limits from _ext's library on first use)  <  cluster_check  <  construction
-                          <  data_path_probe  <  ipc_allreduce  <  _debug  <  __init__; imports nothing of the
-                          overlay; _abi, errors, settings, watchdog, exchange, policy and cluster_check import torch in
-                          functions only (the overlay's pure parts, the routing table and the offline report among
-                          them, import them without torch)
+                          <  data_path_probe  <  ipc_allreduce  <  __init__; imports nothing of the overlay; _abi,
+                          errors, settings, watchdog, exchange, policy and cluster_check import torch in functions
+                          only (the overlay's pure parts, the routing table and the offline report among them,
+                          import them without torch)
     python/sglang_sm120:  core  <  routing  <  tuning, reporting  <  runtime  <  hooks  <  seams
                           <  plugin, launch_server, doctor, tune, report, __init__
                           testing imports nothing of the overlay (tests and benchmarks only)
@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KERNEL_LAYERS = {"_abi": 0, "errors": 0, "settings": 0, "_ext": 1, "reference": 1, "watchdog": 1,
                  "exchange": 1, "policy": 2, "cluster_check": 3, "construction": 4, "data_path_probe": 5,
-                 "ipc_allreduce": 6, "_debug": 7, "": 8}
+                 "ipc_allreduce": 6, "": 7}
 # no torch when imported
 KERNEL_PURE = ("_abi", "errors", "settings", "watchdog", "exchange", "policy", "cluster_check")
 OVERLAY_LAYERS = {"core": 0, "routing": 1, "tuning": 2, "runtime": 3, "hooks": 4, "seams": 5, "": 6}

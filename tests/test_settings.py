@@ -26,9 +26,9 @@ from sgl_kernel_sm120.settings import (
     lookup,
     read,
     seconds,
-    spelled_out,
     spellings,
 )
+from tests.support.env import spelled_out
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""A one-process group's ranks (_debug.local_group) as W parallel branches of one CUDA graph, so their kernels
+"""A one-process group's ranks (local_group.local_group) as W parallel branches of one CUDA graph, so their kernels
 run at once and wait for one another (bench_transports' concurrent mode, bench_tuner_pick)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ def capture_concurrent(streams: Sequence[Any], call: Callable[[int], Any], calls
     """`calls` eager calls per rank, then one graph of `calls` calls per rank, rank r's `call(r)` on `streams[r]`.
 
     The eager warm-up launches call-major (every rank's call k before any rank's call k + 1): with CUDA's lazy
-    module loading a rank-major order deadlocks until the kernels' timeout (_debug.local_group). In the graph
+    module loading a rank-major order deadlocks until the kernels' timeout (local_group.local_group). In the graph
     every branch waits for the capture stream first and the capture stream for every branch last, so a replay is
     one call of the whole group."""
     import torch

@@ -1,6 +1,6 @@
 """The tune of a whole group in ONE process on one GPU (`python -m benchmarks.harness.local_tune --tp W
 --debug-nccl-us US --out FILE`; benchmarks/bench_tune.py, bench_tuner_pick and tests/gpu/test_tune_gpu.py use it):
-the W ranks are _debug.local_group workspaces, each rank's calls on a stream of its own, replayed as W parallel
+the W ranks are local_group.local_group workspaces, each rank's calls on a stream of its own, replayed as W parallel
 branches of one CUDA graph, so the ranks' kernels run at once and really wait for one another, as on W GPUs, where
 ranks sharing a GPU as processes only time-slice.
 
@@ -24,21 +24,21 @@ from sglang_sm120.tuning.measure import BurstMeasurer
 def _cuda_group(device, world: int, max_numel: int, spec, islands, link):
     import torch
 
-    from sgl_kernel_sm120._debug import local_group
+    from benchmarks.harness.local_group import local_group
 
     return local_group(device, world, max_numel, torch.bfloat16, islands=islands, link=link or "auto",
                        timeout_s=float(spec.kernel_timeout_s), on_timeout="exit")
 
 
 def _close_cuda_group(comms) -> None:
-    from sgl_kernel_sm120._debug import close_local_group
+    from benchmarks.harness.local_group import close_local_group
 
     close_local_group(comms)
 
 
 class LocalGroupMeasurer(BurstMeasurer):
     """`make_group(device, world, max_numel, spec, islands, link)` / `close_group(comms)` / `backend` default to
-    _debug.local_group on CUDA; the CPU tests pass fakes."""
+    local_group.local_group on CUDA; the CPU tests pass fakes."""
 
     def __init__(self, *, world: int, device, spec, islands=None, link: str | None = None,
                  make_group: Callable | None = None, close_group: Callable | None = None, backend=None):
@@ -133,7 +133,7 @@ def run_one_process(world: int, device_index: int, spec, *, islands=None, link: 
         measurer.close()
     table.durations.update(phases)
     table.notes.append(f"one process: {world} ranks as workspaces of one GPU running concurrently "
-                       "(_debug.local_group), each on a W-th of its SMs; a plumbing check, not this box's routes")
+                       "(local_group.local_group), each on a W-th of its SMs; a plumbing check, not this box's routes")
     return table, key
 
 

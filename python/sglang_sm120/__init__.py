@@ -9,23 +9,13 @@ from __future__ import annotations
 
 from .core.version import __version__
 
-
-def activate() -> None:
-    from .plugin import activate as _activate
-
-    _activate()
-
-
-def deactivate() -> None:
-    from .plugin import deactivate as _deactivate
-
-    _deactivate()
-
-
-def is_active() -> bool:
-    from .plugin import is_active as _is_active
-
-    return _is_active()
-
-
 __all__ = ["activate", "deactivate", "is_active", "__version__"]
+
+
+def __getattr__(name: str):
+    """activate, deactivate and is_active of plugin.py, imported on first use (PEP 562)."""
+    if name in ("activate", "deactivate", "is_active"):
+        from . import plugin
+
+        return getattr(plugin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
+from sgl_kernel_sm120.policy import ELEMENT_BYTES
 from sgl_kernel_sm120.settings import count, lookup, refuse, seconds
 
 from . import nccl_check
@@ -135,11 +136,11 @@ def dispatch_table(hidden: int, bound: config.ByteBound, *, assumed: str = "", t
     if assumed:
         print(f"  {assumed}: this tool's defaults, not your server's: a server's rows are its largest captured "
               "batch times --speculative-num-draft-tokens; --max-bs, --draft-tokens or --max-bytes change them here")
-    max_tokens = bound.max_bytes // (hidden * 2)
+    max_tokens = bound.max_bytes // (hidden * ELEMENT_BYTES)
     print(f"{'tokens':>8} {'bytes':>10}  backend (plain all-reduce / fused all-reduce+add+RMSNorm)")
     for tokens in (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
         backend = "by the routing table (sm120 or NCCL)" if tokens <= max_tokens else "NCCL / NCCL + norm (upstream)"
-        print(f"{tokens:>8} {tokens * hidden * 2:>10}  {backend}")
+        print(f"{tokens:>8} {tokens * hidden * ELEMENT_BYTES:>10}  {backend}")
     print("within the bound, this box's routing table decides each size"
           + (" (section 'routing table')" if table_shown else " (measured with GPUs: `python -m sglang_sm120.tune`)")
           + "; without a usable table every size stays on NCCL")
@@ -170,7 +171,8 @@ def report_cluster_launch(found: list[dict]) -> None:
 
 
 def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
-    from sgl_kernel_sm120.policy import ELEMENT_BYTES, Memory, kernel_limits, oneshot_max_numel
+    from sgl_kernel_sm120.construction import SHM_ADVICE, shm_room
+    from sgl_kernel_sm120.policy import Memory, kernel_limits, oneshot_max_numel
     from sgl_kernel_sm120.settings import read
 
     folder = read().shm_dir
@@ -179,16 +181,14 @@ def report_host_memory_need(world: int, bound: config.ByteBound) -> None:
 
         grain = kernel_limits().elems_per_pack
         max_numel = bound.max_bytes // ELEMENT_BYTES // grain * grain
-        need = int(_ext.ops().host_shared_bytes_for(world, max_numel, oneshot_max_numel(
-            world, Memory.HOST, max_numel, kernel_limits())))
-        stat = os.statvfs(folder)
+        need, free = shm_room(_ext.ops(), world, max_numel,
+                              oneshot_max_numel(world, Memory.HOST, max_numel, kernel_limits()), folder)
     except Exception as exc:
         print(f"host-memory workspace at TP={world}: size unknown ({exc})")
         return
-    free = stat.f_bavail * stat.f_frsize
     print(f"host-memory workspace at TP={world}, bound {bound.max_bytes} B: needs {need / 2**20:.1f} MiB in {folder} "
           f"(SGLANG_SM120_SHM_DIR), {free / 2**20:.1f} MiB free: "
-          + ("fits" if free >= need else f"DOES NOT FIT: enlarge {folder} or point SGLANG_SM120_SHM_DIR elsewhere"))
+          + ("fits" if free >= need else f"DOES NOT FIT: {SHM_ADVICE}"))
 
 
 def report_routing_table(world: int, memory: str, matrix: list[list[bool]], uuids: list[str], hidden: int) -> None:
@@ -305,7 +305,7 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     explicit = args.max_bytes if args.max_bytes is not None else settings.max_bytes
     bound = config.resolve_max_bytes(explicit, argparse.Namespace(
         cuda_graph_max_bs=args.max_bs, cuda_graph_bs=None, speculative_num_draft_tokens=args.draft_tokens,
-        speculative_algorithm="EAGLE3"), args.hidden, 2)
+        speculative_algorithm="EAGLE3"), args.hidden, ELEMENT_BYTES)
     defaults = [f"{flag} {value}" for flag, value, default in (("--max-bs", args.max_bs, DEFAULT_MAX_BS),
                 ("--draft-tokens", args.draft_tokens, DEFAULT_DRAFT_TOKENS)) if value == default]
     dispatch_table(args.hidden, bound, assumed=f"assumed {args.max_bs} x {args.draft_tokens} rows ("

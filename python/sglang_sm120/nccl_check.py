@@ -35,13 +35,6 @@ def labels(hidden: int, vocab: int, world: int) -> tuple[list[str], str]:
     return [f"{r}x{hidden}" for r in ROWS], f"all-gather {LOGIT_ROWS}x{vocab // world}"
 
 
-def slowest_rank_median(per_rank: list[list[float]]) -> float:
-    """per_rank[r][i]: rank r's us in replay i -> the median over replays of the slowest rank of each replay."""
-    from .tuning.timing import aggregate_iteration_times
-
-    return aggregate_iteration_times(per_rank)["median_us"]
-
-
 def run(world: int | None = None, hidden: int = 7168, vocab: int = 163840, timeout_s: float = 300.0, *,
         devices: int | None = None, environ: dict | None = None, rank_command: list[str] | None = None) -> dict:
     """The check's result (JSON-able); on fewer than two GPUs only 'skipped', and no process is started.
@@ -123,7 +116,10 @@ def _run_variant(variant, env, world, hidden, vocab, timeout_s, rank_command) ->
             wrong = [s for s in ranks[0]["times"] if any(s in x["wrong"] for x in ranks)]
             if wrong:
                 return {**rec, "error": f"NCCL's results were wrong ({', '.join(wrong)}): not a setting to use"}
-            rec["times_us"] = {s: slowest_rank_median([x["times"][s] for x in ranks]) for s in ranks[0]["times"]}
+            from .tuning.timing import aggregate_iteration_times  # per replay the slowest rank, then the median
+
+            rec["times_us"] = {s: aggregate_iteration_times([x["times"][s] for x in ranks])["median_us"]
+                               for s in ranks[0]["times"]}
             return {**rec, "p2p_works": ranks[0]["p2p_works"]}
         own = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (0, -signal.SIGKILL if why else 0)]
         for r, code in own[:1]:  # the first rank that failed by itself: its code and last line

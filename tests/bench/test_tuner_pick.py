@@ -18,7 +18,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "res
 
 
 def shape(world: int, sm: int = 132, islands: int = 1) -> WorkspaceShape:
-    """A one-process group's workspace on an H200: each rank on a W-th of the SMs (_debug.local_group)."""
+    """A one-process group's workspace on an H200: each rank on a W-th of the SMs (local_group.local_group)."""
     return WorkspaceShape(world, "device", "pcie", num_islands=islands, clusters=(2, 4, 8), sm_budget=sm // world)
 
 

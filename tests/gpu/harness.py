@@ -44,6 +44,26 @@ def need_ranks(ranks: int):
     )
 
 
+def dirty_halves(workspace) -> int:
+    """Half-words of a workspace's scratch that are not empty: 0 after every completed call (I4). Synchronizes."""
+    from sgl_kernel_sm120 import _ext
+
+    return int(_ext.ops().ws_dirty_halves(workspace._handle))
+
+
+def synchronize(workspace) -> None:
+    """torch.cuda.synchronize for the workspace's device; a timeout a kernel recorded raises as
+    IpcAllReduceTimeoutError (also when the synchronize itself failed: the trap ended the context)."""
+    try:
+        torch.cuda.synchronize(workspace.device)
+    except Exception as exc:  # RuntimeError, or torch.AcceleratorError where torch has it
+        if (err := workspace.timeout_error()) is not None:
+            raise err from exc
+        raise
+    if (err := workspace.timeout_error()) is not None:
+        raise err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -259,7 +259,7 @@ def start(rank: int, world: int, the_plan: Plan, *, mode: str = "on", env: dict 
     # paths, not the tune's verdict (tests/gpu/test_tune_gpu.py does); a test may still set both through `env`.
     os.environ["SGLANG_SM120_ALLREDUCE_TUNE"] = "off"
     os.environ["SGLANG_SM120_CACHE"] = os.path.join(the_plan.cache_root, f"rank{rank}")
-    from sgl_kernel_sm120.settings import spelled_out
+    from tests.support.env import spelled_out
 
     for key, value in (env or {}).items():
         os.environ.update(spelled_out(key, value))  # an SGL_ switch under both names: SGLang 0.5.23 copies them

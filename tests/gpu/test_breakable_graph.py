@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu import sglang_harness
-from tests.gpu.harness import run_ranks
+from tests.gpu.harness import dirty_halves, run_ranks
 from tests.sglang_versions import requires_sglang
 
 pytestmark = [pytest.mark.gpu, requires_sglang("0.5.23"), sglang_harness.needs(2)]
@@ -116,7 +116,7 @@ def _scenario(rank, world):
                 failures.append(f"replay {step}: interleaved decode graph wrong")
             if failures:
                 break
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after replays")
         del graph, decode
     finally:

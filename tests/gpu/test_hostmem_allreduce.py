@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu import test_ipc_allreduce as scenarios
 from tests.gpu.harness import (
     need_ranks,
@@ -28,8 +27,10 @@ from tests.gpu.harness import (
     selected_scenarios,
     shared_cluster_cache,  # noqa: F401 - a fixture
     spawn_env,
+    synchronize,
 )
 from tests.gpu.test_ipc_allreduce import passed
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
@@ -157,7 +158,7 @@ def _scenario_tmpfs_too_small(rank, world, max_numel, folder, expect):
     try:
         x = torch.ones(3, 7168, dtype=torch.bfloat16, device=torch.device("cuda", torch.cuda.current_device()))
         out = ar.all_reduce(x)
-        ar.synchronize()
+        synchronize(ar)
         assert torch.equal(out, torch.full_like(x, world)), "wrong sum after the failed workspace"
     finally:
         ar.close()

@@ -35,15 +35,17 @@ from sgl_kernel_sm120 import (
     reference_all_reduce_add_rmsnorm,
 )
 from sgl_kernel_sm120.settings import read as read_settings
-from sgl_kernel_sm120.settings import spelled_out
 from tests.gpu.harness import (
+    dirty_halves,
     need_ranks,
     run_ranks,
     run_scenarios,
     selected_scenarios,
     shared_cluster_cache,  # noqa: F401 - a fixture
     spawn_env,
+    synchronize,
 )
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
@@ -173,7 +175,7 @@ def _scenario_exact_shapes(rank, world, rows_list, hiddens, dtypes, timeout_s=No
             for name, t in (("all_reduce", out), ("norm_out", norm), ("residual_out", res_out)):
                 digests.add(f"{tag} {name}", t)
         failures += digests.differing()
-        dirty = ar.scratch_dirty_count()
+        dirty = dirty_halves(ar)
         if dirty:
             failures.append(f"scratch not clean after the sweep: {dirty} half-words")
     finally:
@@ -243,7 +245,7 @@ def _scenario_cluster_sizes_and_fallback(rank, world):
                     failures.append(f"[{rows}, {hidden}] {name}: the fallback's bits differ from the clusters'")
             digests.add(f"[{rows}, {hidden}] the fallback's norm_out", b[0])
         failures += digests.differing()
-        if with_clusters.scratch_dirty_count():
+        if dirty_halves(with_clusters):
             failures.append("scratch not clean after the cluster sweep")
     finally:
         with_clusters.close()
@@ -288,7 +290,7 @@ def _scenario_random_and_special_values(rank, world):
                     failures.append(f"{dtype} {schedule.name}: special values differ")
                 digests.add(f"{dtype} {schedule.name} special values", out)
         failures += digests.differing()
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean")
     finally:
         ar.close()
@@ -315,7 +317,7 @@ def _scenario_back_to_back(rank, world, calls):
     failures = []
     pending = []
     try:
-        ar.synchronize()
+        synchronize(ar)
         seq0 = ar.calls_completed()
         for call in range(calls):
             inputs, residual, weight = _call_inputs(call, world, dev)
@@ -325,7 +327,7 @@ def _scenario_back_to_back(rank, world, calls):
             else:
                 got = ar.all_reduce_add_rmsnorm(inputs[rank], residual, weight, EPS, schedule=schedule)
                 pending.append((call, "fused", got, inputs, residual, weight))
-        ar.synchronize()
+        synchronize(ar)
         for call, kind, got, inputs, residual, weight in pending:
             if kind == "plain":
                 ok = torch.equal(got, reference_all_reduce(inputs))
@@ -335,7 +337,7 @@ def _scenario_back_to_back(rank, world, calls):
                 failures.append(f"call {call} ({kind}) wrong")
         if ar.calls_completed() - seq0 != calls:
             failures.append(f"device call counter advanced by {ar.calls_completed() - seq0}, expected {calls}")
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after back-to-back calls")
     finally:
         ar.close()
@@ -393,7 +395,7 @@ def _scenario_graph(rank, world, calls_in_graph, replays, on_timeout="trap"):
                     failures.append(f"replay {replay} call {call} wrong")
             if failures:
                 break
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after replays")
         del graph
     finally:
@@ -447,7 +449,7 @@ def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
     cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024
     x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
     ar.all_reduce(x, schedule=Schedule.ONESHOT)
-    ar.synchronize()
+    synchronize(ar)
     dist.barrier()
     failure = None
     if rank != skipper:
@@ -457,7 +459,7 @@ def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
             # One-shot: every waiting rank waits for the skipper itself, so every rank must name it.
             out = ar.all_reduce(x, schedule=Schedule.ONESHOT)
             try:
-                ar.synchronize()
+                synchronize(ar)
             except IpcAllReduceTimeoutError as err:
                 assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
                 assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
@@ -491,7 +493,7 @@ def _scenario_rank_skips_a_call(rank, world, on_timeout="trap"):
         fresh = _make(world, rank, 64 * 7168, timeout_s=30.0, on_timeout="exit")
         try:
             out = fresh.all_reduce(x)
-            fresh.synchronize()
+            synchronize(fresh)
             if not torch.equal(out, torch.full_like(x, world)):
                 failure = "a fresh workspace after the timeout gave a wrong sum"
         finally:
@@ -523,7 +525,7 @@ def _scenario_late_peer(rank, world, late_call, sleep_s):
                 time.sleep(sleep_s)
             x = _int_tensor((3, 7168), torch.bfloat16, _stable_seed(call, rank), dev)
             out = ar.all_reduce(x)
-            ar.synchronize()
+            synchronize(ar)
             expect = reference_all_reduce(
                 [_int_tensor((3, 7168), torch.bfloat16, _stable_seed(call, r), "cpu") for r in range(world)]
             ).to(dev)
@@ -583,9 +585,9 @@ def _scenario_probe_drops(rank, world):
         x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
         for transport in ("push", "pull"):
             out = ar.all_reduce(x, transport=transport)
-            ar.synchronize()
+            synchronize(ar)
             assert torch.equal(out, torch.full_like(x, world)), f"wrong {transport} sum after a failed probe"
-        assert ar.scratch_dirty_count() == 0, "the probe left scratch dirty"
+        assert dirty_halves(ar) == 0, "the probe left scratch dirty"
     finally:
         ar.close()
 
@@ -625,11 +627,11 @@ def _scenario_two_streams_keep_the_call_order(rank, world, calls=40):
                                ar.all_reduce_add_rmsnorm(inputs[rank], torch.zeros_like(inputs[rank]),
                                                          torch.ones(7168, dtype=torch.bfloat16, device=dev), EPS)[1])
         torch.cuda.synchronize()
-        ar.synchronize()  # raises the timeout a wait recorded
+        synchronize(ar)  # raises the timeout a wait recorded
         for call, ((_, expected), got) in enumerate(zip(cases, outputs, strict=True)):
             if not torch.equal(got, expected):
                 failures.append(f"call {call} from stream {call % 2}: wrong sum")
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after the calls from two streams")
     finally:
         ar.close()
@@ -666,10 +668,10 @@ def _scenario_captured_calls_from_two_streams_keep_their_order(rank, world, call
                 expected.append(want)
             graph.replay()
             torch.cuda.synchronize()
-            ar.synchronize()
+            synchronize(ar)
             failures += [f"replay {replay} call {call}: wrong sum" for call, (got, want)
                          in enumerate(zip(outputs, expected, strict=True)) if not torch.equal(got, want)]
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("scratch not clean after the replays")
     finally:
         ar.close()
@@ -714,7 +716,7 @@ def _scenario_an_unorderable_call_is_refused_on_every_rank(rank, world):
             torch.cuda.synchronize()
             if not torch.equal(got, expected):
                 failures.append("an eager call after the refusal is wrong")
-        ar.synchronize()
+        synchronize(ar)
     finally:
         ar.close()
     assert not failures, "\n".join(failures[:20])
@@ -730,7 +732,7 @@ def _scenario_device_counter(rank, world):
         x = torch.ones(3, 7168, dtype=torch.bfloat16, device=dev)
         for _ in range(5):
             ar.all_reduce(x)
-        ar.synchronize()
+        synchronize(ar)
         assert ar.calls_completed() == 5, f"after 5 eager calls the device counted {ar.calls_completed()}"
         stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
@@ -742,7 +744,7 @@ def _scenario_device_counter(rank, world):
                     out = ar.all_reduce(x)
         for _ in range(10):
             graph.replay()
-        ar.synchronize()
+        synchronize(ar)
         assert torch.equal(out, torch.full_like(x, world)), "wrong sum in the replayed graph"
         assert ar.calls_completed() == 5 + 1 + 3 * 10, f"device counted {ar.calls_completed()}, expected 36"
     finally:

@@ -29,9 +29,10 @@ import tempfile
 
 import pytest
 
-from sgl_kernel_sm120.settings import VARIABLES, spelled_out
+from sgl_kernel_sm120.settings import VARIABLES
 from tests.gpu.harness import need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
 from tests.gpu.test_ipc_allreduce import _scenario_graph, _scenario_two_streams_keep_the_call_order
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 

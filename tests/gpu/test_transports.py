@@ -3,7 +3,7 @@ on one GPU.
 
 - Processes sharing the GPU (tests.gpu.harness.run_ranks, SGL_SM120_TEST_SHARE_GPUS=1): the real IPC paths, the
   probe, host memory; but the ranks time-slice and never run at once, so a race in a flag protocol cannot show.
-- One process running the whole group (sgl_kernel_sm120._debug.local_group): W workspaces seeing each other's
+- One process running the whole group (benchmarks.harness.local_group): W workspaces seeing each other's
   slabs, each rank's calls on a stream of its own, or W parallel branches of one CUDA graph: the ranks' kernels run
   concurrently. The transports' negative controls (a flag published before its data, a staged pass dropped)
   are caught here.
@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness.local_group import close_local_group, local_group
 from sgl_kernel_sm120 import (
     IpcAllReduce,
     IpcAllReduceTimeoutError,
@@ -34,10 +35,16 @@ from sgl_kernel_sm120 import (
     reference_all_reduce,
     reference_all_reduce_add_rmsnorm,
 )
-from sgl_kernel_sm120._debug import close_local_group, local_group
-from sgl_kernel_sm120.settings import VARIABLES, spelled_out
-from tests.gpu.harness import need_ranks, run_ranks, shared_cluster_cache  # noqa: F401 - a fixture
+from sgl_kernel_sm120.settings import VARIABLES
+from tests.gpu.harness import (
+    dirty_halves,
+    need_ranks,
+    run_ranks,
+    shared_cluster_cache,  # noqa: F401 - a fixture
+    synchronize,
+)
 from tests.gpu.test_ipc_allreduce import EPS, ULP, _int_tensor, _make, _same_on_all_ranks, _stable_seed
+from tests.support.env import spelled_out
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("shared_cluster_cache")]
 
@@ -116,7 +123,7 @@ def _scenario_every_transport(rank, world, memory):
         err = ar.timeout_error()
         if err is not None:
             failures.append(str(err))
-        if ar.scratch_dirty_count():
+        if dirty_halves(ar):
             failures.append("push scratch not clean after the sweep")
     finally:
         ar.close()
@@ -151,7 +158,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
     cols = 7168 if ar.oneshot_max_numel >= 3 * 7168 else 1024  # host memory: a smaller one-shot bound
     x = torch.ones(3, cols, dtype=torch.bfloat16, device=dev)
     out = ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
-    ar.synchronize()
+    synchronize(ar)
     assert torch.equal(out, torch.full_like(x, world)), "call #0 gave a wrong sum"
     dist.barrier()
     failure = None
@@ -160,7 +167,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
         if rank != skipper:
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
-                ar.synchronize()
+                synchronize(ar)
             except IpcAllReduceTimeoutError as err:
                 assert err.rank == rank and err.peer == skipper and err.seq == 1, f"wrong details: {err}"
                 assert f"rank {skipper}" in str(err) and "call #1" in str(err), str(err)
@@ -170,7 +177,7 @@ def _scenario_pull_rank_skips_call_one(rank, world, how):
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull", ctas=1)
             ar.all_reduce(x, schedule=Schedule.ONESHOT, transport="pull")
             try:
-                ar.synchronize()
+                synchronize(ar)
             except IpcAllReduceTimeoutError as err:
                 assert err.rank == rank and err.seq == 2, f"wrong details: {err}"
             else:
@@ -201,7 +208,7 @@ def _local_group_sweep(world: int, rows_list, hiddens, calls_per_graph: int, rep
     try:
         cases = list(itertools.product(rows_list, hiddens, _schedules(world, "device"), TRANSPORTS))
         # Eager: each rank's call on its own stream, all launched before any is waited for. Call-major (every
-        # rank's plain call, then every rank's fused one): see sgl_kernel_sm120/_debug.py on lazy loading.
+        # rank's plain call, then every rank's fused one): see benchmarks/harness/local_group.py on lazy loading.
         for rows, hidden, schedule, transport in cases:
             inputs, residual, weight = _case_inputs(world, rows, hidden, torch.bfloat16,
                                                     _stable_seed("local", rows, hidden), dev)
@@ -282,7 +289,7 @@ def _group_left_clean(comms, after: str, failures: list[str]) -> None:
         err = comm.timeout_error()
         if err is not None:
             failures.append(f"timed out: {err}")
-    if comms[0].scratch_dirty_count():
+    if dirty_halves(comms[0]):
         failures.append(f"push scratch not clean after {after}")
 
 
@@ -325,7 +332,7 @@ def _launch_shapes_sweep(world: int, rows_list=(1, 3, 64), hidden: int = 7168) -
     def run(op, inputs, residual, weight, threads=None, **kw):
         outs = [None] * world
         torch.cuda.synchronize()
-        for r, comm in enumerate(comms):  # call-major (sgl_kernel_sm120/_debug.py)
+        for r, comm in enumerate(comms):  # call-major (benchmarks/harness/local_group.py)
             with torch.cuda.stream(streams[r]):
                 if op == "all_reduce":
                     outs[r] = comm.all_reduce(inputs[r], threads=threads, **kw)

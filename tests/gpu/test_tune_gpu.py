@@ -226,7 +226,7 @@ def test_a_starting_group_without_a_table_sends_every_size_to_nccl_and_names_the
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("world", [2, 8])
 def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_out_file(tmp_path, world):
-    """The whole group as _debug.local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
+    """The whole group as local_group.local_group workspaces of one GPU (benchmarks/harness/local_tune.py), every
     candidate verified on every rank; the table goes to --out and never into the cache."""
     from sgl_kernel_sm120 import cluster_check
     from sglang_sm120.routing.table import RoutingTable, lookup, route_id
@@ -271,9 +271,10 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
     Not SGL_SM120_DEBUG_SINGLE_BUFFER: its race needs a rank a whole call ahead of a peer that is still reading,
     which ranks time-slicing a GPU as processes produce (the negative control catches it there) and the lockstep
     ranks of one process did not: on an H200 its one-process tune rejected no candidate."""
-    from sgl_kernel_sm120.settings import VARIABLES, spelled_out
+    from sgl_kernel_sm120.settings import VARIABLES
     from sglang_sm120.routing.table import RoutingTable, route_id
     from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
+    from tests.support.env import spelled_out
 
     library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
     out = tmp_path / "broken.json"

@@ -165,10 +165,12 @@ def test_advice_picks_the_fastest_variant():
 
 
 def test_slowest_rank_median():
+    from sglang_sm120.tuning.timing import aggregate_iteration_times
+
     # per replay the slowest rank: [4, 5, 6] -> 5 (the median of each rank's median would give 4)
-    assert nccl_check.slowest_rank_median([[1.0, 5.0, 3.0], [4.0, 2.0, 6.0]]) == 5.0
+    assert aggregate_iteration_times([[1.0, 5.0, 3.0], [4.0, 2.0, 6.0]])["median_us"] == 5.0
     with pytest.raises(ValueError):
-        nccl_check.slowest_rank_median([[1.0, 2.0], [1.0]])
+        aggregate_iteration_times([[1.0, 2.0], [1.0]])
 
 
 def test_one_gpu_says_so_and_starts_nothing(monkeypatch):

@@ -42,12 +42,8 @@ def decide(mode: str, capabilities: Sequence[Capability], world_size: int, nnode
 
     mode: this rank's; modes: every rank's (they must agree). capabilities: (major, minor) per rank. nnodes: the
     nodes the group spans. p2p[i][j]: rank i's GPU can access rank j's (None: unprobed). kernel_errors: per rank, why
-    the kernels do not load there (None: they do). names: the GPUs' names, to explain a missing P2P.
-
-    "off": never. "auto": every GPU exactly 12.0 and deterministic inference off; "on": any CUDA GPU. Both need
-    world 2/4/8 on one node (both workspaces are node-local), P2P probed and the kernels on every rank. P2P between
-    every pair gives memory "device"; a pair without it gives "host" (pinned, device-mapped host memory needs no P2P:
-    GeForce cards, whose driver refuses it, or a pair the driver does not connect), or no backend with hostmem "off".
+    the kernels do not load there (None: they do). names: the GPUs' names, to explain a missing P2P. A pair without
+    P2P gives memory "host" (pinned, device-mapped host memory needs no P2P), or no backend with hostmem "off".
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")

@@ -1,13 +1,7 @@
 """Replacements for SGLang's distributed seams: GroupCoordinator init / all_reduce / destroy, and the pre-capture
-hook of the model runner. Each factory takes the original attribute and returns its replacement; the release's
-seam table (`seams/v*.py`) says where they go.
-
-The class methods are patched, not the free `tensor_model_parallel_all_reduce`: model files import that function
-by name, but every path ends in `GroupCoordinator.all_reduce`.
-
-SGLang 0.5.23 (last section): the pre-capture hook moved to `BaseRunner`, the row bound is SGLang's own
-`_widest_decode_rows()`, and `GroupCoordinator.__init__` may build SGLang's own PCIe-IPC communicator, which ours
-sets aside (upstream_pcie.py).
+hook of the model runner (0.5.23's, in the last section, is the runner's). The class methods are patched, not the
+free `tensor_model_parallel_all_reduce`: model files import that function by name, but every path ends in
+`GroupCoordinator.all_reduce`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Replacements for the fused all-reduce + residual-add + RMSNorm boundary (0.5.13.post1 names below; 0.5.23's are
 in seams/v0_5_23.py).
 
-SGLang defers a sum at its source (a layer's MoE/MLP output, an attention output) and completes it at the next
-norm, `RMSNorm.forward_with_allreduce_fusion`, which calls the module function
-`layers.layernorm._forward_with_allreduce_fusion`. It asks the fusion gate at both ends, on two numbers: the
-source on the batch's token count (`forward_batch.input_ids.shape[0]`), the norm on the partial sum's rows. Here
-the claim is decided once. The first yes records `_claim`, the backend that completes the sum of the next fused
-norm call; every ask until that call answers yes from the record instead of asking again, and the call takes the
-record up. A claimed call completes its sum exactly once whatever its rows: the fused kernel where a route serves
-them, else an all-reduce and the module's own norm. A call without our claim is upstream's (its own gate said
-yes). A source decides afresh on its own number (a claim no norm took up is void there), and SGLang asks a norm
-only for a sum it still owes, so a claim changes who completes a sum, never whether. No claim is made while
-torch.compile traces, and a claim is taken up (or voided) within the forward that made it: SGLang follows every
-ask of a norm with its fused call, 0.5.13.post1 asks a source in every layer, 0.5.23 carries a source's claim to
-the next layer's input.
+SGLang defers a sum at its source and completes it at the next norm (`_forward_with_allreduce_fusion`), asking the
+fusion gate at both ends on two numbers (the batch's token count, the partial sum's rows). Here the claim is decided
+once: the first yes (never while torch.compile traces) records `_claim`, which every ask honours until the next
+fused norm call, within the same forward, takes it up and completes the sum exactly once whatever its rows
+(docs/overlay.md, "The fused boundary is decided once", says why that never changes whether a sum is completed).
 
 Three upstream hazards are guarded here:
  (a) EAGLE-3 (0.5.13.post1) captures `hidden_states + residual` before layer i. If layer i-1 deferred its MoE

@@ -1,14 +1,9 @@
-"""Replacements for ServerArgs seams: the flags, and how the settings reach every process.
+"""Replacements for ServerArgs seams: the flags, and how the settings reach every process (docs/overlay.md's seam
+tables say what each replacement does).
 
 The settings are parsed once (core/config.py) into one OverlaySettings stored on the ServerArgs record, which
 SGLang pickles to every scheduler process (0.5.13.post1: the dataclass's __dict__; 0.5.23: its __reduce__ passes
 __dict__ along). Nothing is written into the environment.
-- `add_cli_args`: the flags, so `--help` shows them (argparse parses each value once, with config.SettingAction).
-- `from_cli_args`: the flags laid over the environment's settings; a bad variable ends the launch with one line.
-- 0.5.13.post1 `__post_init__`: the environment's settings for `sglang.Engine(**kwargs)`, which bypasses argparse
-  (a bad value raises before SGLang's own checks); FlashInfer's fusion switched off on SM12x.
-- 0.5.23 (last section): ServerArgs is a msgspec struct whose `__post_init__` is bound when the class is built, so a
-  replacement would never run; resolution (`resolve_once`) takes its place, and fields are declared, not written.
 """
 
 from __future__ import annotations
@@ -24,31 +19,38 @@ logger = logging.getLogger("sglang_sm120")
 FUSION_FIELD = "flashinfer_allreduce_fusion_backend"  # 0.5.23's resolved switch
 
 
-def _cuda_capability() -> tuple[int, int] | None:
+def _device_capability() -> tuple[int, int] | None:
+    """The GPU's capability as SGLang reads it (0.5.23 asks NVML: a CUDA context in the launcher poisons the
+    scheduler processes it forks)."""
     try:
-        import torch
+        from sglang.srt.utils.common import get_device_sm
 
-        return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+        sm = int(get_device_sm())
     except Exception:
         return None
+    return (sm // 10, sm % 10) if sm > 0 else None
 
 
-def _warn_fusion_off(what: str, capability) -> None:
+def _fusion_must_go(server_args, requested: bool, capability, what: str) -> bool:
+    """FlashInfer's all-reduce fusion, if `requested`, has no kernels on SM12x (its JIT stops, or the warm-up
+    raises): True, with a warning, where it must go off, unless the overlay is off."""
+    if config.settings_of(server_args).mode == "off" or not requested:
+        return False
+    capability = _device_capability() if capability is None else capability
+    if capability is None or capability[0] != 12:
+        return False
     logger.warning("sglang_sm120: FlashInfer all-reduce fusion%s has no kernels for compute capability %d.%d; turned "
                    "it off (the sm120 backend provides the fused all-reduce + RMSNorm)", what, *capability)
+    return True
 
 
 def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int] | None = None) -> bool:
-    """0.5.13.post1: FlashInfer's TRT-LLM fusion has no SM12x kernels (its JIT stops), and enabling it would make the
-    pre-capture hook build its workspace. True if it switched the flag off."""
-    if config.settings_of(server_args).mode == "off" or not getattr(server_args, "enable_flashinfer_allreduce_fusion",
-                                                                     False):
-        return False
-    capability = _cuda_capability() if capability is None else capability
-    if capability is None or capability[0] != 12:
+    """0.5.13.post1 (enabling the fusion would also make the pre-capture hook build its workspace). True if it
+    switched the flag off."""
+    if not _fusion_must_go(server_args, getattr(server_args, "enable_flashinfer_allreduce_fusion", False), capability,
+                           ""):
         return False
     server_args.enable_flashinfer_allreduce_fusion = False
-    _warn_fusion_off("", capability)
     return True
 
 
@@ -142,31 +144,15 @@ def wrap_resolve_once(original):
     return RunsFirst(original, _fill_unless_sealed)
 
 
-def _device_capability() -> tuple[int, int] | None:
-    """The GPU's capability without a CUDA context (SGLang asks NVML for the same reason: a context in the launcher
-    poisons the scheduler processes it forks)."""
-    try:
-        from sglang.srt.utils.common import get_device_sm
-
-        sm = int(get_device_sm())
-    except Exception:
-        return None
-    return (sm // 10, sm % 10) if sm > 0 else None
-
-
 def keep_flashinfer_fusion_off_on_sm12x(server_args, capability: tuple[int, int] | None = None) -> bool:
-    """Declare `flashinfer_allreduce_fusion_backend=None` on SM12x unless the overlay is off (any value makes the
-    warm-up raise there). True if it did. Runs during resolution: a published record refuses declarations."""
+    """Declare `flashinfer_allreduce_fusion_backend=None` (any value makes the warm-up raise on SM12x). True if it
+    did. Runs during resolution: a published record refuses declarations."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
     requested = resolution_result(server_args, FUSION_FIELD)
-    if config.settings_of(server_args).mode == "off" or requested is None:
-        return False
-    capability = _device_capability() if capability is None else capability
-    if capability is None or capability[0] != 12:
+    if not _fusion_must_go(server_args, requested is not None, capability, f" (backend {requested!r})"):
         return False
     declare_resolution(server_args, "sglang_sm120", **{FUSION_FIELD: None})
-    _warn_fusion_off(f" (backend {requested!r})", capability)
     return True
 
 

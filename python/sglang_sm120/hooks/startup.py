@@ -1,12 +1,7 @@
 """The launcher's tune: before SGLang starts its ranks, `python -m sglang_sm120.tune` for this server's TP size,
-GPUs, hidden size, dtype and captured sizes, so that the ranks find a table measured on this box.
-
-Under --sm120-allreduce-tune auto the tool measures only when no table of this box exists for what it sees now,
-and does not repeat a tune that failed (it answers both before starting any GPU process); under force it measures
-every time; under off it does not run. It runs in its own processes, one per GPU, before SGLang has allocated
-anything, within SGLANG_SM120_ALLREDUCE_TUNE_TIMEOUT_S for its whole run (it stops itself then; this process ends
-it a little later if it did not, its rank processes with it), its progress printed here. Whatever happens, the
-launch goes on: a rank that finds no table sends every size to NCCL and says why (runtime/routes.py).
+GPUs, hidden size, dtype and captured sizes, so that the ranks find a table measured on this box (docs/tuning.md
+says when it runs and how it is bounded). It runs before SGLang has allocated anything, in its own processes, one
+per GPU; whatever happens, the launch goes on: a rank that finds no table sends every size to NCCL and says why.
 """
 
 from __future__ import annotations

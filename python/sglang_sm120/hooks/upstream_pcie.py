@@ -1,15 +1,8 @@
 """Coexistence with SGLang's own PCIe all-reduce (0.5.23: `distributed/device_communicators/pcie_ipc_ar.py`,
-FlashInfer's PcieIpcAllReduceWorkspace, opt-in with SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1).
-
-Rule: when our backend is enabled for the TP group, ours wins, and upstream's workspace is never built.
-Upstream's path is a plain all-reduce only; ours also fuses the all-reduce with the residual add and the
-RMSNorm. Two IPC workspaces on the same ranks would cost memory, an extra autotuning pass over gloo at start-up,
-and a second set of spinning kernels for reductions ours declines. So, at `GroupCoordinator.__init__`, once
-every rank has agreed our gate is on, the group's `pcie_ipc_comm` (built there, cheaply: its workspace is
-created on first use or in the runner warm-up) is set aside. With it gone, neither SGLang's dispatcher nor
-`BaseRunner._pre_initialize_pcie_ipc_workspace` can build or use it. If our workspace then fails to build
-(agreed by all ranks), upstream's communicator is put back before that warm-up step runs, so the operator
-still gets what they asked SGLang for. When our backend is off, nothing here touches SGLang.
+FlashInfer's PcieIpcAllReduceWorkspace, opt-in with SGLANG_ENABLE_PCIE_IPC_ALLREDUCE=1): when our gate is on, the
+group's `pcie_ipc_comm` is set aside at `GroupCoordinator.__init__`, and handed back if ours then fails to build
+(docs/overlay.md). Two IPC workspaces on the same ranks would cost memory, an extra autotuning pass over gloo at
+start-up, and a second set of spinning kernels for reductions ours declines; ours also fuses the norm.
 """
 
 from __future__ import annotations
@@ -27,20 +20,14 @@ UPSTREAM_MODULE = "sglang.srt.distributed.device_communicators.pcie_ipc_ar"
 SET_ASIDE_ATTR = "_sm120_set_aside_pcie_ipc_comm"
 
 
-def upstream_has_pcie_ipc() -> bool:
-    """Whether the installed SGLang has its own PCIe-IPC all-reduce (located, not imported)."""
-    try:
-        return find_module_spec(UPSTREAM_MODULE) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def upstream_pcie_ipc_requested() -> bool:
-    """True when the operator asked SGLang for its own PCIe-IPC all-reduce and this SGLang has one. For the
-    activation log line: if our backend is also enabled, ours takes the TP group and upstream's workspace is
-    not built. Reads the variable with SGLang's own parser, so the answer is the one SGLang acts on (for an
+    """True when the operator asked SGLang for its own PCIe-IPC all-reduce and this SGLang has one (located, not
+    imported). Reads the variable with SGLang's own parser, so the answer is the one SGLang acts on (for an
     invalid value SGLang warns and keeps its path off; so does this)."""
-    if not upstream_has_pcie_ipc():
+    try:
+        if find_module_spec(UPSTREAM_MODULE) is None:
+            return False
+    except (ImportError, ValueError):
         return False
     from sglang.srt.environ import envs
 

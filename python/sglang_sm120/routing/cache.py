@@ -1,13 +1,7 @@
 """Where routing tables are kept: `$SGLANG_SM120_CACHE`, default `~/.cache/sglang_sm120` (shared with the kernels'
-cluster check), as `routes_tp<world>_h<hidden>_<gpus>.json`, <gpus> eight hex digits of the GPUs' UUIDs, so two
-servers on two sets of GPUs of one box, or two models, keep their own tables.
-
-`load` says what it found; only OK is used, and the reason of any other status names what changed. A candidate blamed
-for a crash or hang of a tune's process (tuning/processes.py names the one that was running) is kept in
-`blamed_tp<world>_<gpus>.json` with the key it happened under: every later tune of that key leaves it out and no
-server routes to it. Another key lifts the blame. A tune that failed leaves `failed_tp<world>_h<hidden>_<gpus>.json`
-under its key: a launch under `--sm120-allreduce-tune auto` does not repeat it (force does, and a new key), and the
-server's line names it. One tune of a set of GPUs at a time: `tune_lock`.
+cluster check), beside the blamed candidates and the failed-tune notes of each set of GPUs (docs/tuning.md names the
+files). `load` says what it found; only OK is used, and the reason of any other status names what changed. One tune
+of a set of GPUs at a time: `tune_lock`.
 """
 
 from __future__ import annotations

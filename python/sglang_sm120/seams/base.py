@@ -28,9 +28,10 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class Seam:
+    """Why each seam exists: docs/overlay.md's table of its release (a test holds it to the seam tables)."""
+
     target: str  # "package.module:Owner.attribute" or "package.module:attribute"
     factory: Callable[[Any], Any]  # original (raw) -> replacement (raw)
-    why: str
 
     @property
     def module_name(self) -> str:
@@ -231,11 +232,6 @@ def restore_all() -> int:
         _restore(_applied)
         _applied.clear()
         return count
-
-
-def applied_targets() -> list[str]:
-    with _lock:
-        return [entry.seam.target for entry in _applied]
 
 
 def pending_targets() -> list[str]:

@@ -21,13 +21,20 @@ from sglang_sm120.core import config  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 
+
+def applied_targets() -> list[str]:
+    """The targets of the seams applied now, in the order they were applied."""
+    with base._lock:
+        return [entry.seam.target for entry in base._applied]
+
+
 # Tests of 0.5.13.post1's own seams (the rest of this file holds for every supported SGLang).
 ONLY_0513 = requires_sglang("0.5.13.post1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def current(target):
-    return base._raw(*base.Seam(target, None, "").locate())
+    return base._raw(*base.Seam(target, None).locate())
 
 
 def test_every_seam_patched_and_restored():
@@ -36,7 +43,7 @@ def test_every_seam_patched_and_restored():
     sglang_sm120.activate()
     try:
         assert plugin.is_active()
-        assert sorted(base.applied_targets()) == sorted(originals)
+        assert sorted(applied_targets()) == sorted(originals)
         for target, original in originals.items():
             now = current(target)
             assert now is not original, target
@@ -50,10 +57,10 @@ def test_every_seam_patched_and_restored():
 
 
 def test_activation_is_idempotent(overlay):
-    first = {target: current(target) for target in base.applied_targets()}
+    first = {target: current(target) for target in applied_targets()}
     sglang_sm120.activate()
     plugin.activate()
-    assert {target: current(target) for target in base.applied_targets()} == first
+    assert {target: current(target) for target in applied_targets()} == first
     # even if our bookkeeping were lost, a marked attribute is never wrapped twice
     assert base.apply(seams.load_table().SEAMS) == 0
 
@@ -63,7 +70,7 @@ def test_unknown_version_is_refused_naming_supported_ones(monkeypatch):
     with pytest.raises(seams.UnsupportedSGLangVersion, match=r"0\.5\.99.*0\.5\.13\.post1"):
         sglang_sm120.activate()
     assert not plugin.is_active()
-    assert base.applied_targets() == []
+    assert applied_targets() == []
 
 
 def test_unknown_version_with_our_flag_on_the_command_line_stops_in_one_line(monkeypatch, capsys):
@@ -88,7 +95,7 @@ def test_the_pinned_version_has_a_table():
 
 def test_failed_seam_rolls_back_the_others(monkeypatch):
     table = seams.load_table()
-    broken = list(table.SEAMS) + [base.Seam("sglang.srt.server_args:ServerArgs.no_such_attribute", lambda o: o, "x")]
+    broken = list(table.SEAMS) + [base.Seam("sglang.srt.server_args:ServerArgs.no_such_attribute", lambda o: o)]
     originals = {seam.target: current(seam.target) for seam in table.SEAMS}
     with pytest.raises(AttributeError, match="no_such_attribute"):
         base.apply(broken)
@@ -244,7 +251,7 @@ def test_seams_of_modules_not_yet_imported_apply_on_import(tmp_path, monkeypatch
 
         return answer
 
-    seam = base.Seam("sm120_seam_probe_pkg.late:answer", plus_one, "test")
+    seam = base.Seam("sm120_seam_probe_pkg.late:answer", plus_one)
     try:
         assert base.apply([seam]) == 0
         assert "sm120_seam_probe_pkg.late:answer" in base.pending_targets()
@@ -278,7 +285,7 @@ def test_unresolved_target_fails_activation_naming_it(monkeypatch, version, bad_
     import sglang.srt.server_args  # noqa: F401  (imported: its attributes are checked, not only located)
 
     table = table_modules()[version]
-    fake = base.Seam(bad_target, lambda original: original, "test")
+    fake = base.Seam(bad_target, lambda original: original)
     monkeypatch.setattr(table, "SEAMS", list(table.SEAMS) + [fake])
     with pytest.raises(base.UnresolvedSeamTarget, match=re.escape(named)) as caught:
         if version == seams.sglang_version():
@@ -287,7 +294,7 @@ def test_unresolved_target_fails_activation_naming_it(monkeypatch, version, bad_
             base.apply(table.SEAMS)
     assert any(problem.startswith(bad_target) for problem in caught.value.problems)
     assert not plugin.is_active()
-    assert base.applied_targets() == [] and base.pending_targets() == []
+    assert applied_targets() == [] and base.pending_targets() == []
 
 
 @pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))
@@ -330,7 +337,8 @@ def test_upstream_pcie_ipc_is_not_requested_where_sglang_has_none(monkeypatch):
     from sglang_sm120.hooks import upstream_pcie
 
     monkeypatch.setenv(upstream_pcie.ENV, "1")
-    assert upstream_pcie.upstream_pcie_ipc_requested() is upstream_pcie.upstream_has_pcie_ipc()
+    has_one = upstream_pcie.find_module_spec(upstream_pcie.UPSTREAM_MODULE) is not None
+    assert upstream_pcie.upstream_pcie_ipc_requested() is has_one
 
 
 @pytest.mark.parametrize("version", sorted(seams.SEAM_TABLES))

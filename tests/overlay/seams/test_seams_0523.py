@@ -29,6 +29,13 @@ from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import server_args as hooks_server_args  # noqa: E402
 from sglang_sm120.seams import base  # noqa: E402
 
+
+def applied_targets() -> list[str]:
+    """The targets of the seams applied now, in the order they were applied."""
+    with base._lock:
+        return [entry.seam.target for entry in base._applied]
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -81,7 +88,7 @@ def test_activation_before_import_patches_on_import_in_a_fresh_interpreter():
         for module in sorted({s.module_name for s in table.SEAMS}):
             importlib.import_module(module)
         assert base.pending_targets() == []
-        assert sorted(base.applied_targets()) == sorted(s.target for s in table.SEAMS)
+        assert sorted(e.seam.target for e in base._applied) == sorted(s.target for s in table.SEAMS)
         print("OK")
         """
     )

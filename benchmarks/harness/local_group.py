@@ -1,4 +1,4 @@
-"""Tests and benchmarks only: a whole group in THIS process, one workspace per rank on one GPU seeing the others'
+"""A whole group in THIS process, one workspace per rank on one GPU seeing the others'
 slabs directly. On W streams or as W branches of one CUDA graph the ranks' kernels run concurrently, which processes
 sharing a GPU never do (they time-slice), so a race in a protocol can show; each rank gets a W-th of the SMs and of
 the cluster capacity. Issue eager calls call-major (every rank's call k before any rank's call k + 1): with lazy
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext, construction
-from . import settings as switches
-from .errors import IpcAllReduceError
-from .ipc_allreduce import AUTO, IpcAllReduce
-from .policy import Link
+from sgl_kernel_sm120 import _ext, construction
+from sgl_kernel_sm120 import settings as switches
+from sgl_kernel_sm120.errors import IpcAllReduceError
+from sgl_kernel_sm120.ipc_allreduce import AUTO, IpcAllReduce
+from sgl_kernel_sm120.policy import Link
 
 
 def local_group(device, world_size: int, max_numel: int, dtype: torch.dtype = torch.bfloat16, *, islands=None,
