@@ -85,17 +85,22 @@ class Slots:
 
 
 class Trial:
-    """Graph and checks of `route` at one size, lane r's calls on workspaces[r]. `check_timeouts()` raises when a
-    kernel wait of this process timed out (it returns at once, and would otherwise look fast or hide a race)."""
+    """Graph and checks of `route` at one size, lane r's calls on workspaces[r]. A kernel wait that timed out
+    returns at once, and would otherwise look fast or hide a race: its workspace's record raises after the
+    synchronization (also when the synchronization itself failed, a trap having ended the context)."""
 
-    def __init__(self, slots: Slots, route: Route, route_id: str, workspaces: Mapping[int, Any], backend,
-                 check_timeouts: Callable[[], None]):
-        self.slots, self.bank, self.backend, self.check_timeouts = slots, slots.bank, backend, check_timeouts
+    def __init__(self, slots: Slots, route: Route, route_id: str, workspaces: Mapping[int, Any], backend):
+        self.slots, self.bank, self.backend, self.workspaces = slots, slots.bank, backend, dict(workspaces)
         self.offset = verify.salt(route_id)
         lanes = [[self._call(workspaces[lane], route, lane, k) for k in range(slots.calls)] for lane in self.bank.lanes]
         self.graph = backend.capture(lanes)
         device = slots.ring.device
         self.wrong = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _raise_recorded_timeout(self) -> None:
+        for lane, ws in self.workspaces.items():
+            if (err := ws.timeout_error()) is not None:
+                raise RuntimeError(f"rank {lane}: {err}") from None
 
     def _call(self, ws, route: Route, lane: int, k: int) -> Callable[[], Any]:
         """One call, its arguments checked once, here; it launches the route resolved as a server resolves it."""
@@ -136,8 +141,12 @@ class Trial:
                 self.graph.replay()
             timers = [self._timed_replay() for _ in range(int(replays))]
             self._check(f"after {warmup + replays} more replays", offset)
-        self.backend.synchronize()
-        self.check_timeouts()
+        try:
+            self.backend.synchronize()
+        except Exception:
+            self._raise_recorded_timeout()
+            raise
+        self._raise_recorded_timeout()
         lanes = self.bank.lanes
         values = torch.stack([self.wrong, *(p for lane in lanes for p in self.prints[lane])]).tolist()  # one copy
         if values[0]:

@@ -71,11 +71,11 @@ class BurstMeasurer:
             self._slots = ((kind, dtype, rows), Slots(bank, calls))
         return self._slots[1]
 
-    def _run(self, route: Route, kind: str, dtype: str, rows: int, profile: bool, workspaces: Mapping[int, Any],
-             check_timeouts: Callable[[], None]) -> tuple[str, list[float]]:
+    def _run(self, route: Route, kind: str, dtype: str, rows: int, profile: bool,
+             workspaces: Mapping[int, Any]) -> tuple[str, list[float]]:
         slots, rid, spec = self._slots_for(kind, dtype, rows), route_id(route), self.spec
         kept = self._trials.pop(rid, None) if profile else None
-        trial = kept or Trial(slots, route, rid, workspaces, self.backend, check_timeouts)
+        trial = kept or Trial(slots, route, rid, workspaces, self.backend)
         if not profile:
             digest_and_times = trial.run(int(spec.burst))
             self._trials[rid] = trial  # kept only once it passed
@@ -138,8 +138,7 @@ class CudaMeasurer(BurstMeasurer):
               profile: bool) -> tuple[str | None, list[float]]:
         """(digest of the checked outputs, us per call per timed replay); NCCL (route None): (None, its times)."""
         if route is not None:
-            ws = self._workspace()  # its synchronize raises a timed-out wait's error (on_timeout="exit")
-            return self._run(route, kind, dtype, rows, profile, {self.rank: ws}, ws.synchronize)
+            return self._run(route, kind, dtype, rows, profile, {self.rank: self._workspace()})
         calls = int(self.spec.calls)
         graph, _ = timing.capture_graph(self._nccl(kind, dtype, rows), calls)
         times = timing.replay_times(graph, int(self.spec.iters), warmup=int(self.spec.warmup))

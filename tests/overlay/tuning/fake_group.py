@@ -76,12 +76,10 @@ class FakeWorkspace:
         self.shape = policy.WorkspaceShape(group.world, "device", "pcie", clusters=tuple(clusters),
                                            sm_budget=sm_budget)
         self.issued = 0
+        self.recorded_timeout = None  # what a real workspace's host-mapped record would hold after a timed-out wait
 
     def timeout_error(self):
-        return None
-
-    def synchronize(self) -> None:  # raises a timed-out wait's error on a real workspace
-        pass
+        return self.recorded_timeout
 
     def refusal(self, x, route, *, fused, residual=None, weight=None, outs=()):
         return policy.refusal(self.shape, route, x.numel() * x.element_size(), fused=fused, limits=self.limits)

@@ -190,6 +190,27 @@ def test_a_ranks_measurer_checks_a_candidate_on_its_workspace_and_times_that_gra
     assert m.incumbent("fused") == "NCCL + torch ops"
 
 
+def test_the_fake_workspace_offers_the_measurers_only_what_a_real_workspace_has():
+    # a method the fake keeps after the real workspace lost it hides a tune whose every candidate fails on a GPU
+    from sgl_kernel_sm120.ipc_allreduce import IpcAllReduce
+
+    from .fake_group import FakeWorkspace
+
+    offered = {name for name, value in vars(FakeWorkspace).items() if callable(value) and not name.startswith("_")}
+    assert offered and {name for name in offered if not hasattr(IpcAllReduce, name)} == set()
+
+
+def test_a_wait_that_timed_out_fails_the_candidate_by_its_record_not_its_fast_time():
+    group = FakeGroup(2)
+    group.workspaces[1].recorded_timeout = "timed out waiting for rank 0 (call 3)"
+    spec = TuneSpec.make(HIDDEN, 2, quick=True, dtypes=["bfloat16"], kinds=["plain"], debug_nccl_us=1e6)
+    measurer = LocalGroupMeasurer(world=2, device="cpu", spec=spec, backend=FakeBackend(group),
+                                  make_group=lambda *args: group.workspaces, close_group=lambda comms: None)
+    route = tbl.parse_route("sm120/ONESHOT/push/device/b16/t256")
+    with pytest.raises(RuntimeError, match=r"rank 1: timed out waiting for rank 0 \(call 3\)"):
+        measurer.trial(route, "plain", "bfloat16", 2, profile=False)
+
+
 def test_the_table_names_each_routes_ctas_and_cluster_and_how_many_candidates_each_size_timed():
     table, group, _ = tune("good", ("plain", "fused"))
     ours = [e for e in table.entries if e.route is not None]
