@@ -150,8 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          graph_rows=[r for r in args.graph_rows if r <= max_rows])
     if problem := cache.writable():
         raise SystemExit(f"error: {problem}")
+    hostmem = config.settings_from_environment().hostmem
     try:
-        planned_digest, box = processes.planned(devices, config.settings_from_environment().hostmem)
+        planned_digest, box = processes.planned(devices, hostmem)
     except PlanRefused as exc:
         print(f"nothing of ours to tune: {exc}", file=sys.stderr)
         return 1
@@ -171,10 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.if_missing and (found := existing_table(path, planned_digest, spec)):  # the other tune's
             print(f"a routing table of this box exists: {found} (written by another launch's tune)")
             return 0
-        return _tune(args, world, devices, spec, planned_digest, box, path, retry, start, deadline)
+        return _tune(args, world, devices, spec, hostmem, box, path, retry, start, deadline)
 
 
-def _tune(args, world, devices, spec, planned_digest, box, path, retry, start, deadline) -> int:
+def _tune(args, world, devices, spec, hostmem, box, path, retry, start, deadline) -> int:
     print(f"tuning TP={world} on cuda:{devices}, hidden {spec.hidden}, rows {spec.rows}, {', '.join(spec.dtypes)}, "
           f"{', '.join(spec.kinds)}{' (quick)' if spec.quick else ''}", flush=True)
     last = {}
@@ -208,6 +209,9 @@ def _tune(args, world, devices, spec, planned_digest, box, path, retry, start, d
             on_event=on_event, on_attempt=on_attempt, env=env)
         seen = nccl.parse_log("".join(pathlib.Path(f).read_text(errors="replace")
                                       for f in glob.glob(os.path.join(logs, "nccl.*.log"))))
+    # What the tool sees, after the ranks' cluster checks cached their verdicts (part of the digest): the digest a
+    # later launch computes, so that it finds this table (or this failure) instead of tuning again.
+    planned_digest = processes.planned(devices, hostmem)[0]
     if attempt.table is None:
         note = cache.record_failure(box, spec.hidden, attempt.error or "unknown", retry, planned=planned_digest)
         print(f"tune failed: {attempt.error}\nnot repeated at launch ({note}); retry: {retry}", file=sys.stderr)

@@ -205,6 +205,20 @@ def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(m
     assert seen["runs"] == 1
 
 
+def test_the_table_holds_what_the_tool_sees_after_its_ranks_cached_their_cluster_verdicts(monkeypatch, tmp_path,
+                                                                                            capsys):
+    # the first launch sees no verdict, its ranks cache one: the next launch must find the table, not tune again
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    table = _box_table()
+    seen = _canned(monkeypatch, _good(table))
+    digests = iter(["before the checks", "after the checks"])
+    monkeypatch.setattr(launch, "planned", lambda devices, hostmem: (next(digests, "after the checks"), BOX))
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0 and seen["runs"] == 1
+    assert cache.load_file(cache.table_path(BOX, 7168)).table.planned == "after the checks"
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0 and seen["runs"] == 1
+    assert "a routing table of this box exists" in capsys.readouterr().out
+
+
 def test_a_second_launch_waits_for_the_first_ones_tune_and_uses_its_table(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _box_table()

@@ -24,7 +24,7 @@ def model(tmp_path):
 def server_args(model, **fields):
     base = dict(model_path=model, tp_size=8, nnodes=1, base_gpu_id=0, gpu_id_step=1, dtype="auto",
                 speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4, cuda_graph_bs=None,
-                cuda_graph_max_bs=32)
+                cuda_graph_max_bs=32, disable_cuda_graph=False)
     return SimpleNamespace(**{**base, **fields})
 
 
@@ -39,6 +39,15 @@ def test_the_command_measures_this_servers_gpus_sizes_and_dtype_only_when_no_tab
     forced = startup.tune_command(server_args(model, tp_size=2, base_gpu_id=4, gpu_id_step=2),
                                   OverlaySettings(tune="force"))
     assert "--if-missing" not in forced and forced[forced.index("--gpus") + 1] == "4,6"
+
+
+def test_an_eager_server_asks_for_no_captured_sizes_so_a_graph_servers_table_serves_it(model, monkeypatch):
+    monkeypatch.setattr(startup, "_capabilities", lambda gpus: [(12, 0)] * len(gpus))
+    graphs = startup.tune_command(server_args(model, cuda_graph_bs=[1, 2, 4], cuda_graph_max_bs=4), OverlaySettings())
+    eager = startup.tune_command(server_args(model, cuda_graph_bs=[1, 2, 3, 4], cuda_graph_max_bs=4,
+                                             disable_cuda_graph=True), OverlaySettings())
+    assert graphs[graphs.index("--cuda-graph-bs") + 1] == "1,2,4" and "--cuda-graph-bs" not in eager
+    assert eager[eager.index("--max-rows") + 1] == graphs[graphs.index("--max-rows") + 1]
 
 
 def test_a_bound_given_by_the_user_is_the_bound_measured(model, monkeypatch):
