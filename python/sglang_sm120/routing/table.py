@@ -222,7 +222,7 @@ class RoutingTable:
     notes: list[str] = dataclasses.field(default_factory=list)
     rule: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(RULE))
     tune_version: int = TUNE_VERSION
-    planned: str = ""  # the digest of what the tool saw before it started its ranks (tuning/processes.planned)
+    planned: str = ""  # the digest of what the tool sees once its ranks ran (tuning/processes.planned)
 
     @classmethod
     def from_points(cls, key, measured, workload, measurements, **kwargs) -> RoutingTable:
