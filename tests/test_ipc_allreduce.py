@@ -213,9 +213,11 @@ def test_a_fused_launch_copies_a_tensor_at_an_unaligned_address_and_passes_align
     given = (tensors["inp"], tensors["residual"], tensors["weight"])
     ws.launch_fused(route, *given, 1e-6)
     ws.launch_fused_into(route, *given, 1e-6, torch.empty(3, 64, dtype=torch.bfloat16), None)
+    assert len(seen) == 2
     for passed in seen:
         for name, sent, original in zip(("inp", "residual", "weight"), passed, given, strict=True):
             assert sent.data_ptr() % 16 == 0 and torch.equal(sent, original), name
+            assert (sent is original) == (name != unaligned), name
             assert (sent is original) == (name != unaligned), name
 
 
