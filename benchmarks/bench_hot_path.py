@@ -57,7 +57,7 @@ def build(patch=setattr):
     from sglang_sm120.core.config import OverlaySettings
     from sglang_sm120.core.gate import GateDecision
     from sglang_sm120.hooks import distributed, fusion
-    from sglang_sm120.routing.book import RouteBook
+    from sglang_sm120.routing.book import SEEDS, RouteBook
     from sglang_sm120.runtime.backend import TPBackend
     from sglang_sm120.runtime.registry import set_group_backend
 
@@ -78,7 +78,7 @@ def build(patch=setattr):
     backend.decision = GateDecision(True, "bench")
     backend.workspace, backend.hidden_size, backend.dtype = ws, HIDDEN, torch.bfloat16
     backend.max_bytes, backend.max_fused_tokens = 64 * HIDDEN * 2, 64
-    backend.routes = RouteBook.seeds(ws.shape, limits)
+    backend.routes = RouteBook(SEEDS, shape=ws.shape, limits=limits)
     backend.fused_tokens = frozenset(range(1, 65))
 
     group = types.SimpleNamespace(unique_name="tp:0", world_size=WORLD)

@@ -35,14 +35,6 @@ class RouteBook:
         if self.source != ALL_NCCL and (self.shape is None or self.limits is None):
             raise ValueError(f"routes from {self.source} need the workspace's shape and its library's limits")
 
-    @classmethod
-    def seeds(cls, shape: WorkspaceShape, limits: KernelLimits, why: str = "") -> RouteBook:
-        return cls(SEEDS, why=why, shape=shape, limits=limits)
-
-    @classmethod
-    def all_nccl(cls, why: str) -> RouteBook:
-        return cls(ALL_NCCL, why=why)
-
     def route(self, nbytes: int, dtype: str, fused: bool) -> Route | None:
         """The resolved route of ours for a call of `nbytes` bytes of `dtype`; None: NCCL. Callers memoize."""
         if self.source == ALL_NCCL:

@@ -58,7 +58,7 @@ class TPBackend:
         self.upstream_note = upstream_note or (lambda enabled: "")
         self.decision: GateDecision | None = None
         self.facts = None  # core.facts.GroupFacts of the gate round
-        self.routes = RouteBook.all_nccl("the workspace is not built yet")
+        self.routes = RouteBook(ALL_NCCL, why="the workspace is not built yet")
         self.workspace = None  # sgl_kernel_sm120.IpcAllReduce once built
         self.build_attempted, self.build_error = False, None
         self.hidden_size = self.dtype = self.islands = self.link = None  # what build() found

@@ -14,14 +14,10 @@ from typing import Any
 from sgl_kernel_sm120.policy import KernelLimits, WorkspaceShape
 
 from ..routing import cache
-from ..routing.book import TABLE, TUNE_COMMAND, RouteBook
+from ..routing.book import ALL_NCCL, SEEDS, TABLE, TUNE_COMMAND, RouteBook
 from ..routing.table import KINDS, RoutingTable, make_key, route_differences
 
 logger = logging.getLogger("sglang_sm120")
-
-
-def tune_command(world: int, hidden: int) -> str:
-    return f"{TUNE_COMMAND} --tp {world} --hidden {hidden}"
 
 
 def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[str, Any] | None],
@@ -33,8 +29,8 @@ def resolve_routes(*, agree: Callable[[str, Any], list], keys: Sequence[Mapping[
 
     def all_nccl(why: str) -> RouteBook:
         log(logging.WARNING, f"sglang_sm120: {why}; every all-reduce of this group goes to NCCL (measure this box: "
-                             f"{tune_command(len(keys), hidden)})")
-        return RouteBook.all_nccl(why)
+                             f"{TUNE_COMMAND} --tp {len(keys)} --hidden {hidden})")
+        return RouteBook(ALL_NCCL, why=why)
 
     loaded = None
     try:
@@ -63,7 +59,7 @@ def _decide(views, loaded, shape, limits, dtype, max_bytes, tune, log, all_nccl)
     errors = [f"rank {r}: {v['error']}" for r, v in enumerate(views) if v.get("error")]
     if errors:
         why = f"the routing-table key could not be computed ({'; '.join(errors)})"
-        return RouteBook.seeds(shape, limits, why) if tune == "off" else all_nccl(why)
+        return RouteBook(SEEDS, why=why, shape=shape, limits=limits) if tune == "off" else all_nccl(why)
     libraries = sorted({lib for v in views for lib in v["kernels"]})
     if len(libraries) > 1:
         return all_nccl(f"the ranks do not run the same kernel library ({', '.join(libraries)})")
@@ -82,7 +78,7 @@ def _decide(views, loaded, shape, limits, dtype, max_bytes, tune, log, all_nccl)
     if tune == "off":
         log(logging.INFO if views[0]["status"] == cache.MISSING else logging.WARNING,
             f"sglang_sm120: {why}; --sm120-allreduce-tune off: routes by the seeds, unmeasured")
-        return RouteBook.seeds(shape, limits, why)
+        return RouteBook(SEEDS, why=why, shape=shape, limits=limits)
     return all_nccl(f"{why} (the launcher's tune gives one: see its lines in the launch log)")
 
 

@@ -15,7 +15,7 @@ from sglang_sm120.core.config import OverlaySettings  # noqa: E402
 from sglang_sm120.core.gate import GateDecision  # noqa: E402
 from sglang_sm120.hooks import distributed as hooks_distributed  # noqa: E402
 from sglang_sm120.hooks import fusion as hooks_fusion
-from sglang_sm120.routing.book import RouteBook  # noqa: E402
+from sglang_sm120.routing.book import SEEDS, RouteBook  # noqa: E402
 from sglang_sm120.runtime.backend import TPBackend  # noqa: E402
 from tests.sglang_versions import requires_sglang  # noqa: E402
 from tests.support.fakes import FakeGroupCoordinator, FakeIpcAllReduce  # noqa: E402
@@ -45,7 +45,7 @@ def fake_backend(max_tokens=8, world=WORLD):
     backend.dtype = torch.bfloat16
     # Built, and routed by the seeds (every size within the bound ours): until its routes are resolved a
     # backend sends every size to NCCL.
-    set_routes(backend, RouteBook.seeds(backend.workspace.shape, backend.workspace.limits))
+    set_routes(backend, RouteBook(SEEDS, shape=backend.workspace.shape, limits=backend.workspace.limits))
     backend._test_group = group  # keep the weakly referenced coordinator alive
     return backend
 

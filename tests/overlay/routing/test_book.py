@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_kernel_sm120.policy import Route, Schedule, Transport, WorkspaceShape, kernel_limits
-from sglang_sm120.routing.book import SEEDS, TABLE, RouteBook
+from sglang_sm120.routing.book import ALL_NCCL, SEEDS, TABLE, RouteBook
 from sglang_sm120.routing.table import NCCL, Point, RoutingTable, route_id
 
 ROW = 7168 * 2
@@ -25,7 +25,7 @@ def book(t, shape=DEVICE):
 
 
 def test_the_seeds_route_every_size_to_the_seed_route_of_the_workspace():
-    seeds = RouteBook.seeds(WorkspaceShape(8, "device", "pcie", num_islands=2, sm_budget=188), LIMITS)
+    seeds = RouteBook(SEEDS, shape=WorkspaceShape(8, "device", "pcie", num_islands=2, sm_budget=188), limits=LIMITS)
     assert seeds.source == SEEDS
     # resolved: the CTA cap and, for a plain call, the CTA size a launch uses are named
     assert seeds.route(2 * ROW, "bfloat16", False) == Route(Schedule.ISLAND, Transport.PUSH, "device", ctas=188,
@@ -68,17 +68,17 @@ def test_the_server_info_view():
     b = book(table({"sm120/ONESHOT/push/device": [10] * 4}))
     view = b.as_dict("bfloat16", 4 * ROW)
     assert view["source"] == "table" and view["path"] == "/cache/routes.json" and "ONESHOT" in view["routes"]
-    assert RouteBook.seeds(DEVICE, LIMITS, "no table").as_dict(None, 0) == {
-        "source": "seeds", "line": RouteBook.seeds(DEVICE, LIMITS).source_line(), "why": "no table",
+    assert RouteBook(SEEDS, why="no table", shape=DEVICE, limits=LIMITS).as_dict(None, 0) == {
+        "source": "seeds", "line": RouteBook(SEEDS, shape=DEVICE, limits=LIMITS).source_line(), "why": "no table",
         "routes": "all sizes within the bound: seeds"}
-    nccl = RouteBook.all_nccl("no routing table of this box")
+    nccl = RouteBook(ALL_NCCL, why="no routing table of this box")
     assert nccl.as_dict("bfloat16", 4 * ROW) == {
         "source": "nccl", "why": "no routing table of this box", "routes": "all sizes: NCCL",
         "line": "routes: all NCCL because no routing table of this box (tune: python -m sglang_sm120.tune)"}
 
 
 def test_all_nccl_routes_every_size_to_nccl():
-    nccl = RouteBook.all_nccl("why")
+    nccl = RouteBook(ALL_NCCL, why="why")
     assert all(nccl.route(n, d, f) is None for n in (16, ROW, 1 << 20) for d in ("bfloat16", "float16")
                for f in (False, True))
 
