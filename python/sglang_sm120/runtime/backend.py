@@ -171,8 +171,8 @@ class TPBackend:
             self.close()
             return self._give_up(self.routes.source_line(), state="ALL SIZES ON NCCL")
         if fusion_ok:
-            self.fused_tokens = frozenset(t for t in range(1, self.max_fused_tokens + 1) if self._fused_route(
-                t, self.hidden_size, dtype, workspace.admits_fused(t, self.hidden_size, dtype)) is not None)
+            self.fused_tokens = frozenset(t for t in range(1, self.max_fused_tokens + 1) if workspace.admits_fused(
+                t, self.hidden_size, dtype) and self._fused_route(t, self.hidden_size, dtype) is not None)
         self._log_rank0(logging.WARNING, self._line(True, self._summary(bound, max(1, int(verify_rows)))))
         return True
 
@@ -217,20 +217,14 @@ class TPBackend:
         numel = inp.numel()
         if numel > ws.max_numel:
             return None
-        key = (numel, inp.dtype)
-        try:
-            return self._plain[key]
-        except KeyError:
-            pass
-        route = self._plain[key] = self.routes.route(numel * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) \
-            if ws.supports(inp) else None
+        route = self._plain.get((numel, inp.dtype), _UNSEEN)
+        if route is _UNSEEN:
+            route = self._plain[numel, inp.dtype] = self.routes.route(
+                numel * ELEMENT_BYTES, DTYPE_NAMES[inp.dtype], False) if ws.supports(inp) else None
         return route
 
-    def _fused_route(self, rows: int, hidden: int, dtype: torch.dtype, admitted: bool):
-        """The route of a fused call of this size, memoized; a size the workspace does not admit (above the bound
-        among them) is None before the memo."""
-        if not admitted:
-            return None
+    def _fused_route(self, rows: int, hidden: int, dtype: torch.dtype):
+        """The route of a fused call of a size the workspace admits (its callers ask it first), memoized."""
         route = self._fused[rows, hidden, dtype] = self.routes.route(rows * hidden * ELEMENT_BYTES, DTYPE_NAMES[dtype],
                                                                      True)
         return route
@@ -242,7 +236,7 @@ class TPBackend:
             return None
         rows, hidden = x.shape
         route = self._fused.get((rows, hidden, x.dtype), _UNSEEN)
-        return self._fused_route(rows, hidden, x.dtype, True) if route is _UNSEEN else route
+        return self._fused_route(rows, hidden, x.dtype) if route is _UNSEEN else route
 
     def run(self, inp: torch.Tensor, route) -> torch.Tensor:
         self.stats["sm120"] += 1

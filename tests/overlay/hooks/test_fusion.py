@@ -53,8 +53,10 @@ def fake_backend(max_tokens=8, world=WORLD):
 def set_routes(backend, routes):
     """What build() does once the routes are known: the fused token counts that are ours."""
     backend.routes, backend._fused = routes, {}
-    backend.fused_tokens = frozenset(t for t in range(1, backend.max_fused_tokens + 1) if backend._fused_route(
-        t, HIDDEN, torch.bfloat16, backend.workspace.admits_fused(t, HIDDEN, torch.bfloat16)))
+    backend.fused_tokens = frozenset(
+        t for t in range(1, backend.max_fused_tokens + 1)
+        if backend.workspace.admits_fused(t, HIDDEN, torch.bfloat16) and backend._fused_route(t, HIDDEN, torch.bfloat16)
+    )
 
 
 @pytest.fixture
