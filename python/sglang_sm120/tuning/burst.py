@@ -164,10 +164,9 @@ class Trial:
         return read
 
     def _raise_first_wrong(self) -> None:
+        size = self.bank.outputs * self.bank.rows * self.bank.hidden
         for where, per_slot in self.wrong_at:
-            counts = [int(c) for c in per_slot]
-            size = self.bank.outputs * self.bank.rows * self.bank.hidden
-            for k, count in enumerate(counts):
+            for k, count in enumerate(per_slot.tolist()):
                 if count:
                     raise AssertionError(f"{where} call {k + 1}: {count} of {size} output elements wrong")
         raise AssertionError("wrong outputs")

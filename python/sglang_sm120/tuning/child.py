@@ -145,10 +145,9 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
             rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
             if not any({f: r.get(f) for f in rule} == rule for r in spec.exclude):
                 spec.exclude.append({**rule, "reason": f"blamed before: {entry.get('reason')}"})
-        rebuild = built.plan
 
         def build_again():
-            again, failed = _construct(gather, device, spec, rebuild)
+            again, failed = _construct(gather, device, spec, built.plan)
             if again is None:
                 raise RuntimeError(f"rebuilding the workspace failed ({plan.detail(failed)})")
             return again
