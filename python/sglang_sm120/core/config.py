@@ -169,8 +169,7 @@ class ByteBound:
 
 def derive_max_bytes(*, hidden_size: int, element_size: int, cuda_graph_max_bs: int | None = None,
                      cuda_graph_bs: list[int] | None = None, speculative_num_draft_tokens: int | None = None,
-                     speculative_algorithm: str | None = None, decode_rows: int | None = None,
-                     cap: int = DERIVED_MAX_BYTES_CAP) -> ByteBound:
+                     speculative_algorithm: str | None = None, decode_rows: int | None = None) -> ByteBound:
     """The default bound: the largest tensor a captured decode or EAGLE verify step all-reduces
     (`[batch x draft tokens, hidden]`); bigger batches run eagerly and are prefill-like, where NCCL is fine."""
     sizes = [bs for bs in (cuda_graph_bs or []) if isinstance(bs, int) and bs > 0]
@@ -187,8 +186,8 @@ def derive_max_bytes(*, hidden_size: int, element_size: int, cuda_graph_max_bs: 
     row = int(hidden_size) * int(element_size)
     raw = tokens * row
     why += f" x hidden {hidden_size} x {element_size} B = {raw} B"
-    if raw > cap:  # whole rows, so the fused token bound stays exact
-        capped = max(row, cap // row * row)
+    if raw > DERIVED_MAX_BYTES_CAP:  # whole rows, so the fused token bound stays exact
+        capped = max(row, DERIVED_MAX_BYTES_CAP // row * row)
         return ByteBound(capped, why + f", capped to {capped} B")
     return ByteBound(raw, why)
 

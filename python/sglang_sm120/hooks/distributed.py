@@ -16,11 +16,9 @@ from ..core import config
 from ..runtime.backend import TPBackend, activation_line
 from ..runtime.registry import ATTR, group_backend, set_group_backend
 from . import fusion, upstream_pcie
+from .startup import resolved
 
 logger = logging.getLogger("sglang_sm120")
-
-TP_GROUP_NAME = "tp"
-
 
 def runtime_server_args():
     """This process's ServerArgs record (0.5.23: the runtime context; 0.5.13.post1: the global), or None."""
@@ -81,18 +79,12 @@ def tp_backend() -> TPBackend | None:
 def deterministic_inference(server_args) -> bool:
     """The resolved switch (0.5.23 may turn it on by a declaration that leaves the raw field False), else the
     field (0.5.13.post1)."""
-    if server_args is None:
-        return False
-    try:
-        from sglang.srt.arg_groups.overrides import resolution_result
-    except ImportError:
-        return bool(getattr(server_args, "enable_deterministic_inference", False))
-    return bool(resolution_result(server_args, "enable_deterministic_inference", False))
+    return server_args is not None and bool(resolved(server_args, "enable_deterministic_inference"))
 
 
 def attach(group) -> TPBackend | None:
     """Resolve the gate for a freshly built TP GroupCoordinator and attach the backend (or nothing)."""
-    if str(getattr(group, "unique_name", "")).split(":")[0] != TP_GROUP_NAME or group.world_size <= 1:
+    if str(getattr(group, "unique_name", "")).split(":")[0] != "tp" or group.world_size <= 1:
         return None
     if getattr(group, "device", None) is None or group.device.type != "cuda":
         return None

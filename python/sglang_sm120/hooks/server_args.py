@@ -54,10 +54,6 @@ def keep_flashinfer_fusion_off_on_sm120(server_args, capability: tuple[int, int]
     return True
 
 
-def store_settings(server_args, settings: config.OverlaySettings) -> None:
-    setattr(server_args, config.SETTINGS_ATTR, settings)
-
-
 def wrap_add_cli_args(original):
     func = original.__func__ if isinstance(original, staticmethod) else original
 
@@ -90,7 +86,7 @@ def wrap_from_cli_args(original):
         stored = getattr(server_args, config.SETTINGS_ATTR, None)
         if not isinstance(stored, config.OverlaySettings):
             stored = exit_on_setting_error(config.settings_from_environment)
-        store_settings(server_args, config.with_flags(stored, args))
+        setattr(server_args, config.SETTINGS_ATTR, config.with_flags(stored, args))
         keep_flashinfer_fusion_off_on_sm120(server_args)
         return server_args
 
@@ -102,7 +98,7 @@ def wrap_post_init(original):
     def __post_init__(self):
         settings = config.settings_from_environment()  # before SGLang's own checks: a typo raises at once
         original(self)
-        store_settings(self, settings)
+        setattr(self, config.SETTINGS_ATTR, settings)
         keep_flashinfer_fusion_off_on_sm120(self)
 
     return __post_init__
@@ -137,7 +133,7 @@ def _fill_unless_sealed(server_args) -> None:
     if getattr(server_args, "_resolution_finished", False) or getattr(server_args, "_resolution_failed", False):
         return
     if not isinstance(getattr(server_args, config.SETTINGS_ATTR, None), config.OverlaySettings):
-        store_settings(server_args, config.settings_from_environment())
+        setattr(server_args, config.SETTINGS_ATTR, config.settings_from_environment())
 
 
 def wrap_resolve_once(original):

@@ -17,10 +17,6 @@ class UnsupportedSGLangVersion(RuntimeError):
     pass
 
 
-def supported_versions() -> list[str]:
-    return sorted(SEAM_TABLES)
-
-
 def sglang_version() -> str:
     """The installed SGLang's version (tests monkeypatch this)."""
     try:
@@ -36,7 +32,7 @@ def load_table(version: str | None = None) -> ModuleType:
     module_name = SEAM_TABLES.get(version)
     if module_name is None:
         raise UnsupportedSGLangVersion(
-            f"sglang_sm120 has no seam table for sglang {version}; supported: {', '.join(supported_versions())}. "
+            f"sglang_sm120 has no seam table for sglang {version}; supported: {', '.join(sorted(SEAM_TABLES))}. "
             "Install a supported sglang, or leave the overlay out (uninstall sglang-sm120, or name only other "
             "plugins in SGLANG_PLUGINS)."
         )

@@ -9,6 +9,7 @@ patches): activation stays cheap, and the overlay loads where such a module cann
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import logging
@@ -211,27 +212,21 @@ def apply(seams: list[Seam]) -> int:
 def _restore(entries: list[_Applied]) -> None:
     for entry in reversed(entries):
         if entry.original is _MISSING:
-            try:
+            with contextlib.suppress(AttributeError):
                 delattr(entry.owner, entry.name)
-            except AttributeError:
-                pass
         else:
             setattr(entry.owner, entry.name, entry.original)
 
 
-def restore_all() -> int:
+def restore_all() -> None:
     global _finder
     with _lock:
         if _finder is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 sys.meta_path.remove(_finder)
-            except ValueError:
-                pass
             _finder = None
-        count = len(_applied)
         _restore(_applied)
         _applied.clear()
-        return count
 
 
 def pending_targets() -> list[str]:

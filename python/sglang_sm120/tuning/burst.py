@@ -94,8 +94,7 @@ class Trial:
         self.offset = verify.salt(route_id)
         lanes = [[self._call(workspaces[lane], route, lane, k) for k in range(slots.calls)] for lane in self.bank.lanes]
         self.graph = backend.capture(lanes)
-        device = slots.ring.device
-        self.wrong = torch.zeros((), dtype=torch.int64, device=device)
+        self.wrong = torch.zeros((), dtype=torch.int64, device=slots.ring.device)
 
     def _raise_recorded_timeout(self) -> None:
         for lane, ws in self.workspaces.items():
@@ -165,10 +164,9 @@ class Trial:
         return read
 
     def _raise_first_wrong(self) -> None:
+        size = self.bank.outputs * self.bank.rows * self.bank.hidden
         for where, per_slot in self.wrong_at:
-            counts = [int(c) for c in per_slot]
-            size = self.bank.outputs * self.bank.rows * self.bank.hidden
-            for k, count in enumerate(counts):
+            for k, count in enumerate(per_slot.tolist()):
                 if count:
                     raise AssertionError(f"{where} call {k + 1}: {count} of {size} output elements wrong")
         raise AssertionError("wrong outputs")

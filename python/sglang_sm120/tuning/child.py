@@ -75,18 +75,16 @@ def _construct(gather, device, spec, chosen):
     return workspace, failed
 
 
-class _Gather:
+def _gatherer(group, world: int):
     """All-gather of a JSON value over the group's gloo group."""
+    import torch.distributed as dist
 
-    def __init__(self, group, world: int):
-        self.group, self.world = group, world
-
-    def __call__(self, obj):
-        import torch.distributed as dist
-
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+    def gather(obj):
+        out: list = [None] * world
+        dist.all_gather_object(out, obj, group=group)
         return out
+
+    return gather
 
 
 def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> int:
@@ -125,7 +123,7 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
                             timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     measurer = None
     try:
-        gather = _Gather(dist.new_group(backend="gloo"), world)
+        gather = _gatherer(dist.new_group(backend="gloo"), world)
         if backend == "nccl":
             dist.all_reduce(torch.zeros(1, device=device))  # NCCL's communicator, now
         emit({"event": "group"})
@@ -147,10 +145,9 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
             rule = {field: entry[field] for field in ("dtype", "kind", "candidate", "from_bytes")}
             if not any({f: r.get(f) for f in rule} == rule for r in spec.exclude):
                 spec.exclude.append({**rule, "reason": f"blamed before: {entry.get('reason')}"})
-        rebuild = built.plan
 
         def build_again():
-            again, failed = _construct(gather, device, spec, rebuild)
+            again, failed = _construct(gather, device, spec, built.plan)
             if again is None:
                 raise RuntimeError(f"rebuilding the workspace failed ({plan.detail(failed)})")
             return again

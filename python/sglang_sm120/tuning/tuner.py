@@ -111,12 +111,6 @@ class TuneSpec:
         return None
 
 
-@dataclasses.dataclass
-class _Measured:
-    point: Point
-    ranked_all: dict[str, float]  # every candidate's burst time at this size, profiled ones included
-
-
 class Tuner:
     """`measurer` is one rank's GPU side (tuning/measure.py): shape() and limits() of its workspace and kernel
     library, incumbent(kind) in words, trial(route, kind, dtype, rows, profile) -> (digest of its checked outputs,
@@ -203,27 +197,28 @@ class Tuner:
         losing: dict[str, int] = {}  # candidate id -> consecutive sizes slower than PRUNE_FACTOR x NCCL
         previous_best: str | None = None  # the fastest profile of ours at the last size
         for rows in ladder:
-            points[rows] = self._size(dtype, kind, rows, shape, limits, stopped, None, previous_best)
-            times = points[rows].point.times
+            points[rows], ranked = self._size(dtype, kind, rows, shape, limits, stopped, None, previous_best)
+            times = points[rows].times
             previous_best = min((c for c in times if c != NCCL), key=lambda c: (times[c], c), default=None)
             nccl = times.get(NCCL)
-            for cid, us in points[rows].ranked_all.items():
+            for cid, us in ranked.items():
                 losing[cid] = losing.get(cid, 0) + 1 if nccl is not None and us > PRUNE_FACTOR * nccl else 0
                 if losing[cid] >= PRUNE_SIZES and cid not in stopped:
                     stopped[cid] = (rows + 1, f"pruned: slower than {PRUNE_FACTOR:g}x NCCL at {PRUNE_SIZES} "
-                                              f"consecutive sizes up to {points[rows].point.nbytes} B")
+                                              f"consecutive sizes up to {points[rows].nbytes} B")
         for rows in (r for r in spec.rows if r not in points):
             below = max((r for r in ladder if r < rows), default=None)
             above = min((r for r in ladder if r > rows), default=None)
-            near = {c for r in (below, above) if r is not None for c in points[r].point.times if c != NCCL}
-            points[rows] = self._size(dtype, kind, rows, shape, limits, stopped, near, None)
-        return [points[rows].point for rows in sorted(points)]
+            near = {c for r in (below, above) if r is not None for c in points[r].times if c != NCCL}
+            points[rows], _ = self._size(dtype, kind, rows, shape, limits, stopped, near, None)
+        return [points[rows] for rows in sorted(points)]
 
     def _size(self, dtype: str, kind: str, rows: int, shape: WorkspaceShape, limits: KernelLimits,
-              stopped: dict[str, tuple[int, str]], only: set[str] | None, previous_best: str | None) -> _Measured:
-        """One size: NCCL profiled, every candidate checked in a burst, the fastest few (every one in a full tune) and
-        `previous_best` profiled; with `only`, those candidates profiled, each checked by its profile's own burst. A
-        failure stops its candidate from here up."""
+              stopped: dict[str, tuple[int, str]], only: set[str] | None,
+              previous_best: str | None) -> tuple[Point, dict[str, float]]:
+        """(the size's point, every candidate's burst time, profiled ones included): NCCL profiled, every candidate
+        checked in a burst, the fastest few (every one in a full tune) and `previous_best` profiled; with `only`, those
+        candidates profiled, each checked by its profile's own burst. A failure stops its candidate from here up."""
         spec, nbytes = self.spec, rows * self.spec.hidden * ELEMENT_BYTES
         ours = {route_id(r): r for r in cand.candidates(kind, nbytes, spec.hidden, shape, limits, spec.quick)}
         if only is not None:
@@ -243,7 +238,7 @@ class Tuner:
         if not left:  # none of ours left: NCCL serves untimed
             if ours:
                 failed.setdefault(NCCL, "not timed: no candidate of ours left to compare with")
-            return _Measured(Point(rows=rows, nbytes=nbytes, times=times, failed=failed), {})
+            return Point(rows=rows, nbytes=nbytes, times=times, failed=failed), {}
         nccl, why = self._trial(NCCL, None, kind, dtype, rows, profile=True)
         if nccl is None:
             self._fail(NCCL, None, why, rows, nbytes, failed, stopped, dtype, kind)
@@ -252,18 +247,17 @@ class Tuner:
         else:
             times[NCCL] = nccl
         if only is not None:  # every one is profiled: its profile's own burst checks it, one pass, not two
-            times.update(self._trials(left, ours, kind, dtype, rows, nbytes, True, failed, stopped))
-            return _Measured(Point(rows=rows, nbytes=nbytes, times=times, failed=failed), {})
-        # the burst: every candidate checked exact, its best replay ranks it
-        ranked = self._trials(left, ours, kind, dtype, rows, nbytes, False, failed, stopped)
-        order = sorted(ranked, key=lambda c: (ranked[c], c))  # agreed numbers: the same list on every rank
-        chosen = order[:spec.survivors] if spec.survivors > 0 else order
+            ranked, chosen = {}, left
+        else:  # the burst: every candidate checked exact, its best replay ranks it
+            ranked = self._trials(left, ours, kind, dtype, rows, nbytes, False, failed, stopped)
+            order = sorted(ranked, key=lambda c: (ranked[c], c))  # agreed numbers: the same list on every rank
+            chosen = order[:spec.survivors] if spec.survivors > 0 else order
         if previous_best in ranked and previous_best not in chosen:
             chosen.append(previous_best)  # so a route can keep its sustained run
         times.update(self._trials(chosen, ours, kind, dtype, rows, nbytes, True, failed, stopped))
         point = Point(rows=rows, nbytes=nbytes, times=times, failed=failed,
                       ranked={c: us for c, us in ranked.items() if c not in times})
-        return _Measured(point, ranked)
+        return point, ranked
 
     def run(self) -> RoutingTable:
         start, spec = time.monotonic(), self.spec
