@@ -20,6 +20,7 @@ from .startup import resolved
 
 logger = logging.getLogger("sglang_sm120")
 
+
 def runtime_server_args():
     """This process's ServerArgs record (0.5.23: the runtime context; 0.5.13.post1: the global), or None."""
     try:
