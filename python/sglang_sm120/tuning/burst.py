@@ -94,7 +94,8 @@ class Trial:
         self.offset = verify.salt(route_id)
         lanes = [[self._call(workspaces[lane], route, lane, k) for k in range(slots.calls)] for lane in self.bank.lanes]
         self.graph = backend.capture(lanes)
-        self.wrong = torch.zeros((), dtype=torch.int64, device=slots.ring.device)
+        device = slots.ring.device
+        self.wrong = torch.zeros((), dtype=torch.int64, device=device)
 
     def _raise_recorded_timeout(self) -> None:
         for lane, ws in self.workspaces.items():

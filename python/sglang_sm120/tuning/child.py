@@ -75,16 +75,18 @@ def _construct(gather, device, spec, chosen):
     return workspace, failed
 
 
-def _gatherer(group, world: int):
+class _Gather:
     """All-gather of a JSON value over the group's gloo group."""
-    import torch.distributed as dist
 
-    def gather(obj):
-        out: list = [None] * world
-        dist.all_gather_object(out, obj, group=group)
+    def __init__(self, group, world: int):
+        self.group, self.world = group, world
+
+    def __call__(self, obj):
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
         return out
-
-    return gather
 
 
 def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> int:
@@ -123,7 +125,7 @@ def run(rank: int, world: int, device_index: int, port: int, spec_path: str) -> 
                             timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     measurer = None
     try:
-        gather = _gatherer(dist.new_group(backend="gloo"), world)
+        gather = _Gather(dist.new_group(backend="gloo"), world)
         if backend == "nccl":
             dist.all_reduce(torch.zeros(1, device=device))  # NCCL's communicator, now
         emit({"event": "group"})

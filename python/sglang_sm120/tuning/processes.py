@@ -78,7 +78,8 @@ def summarize(outcomes: Sequence[ChildOutcome]) -> Attempt:
         if len({o.digest for o in outcomes}) == 1:
             return Attempt(outcomes[0].table, outcomes[0].digest, None, None, outcomes)
         return Attempt(None, None, "the ranks reported different tables", None, outcomes)
-    if errors := [o for o in outcomes if o.error]:
+    if any(o.error for o in outcomes):
+        errors = [o for o in outcomes if o.error]
         return Attempt(None, None, "; ".join(f"rank {o.rank}: {o.error}" for o in errors), None, outcomes,
                        retry=all(o.retry for o in errors))
     first = min((o for o in outcomes if not o.ok), key=lambda o: (o.killed != "", o.rank))  # one that died first
