@@ -119,17 +119,26 @@ def phase_durations(outcomes) -> dict[str, float]:
     return out
 
 
-def existing_table(path: str, planned_digest: str, spec: TuneSpec) -> str | None:
-    """Why the table at `path` serves this launch (a table of this box, tuned under what the tool sees now, that
-    measured every dtype, kind and captured size asked for), or None."""
+def existing_table(path: str, planned_digest: str, spec: TuneSpec) -> tuple[str | None, str]:
+    """(`path` when the table there serves this launch: a table of this box, tuned under what the tool sees now,
+    that measured every dtype, kind and captured size asked for; else None and why not, "" when there is none)."""
     found = cache.load_file(path)
-    if not found.ok or found.table.planned != planned_digest:
-        return None
+    if found.status == cache.MISSING:
+        return None, ""
+    if not found.ok:
+        return None, found.describe()
+    if found.table.planned != planned_digest:
+        before, now = (dict(part.split("=", 1) for part in d.split() if "=" in part)
+                       for d in (found.table.planned, planned_digest))
+        changed = sorted(part for part in before.keys() | now.keys() if before.get(part) != now.get(part))
+        return None, f"it was tuned under other facts of this box ({', '.join(changed) or 'an older record'})"
     measured = set(found.table.workload.get("rows") or [])
-    if any(found.table.coverage_gap(dtype, spec.hidden, spec.kinds) for dtype in spec.dtypes) or \
-            not set(spec.graph_rows) <= measured or max(measured, default=0) < spec.max_rows:
-        return None
-    return path
+    gaps = [gap for dtype in spec.dtypes if (gap := found.table.coverage_gap(dtype, spec.hidden, spec.kinds))]
+    wanted = set(spec.graph_rows) | ({spec.max_rows} if max(measured, default=0) < spec.max_rows else set())
+    missing = sorted(wanted - measured)
+    if gaps or missing:
+        return None, "; ".join(gaps + ([f"it did not measure rows {missing}"] if missing else []))
+    return path, ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,9 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     path = cache.table_path(box, hidden)
     retry = f"python -m sglang_sm120.tune --tp {world} --hidden {hidden} (or --sm120-allreduce-tune force)"
-    if args.if_missing and (found := existing_table(path, planned_digest, spec)):
-        print(f"a routing table of this box exists: {found} (nothing measured)")
-        return 0
+    if args.if_missing:
+        found, why = existing_table(path, planned_digest, spec)
+        if found:
+            print(f"a routing table of this box exists: {found} (nothing measured)")
+            return 0
+        if why:
+            print(f"not using the routing table at {path}: {why}; measuring again", flush=True)
     if args.if_missing and (note := cache.failure(box, hidden, planned=planned_digest)):
         print(f"not tuning again: {cache.describe_failure(note)}")
         return 0
@@ -169,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"another tune of these GPUs held {path}'s lock for the whole {args.timeout:.0f} s; going on "
                   "without measuring", file=sys.stderr)
             return 1
-        if args.if_missing and (found := existing_table(path, planned_digest, spec)):  # the other tune's
+        if args.if_missing and (found := existing_table(path, planned_digest, spec)[0]):  # the other tune's
             print(f"a routing table of this box exists: {found} (written by another launch's tune)")
             return 0
         return _tune(args, world, devices, spec, hostmem, box, path, retry, start, deadline)

@@ -197,12 +197,25 @@ def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(m
     assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0
     assert seen["runs"] == 0
     assert f"a routing table of this box exists: {cache.table_path(BOX, 7168)}" in capsys.readouterr().out
-    # a captured size it did not measure, or a change of what the tool sees: measured again
+    # a captured size it did not measure, or a change of what the tool sees: measured again, the reason said
     assert tune.main(["--hidden", "7168", "--max-batch", "2", "--draft-tokens", "1", "--cuda-graph-bs", "3",
                       "--kinds", "plain", "--dtype", "bf16", "--if-missing"]) == 0 and seen["runs"] == 1
+    assert "it did not measure rows [3]; measuring again" in capsys.readouterr().out
     seen = _canned(monkeypatch, _good(table), planned="seen-2")
     assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0
     assert seen["runs"] == 1
+    assert "tuned under other facts of this box" in capsys.readouterr().out
+
+
+def test_a_table_tuned_under_other_facts_names_the_parts_that_changed(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    table = _box_table()
+    table.planned = "facts=a1 p2p=b1 plan=c1 verdicts=d1"
+    cache.save(table)
+    seen = _canned(monkeypatch, _good(table), planned="facts=a1 p2p=b1 plan=c2 verdicts=d2")
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0 and seen["runs"] == 1
+    assert f"not using the routing table at {cache.table_path(BOX, 7168)}: it was tuned under other facts of " \
+           "this box (plan, verdicts); measuring again" in capsys.readouterr().out
 
 
 def test_the_table_holds_what_the_tool_sees_after_its_ranks_cached_their_cluster_verdicts(monkeypatch, tmp_path,

@@ -228,11 +228,11 @@ def tune_with_retries(world: int, devices: Sequence[int], spec: TuneSpec, *, ret
 
 
 def planned(devices: Sequence[int], hostmem: str) -> tuple[str, dict]:
-    """(digest, a key naming the GPUs) of what a group on these CUDA devices would be keyed by, computed here before
-    any rank process starts: every rank's key facts, P2P, the planned workspace (core/plan.py), the launch switches
-    and the GPUs' cached cluster-check verdicts. A table records the digest it was tuned under, so a launch knows
-    without starting a GPU process whether it has one. Raises core.plan.PlanRefused when no workspace of ours can
-    be built."""
+    """(digests, `part=digest` by part, and a key naming the GPUs) of what a group on these CUDA devices would be
+    keyed by, computed here before any rank process starts: every rank's key facts, P2P, the planned workspace
+    (core/plan.py), the launch switches and the GPUs' cached cluster-check verdicts. A table records the digests it
+    was tuned under, so a launch knows without starting a GPU process whether it has one. Raises
+    core.plan.PlanRefused when no workspace of ours can be built."""
     import torch
 
     from sgl_kernel_sm120 import _ext, cluster_check
@@ -249,7 +249,11 @@ def planned(devices: Sequence[int], hostmem: str) -> tuple[str, dict]:
     topology = probe(uuids) if all(all(row) for row in p2p) else None
     first = plan.plan(p2p, hostmem, topology)
     settings, library = read(), _ext.library_path()
-    verdicts = [dataclasses.astuple(cluster_check.cached_verdict(u, library, settings))[:2] for u in uuids]
+    # The verdicts under the name a tune rank caches them by (torch's UUID, which has no "GPU-" prefix).
+    verdicts = [dataclasses.astuple(cluster_check.cached_verdict(str(torch.cuda.get_device_properties(d).uuid),
+                                                                 library, settings))[:2] for d in devices]
     seen = {"facts": facts, "p2p": p2p, "plan": dataclasses.asdict(first), "switches": launch_switches(settings),
             "pdl": settings.pdl, "verdicts": verdicts}
-    return digest(seen), {"world_size": len(devices), "gpus": [{"uuid": u} for u in uuids]}
+    # One digest per part, so that a launch that finds a table tuned under other facts can say which ones differ.
+    return " ".join(f"{part}={digest(value)[:12]}" for part, value in seen.items()), \
+        {"world_size": len(devices), "gpus": [{"uuid": u} for u in uuids]}
