@@ -119,6 +119,13 @@ def phase_durations(outcomes) -> dict[str, float]:
     return out
 
 
+# The parts of tuning/processes.planned, as a launch that does not reuse a table names them.
+PLANNED_PARTS = {"facts": "the GPUs, driver, CUDA, torch, NCCL or kernel library",
+                 "nccl": "the NCCL_* settings (SGLang 0.5.23 sets NCCL_GRAPH_REGISTER=0 when it captures CUDA graphs)",
+                 "p2p": "P2P between the GPUs", "plan": "the planned workspace",
+                 "switches": "the kernel launch switches", "pdl": "PDL", "verdicts": "the cluster-check verdicts"}
+
+
 def existing_table(path: str, planned_digest: str, spec: TuneSpec) -> tuple[str | None, str]:
     """(`path` when the table there serves this launch: a table of this box, tuned under what the tool sees now,
     that measured every dtype, kind and captured size asked for; else None and why not, "" when there is none)."""
@@ -130,7 +137,7 @@ def existing_table(path: str, planned_digest: str, spec: TuneSpec) -> tuple[str 
     if found.table.planned != planned_digest:
         before, now = (dict(part.split("=", 1) for part in d.split() if "=" in part)
                        for d in (found.table.planned, planned_digest))
-        changed = sorted(part for part in before.keys() | now.keys() if before.get(part) != now.get(part))
+        changed = [words for part, words in PLANNED_PARTS.items() if before.get(part) != now.get(part)]
         return None, f"it was tuned under other facts of this box ({', '.join(changed) or 'an older record'})"
     measured = set(found.table.workload.get("rows") or [])
     gaps = [gap for dtype in spec.dtypes if (gap := found.table.coverage_gap(dtype, spec.hidden, spec.kinds))]

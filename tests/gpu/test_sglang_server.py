@@ -263,6 +263,9 @@ def server_env(site: str) -> dict:
         "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
         "PYTHONPATH": os.pathsep.join([site, REPO, os.path.join(REPO, "python"), env.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
+        # 0.5.23 sets it for a server that captures CUDA graphs and not for an eager one; a table is keyed by the
+        # NCCL_* settings, and the two "on" servers must share one table (the one-table check)
+        "NCCL_GRAPH_REGISTER": "0",
     })
     return env
 

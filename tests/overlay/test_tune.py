@@ -210,12 +210,14 @@ def test_a_launch_finds_a_table_of_what_it_sees_without_starting_a_gpu_process(m
 def test_a_table_tuned_under_other_facts_names_the_parts_that_changed(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
     table = _box_table()
-    table.planned = "facts=a1 p2p=b1 plan=c1 verdicts=d1"
+    table.planned = "facts=a1 nccl=e1 p2p=b1 plan=c1 verdicts=d1"
     cache.save(table)
-    seen = _canned(monkeypatch, _good(table), planned="facts=a1 p2p=b1 plan=c2 verdicts=d2")
+    seen = _canned(monkeypatch, _good(table), planned="facts=a1 nccl=e2 p2p=b1 plan=c1 verdicts=d2")
     assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--if-missing"]) == 0 and seen["runs"] == 1
-    assert f"not using the routing table at {cache.table_path(BOX, 7168)}: it was tuned under other facts of " \
-           "this box (plan, verdicts); measuring again" in capsys.readouterr().out
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("not using"))
+    assert line.startswith(f"not using the routing table at {cache.table_path(BOX, 7168)}: it was tuned under "
+                           "other facts of this box (the NCCL_* settings")
+    assert line.endswith("the cluster-check verdicts); measuring again") and "workspace" not in line, line
 
 
 def test_the_table_holds_what_the_tool_sees_after_its_ranks_cached_their_cluster_verdicts(monkeypatch, tmp_path,

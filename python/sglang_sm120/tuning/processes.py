@@ -252,8 +252,9 @@ def planned(devices: Sequence[int], hostmem: str) -> tuple[str, dict]:
     # The verdicts under the name a tune rank caches them by (torch's UUID, which has no "GPU-" prefix).
     verdicts = [dataclasses.astuple(cluster_check.cached_verdict(str(torch.cuda.get_device_properties(d).uuid),
                                                                  library, settings))[:2] for d in devices]
-    seen = {"facts": facts, "p2p": p2p, "plan": dataclasses.asdict(first), "switches": launch_switches(settings),
-            "pdl": settings.pdl, "verdicts": verdicts}
+    seen = {"facts": [{k: v for k, v in f.items() if k != "nccl_settings"} for f in facts],
+            "nccl": [f["nccl_settings"] for f in facts], "p2p": p2p, "plan": dataclasses.asdict(first),
+            "switches": launch_switches(settings), "pdl": settings.pdl, "verdicts": verdicts}
     # One digest per part, so that a launch that finds a table tuned under other facts can say which ones differ.
     return " ".join(f"{part}={digest(value)[:12]}" for part, value in seen.items()), \
         {"world_size": len(devices), "gpus": [{"uuid": u} for u in uuids]}
