@@ -24,7 +24,7 @@ from importlib.metadata import version
 from sgl_kernel_sm120.policy import ELEMENT_BYTES
 from sgl_kernel_sm120.settings import count, lookup, refuse, seconds
 
-from . import nccl_check
+from . import nccl_check, seams
 from .core import config
 from .core.facts import gpu_uuid, kernel_error, key_facts
 from .core.gate import SUPPORTED_WORLD_SIZES, decide
@@ -290,6 +290,10 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     source = "--mode" if args.mode else f"${spelled[0]}" if (spelled := lookup(config.MODE_ENV)) else "default"
     print(f"mode: {mode} (from {source}); "
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
+    release, unset = seams.server_nccl(os.environ)
+    os.environ.update(unset)  # NCCL's check and the table key below, as a server's (its launcher sets them)
+    if unset:
+        print(f"NCCL as an SGLang {release} server runs it: {' '.join(f'{k}={v}' for k, v in unset.items())}")
     report_versions()
     section("GPUs")
     found = gpus()

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from . import seams
 from .core import nccl
 from .core.config import hidden_from_model
 from .core.gate import SUPPORTED_WORLD_SIZES
@@ -52,6 +53,9 @@ def parse_args(argv: Sequence[str] | None):
     add("--if-missing", action="store_true",
         help="stop at once, before any GPU process starts, when a table of this box covering these sizes exists, or "
              "a tune of it failed before (what a launch runs)")
+    add("--server-env", action="store_true",
+        help="the environment is the server's (what a launch passes): set none of the NCCL_* variables an SGLang "
+             "server sets (by default they are set as a server would, so that it finds this table)")
     add("--out", help="also write the table here")
     add("--retries", type=int, default=3, help="restarts after a candidate crashed or hung a rank")
     add("--timeout", type=float, default=900.0, help="seconds for the whole run, every attempt included")
@@ -166,6 +170,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                          graph_rows=[r for r in args.graph_rows if r <= max_rows])
     if problem := cache.writable():
         raise SystemExit(f"error: {problem}")
+    if not args.server_env:  # run by hand: NCCL as the server will run it, the key the server will compute
+        release, unset = seams.server_nccl(os.environ)
+        os.environ.update(unset)
+        if unset:
+            print(f"NCCL measured as an SGLang {release} server runs it: "
+                  f"{' '.join(f'{k}={v}' for k, v in unset.items())} (its launcher sets them; set them to measure "
+                  "another setting)", flush=True)
     hostmem = config.settings_from_environment().hostmem
     try:
         planned_digest, box = processes.planned(devices, hostmem)

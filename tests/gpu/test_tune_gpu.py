@@ -28,9 +28,11 @@ TIMEOUT_S = 420
 
 
 def tune_command(*extra: str, out: str | None = None) -> list[str]:
+    """The tool as a launch runs it: under this environment's NCCL_* settings (--server-env), those of the groups
+    these tests then build in this process."""
     share = ["--share-gpu"] if gpu_count() < WORLD else []
     return [sys.executable, "-m", "sglang_sm120.tune", "--hidden", str(HIDDEN), "--tp", str(WORLD), "--quick",
-            "--max-batch", "4", "--draft-tokens", "1", *share, *extra] + (["--out", out] if out else [])
+            "--max-batch", "4", "--draft-tokens", "1", "--server-env", *share, *extra] + (["--out", out] if out else [])
 
 
 def tune_env(cache_dir: str, **extra: str) -> dict:

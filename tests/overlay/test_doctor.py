@@ -4,6 +4,7 @@ errors, bound, routing-table section, NCCL section and report."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -15,6 +16,7 @@ FIX = "check `nvidia-smi` (the NVIDIA driver must be >= 580, CUDA 13) and CUDA_V
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch, clean_env):
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the doctor sets a server's NCCL_* variables in it
     monkeypatch.setattr(doctor, "gpus", lambda: [])
     monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=20.0: None)  # no lspci, nvidia-smi on CI runners
     monkeypatch.setattr(doctor.nccl_check, "run", lambda **kw: {"skipped": "NCCL check: stand-in (nothing was run)"})
@@ -226,3 +228,18 @@ def test_the_report_holds_the_output_the_environment_and_no_host_name(monkeypatc
     text = report.read_text()
     assert "no CUDA GPUs visible to torch" in text and "NCCL_P2P_LEVEL=SYS" in text
     assert "UNRELATED_SECRET" not in text and "box17" not in text
+
+
+def test_the_doctor_sees_nccl_as_a_server_runs_it(capsys):
+    """SGLang's launcher sets NCCL_* variables before its ranks start: the doctor's NCCL check and its table key
+    use them as well (one the user set stays)."""
+    from sglang_sm120 import seams
+
+    for name in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_GRAPH_REGISTER"):
+        os.environ.pop(name, None)
+    os.environ["NCCL_NVLS_ENABLE"] = "1"
+    assert doctor.main(["--no-self-test"]) == 1
+    release = seams.sglang_version()
+    assert f"NCCL as an SGLang {release} server runs it: NCCL_CUMEM_ENABLE=0" in capsys.readouterr().out
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "1"
+    assert os.environ.get("NCCL_GRAPH_REGISTER") == ("0" if release == "0.5.23" else None)

@@ -18,6 +18,12 @@ from sglang_sm120.tuning import processes as launch
 from .routing.test_table import _table
 
 
+@pytest.fixture(autouse=True)
+def own_environment(monkeypatch):
+    """The tool, run by hand, sets the NCCL_* variables a server would (in its own process): here, in a copy."""
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+
+
 def test_the_hidden_size_is_read_at_the_top_or_in_the_text_model():
     assert config.hidden_from_config({"hidden_size": 4096}) == 4096
     multimodal = {"text_config": {"hidden_size": 7168}, "vision_config": {"hidden_size": 1}}
@@ -309,3 +315,39 @@ def test_the_one_process_measurer_refuses_without_an_injected_nccl_time():
 
     with pytest.raises(ValueError, match="debug_nccl_us"):
         LocalGroupMeasurer(world=2, device="cpu", spec=TuneSpec.make(1024, 4, quick=True))
+
+
+@pytest.mark.parametrize("release, server_nccl", [
+    ("0.5.23", {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "0"}),
+    ("0.5.13.post1", {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}),
+])
+def test_run_by_hand_the_tool_measures_nccl_as_a_server_runs_it(monkeypatch, tmp_path, capsys, release, server_nccl):
+    """An SGLang launcher sets NCCL_* variables before its ranks start, and a table is keyed by every one: a table
+    tuned by hand without them would never be the server's. One the user set stays; the launcher's tool
+    (--server-env) sets nothing."""
+    from sglang_sm120 import seams
+    from sglang_sm120.seams import base
+
+    monkeypatch.setenv("SGLANG_SM120_CACHE", str(tmp_path))
+    monkeypatch.setattr(seams, "sglang_version", lambda: release)
+    monkeypatch.setattr(base, "check_resolvable", lambda targets: None)  # the other release's names
+    for name in server_nccl:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    seen_env = {}
+
+    def planned(devices, hostmem):
+        seen_env.update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
+        return "seen-1", BOX
+
+    _canned(monkeypatch, _good(_table([10, 10], [5, 5])))
+    monkeypatch.setattr(launch, "planned", planned)
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN]) == 0
+    assert seen_env == {**server_nccl, "NCCL_NVLS_ENABLE": "1"}
+    expected = " ".join(f"{k}=0" for k in server_nccl if k != "NCCL_NVLS_ENABLE")
+    assert f"NCCL measured as an SGLang {release} server runs it: {expected} (its launcher" in capsys.readouterr().out
+    for name in server_nccl:
+        monkeypatch.delenv(name, raising=False)
+    seen_env.clear()
+    assert tune.main(["--hidden", "7168", *ONE_SIZE_PLAIN, "--server-env"]) == 0
+    assert seen_env == {} and "NCCL measured as" not in capsys.readouterr().out

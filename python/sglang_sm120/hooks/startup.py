@@ -89,7 +89,7 @@ def tune_command(server_args, settings: config.OverlaySettings) -> list[str] | N
                "--hidden", str(hidden), "--dtype", dtype,
                "--max-rows", str(max(1, max_bytes // (hidden * ELEMENT_BYTES))),
                "--max-batch", str(max_batch), "--draft-tokens", str(draft), "--quick",
-               "--timeout", str(settings.tune_timeout_s)]
+               "--timeout", str(settings.tune_timeout_s), "--server-env"]
     if batches and not resolved(server_args, "disable_cuda_graph"):  # an eager server captures no size
         command += ["--cuda-graph-bs", ",".join(map(str, batches))]
     return command + ([] if settings.tune == "force" else ["--if-missing"])

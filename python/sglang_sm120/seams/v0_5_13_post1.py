@@ -22,6 +22,9 @@ from .base import Seam
 
 SGLANG_VERSION = "0.5.13.post1"
 
+# As in v0_5_23.py: what entrypoints/engine._set_envs_and_config sets before the ranks start (no graph register).
+SERVER_NCCL = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
 SEAMS = [
     Seam("sglang.srt.server_args:ServerArgs.add_cli_args", args_hooks.wrap_add_cli_args),
     Seam("sglang.srt.server_args:ServerArgs.from_cli_args", args_hooks.wrap_from_cli_args),

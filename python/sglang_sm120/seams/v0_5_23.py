@@ -20,6 +20,12 @@ from .base import Seam
 
 SGLANG_VERSION = "0.5.23"
 
+# The NCCL_* variables this release's launcher sets before its ranks start, where they are not set already
+# (entrypoints/engine._set_envs_and_config without --enable-symm-mem or --enable-nccl-nvls, and
+# arg_groups/parallel_hook for a TP server that captures CUDA graphs): the NCCL a server runs, which a tune run by
+# hand measures (a table is keyed by every NCCL_* variable).
+SERVER_NCCL = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "0"}
+
 _BOUNDARY = "sglang.srt.layers.layer_boundary"
 
 SEAMS = [

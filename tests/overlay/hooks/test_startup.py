@@ -36,6 +36,7 @@ def test_the_command_measures_this_servers_gpus_sizes_and_dtype_only_when_no_tab
     assert args["--tp"] == "8" and args["--gpus"] == "0,1,2,3,4,5,6,7" and args["--hidden"] == "7168"
     assert args["--dtype"] == "bf16" and args["--max-rows"] == "128" and args["--draft-tokens"] == "4"
     assert command[-1] == "--if-missing" and "--quick" in command
+    assert "--server-env" in command  # the tool measures under the NCCL_* settings the launcher set
     forced = startup.tune_command(server_args(model, tp_size=2, base_gpu_id=4, gpu_id_step=2),
                                   OverlaySettings(tune="force"))
     assert "--if-missing" not in forced and forced[forced.index("--gpus") + 1] == "4,6"
