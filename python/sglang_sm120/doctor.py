@@ -290,8 +290,7 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
     source = "--mode" if args.mode else f"${spelled[0]}" if (spelled := lookup(config.MODE_ENV)) else "default"
     print(f"mode: {mode} (from {source}); "
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
-    release, unset = seams.server_nccl(os.environ)
-    os.environ.update(unset)  # NCCL's check and the table key below, as a server's (its launcher sets them)
+    release, unset = seams.set_server_nccl()  # NCCL's check and the table key below, as a server's
     if unset:
         print(f"NCCL as an SGLang {release} server runs it: {' '.join(f'{k}={v}' for k, v in unset.items())}")
     report_versions()

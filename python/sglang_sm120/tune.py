@@ -171,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := cache.writable():
         raise SystemExit(f"error: {problem}")
     if not args.server_env:  # run by hand: NCCL as the server will run it, the key the server will compute
-        release, unset = seams.server_nccl(os.environ)
-        os.environ.update(unset)
+        release, unset = seams.set_server_nccl()
         if unset:
             print(f"NCCL measured as an SGLang {release} server runs it: "
                   f"{' '.join(f'{k}={v}' for k, v in unset.items())} (its launcher sets them; set them to measure "

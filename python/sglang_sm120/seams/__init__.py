@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Mapping
+import os
 from types import ModuleType
 
 # version string (as importlib.metadata reports it) -> module holding SEAMS
@@ -46,11 +46,13 @@ def load_table(version: str | None = None) -> ModuleType:
     return table
 
 
-def server_nccl(environ: Mapping[str, str]) -> tuple[str, dict[str, str]]:
-    """(the installed SGLang's version, the NCCL_* variables its launcher sets for a server that `environ` does not
-    set: a table's key holds them); ("", {}) without a supported SGLang."""
+def set_server_nccl() -> tuple[str, dict[str, str]]:
+    """Set the NCCL_* variables the installed SGLang's launcher sets for a server (a table's key holds them) where
+    this process has none: (SGLang's version, those set); ("", {}) without a supported SGLang."""
     try:
         table = load_table()
     except (UnsupportedSGLangVersion, ImportError, AttributeError):
         return "", {}
-    return table.SGLANG_VERSION, {k: v for k, v in table.SERVER_NCCL.items() if k not in environ}
+    unset = {k: v for k, v in table.SERVER_NCCL.items() if k not in os.environ}
+    os.environ.update(unset)
+    return table.SGLANG_VERSION, unset
