@@ -7,6 +7,12 @@ compiled there (the in-place build takes one to two minutes of GPU-machine time 
                                            place when it matches this checkout's kernel sources, this Python, this
                                            torch and the archs asked for, and loads; else exit 1 saying why, and
                                            the stage compiles as before
+  python3 scripts/device_lib.py build --negative   also the negative-control builds (tests/gpu/negative_builds.py,
+                                           about a minute each here) into .device-lib-negative/; carry it beside
+                                           ".device-lib" (43 MiB) for the negative, transports and tune stages
+  python3 scripts/device_lib.py install-negative DIR   (gpu_suite's build stage) those libraries put in DIR when
+                                           their record matches as the library's must; else exit 1 saying why, and
+                                           the stages compile them there as before
 
 The image's Python and torch: DEVICE_PYTHON and DEVICE_TORCH below. torch only imports
 with its CUDA libraries present; the nvidia-* wheels hold no Python code, so the build venv borrows those of a
@@ -29,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CARRY = ROOT / ".device-lib"
+NEGATIVE_CARRY = ROOT / ".device-lib-negative"
 RECORD = "record.json"
 PACKAGE = "sgl_kernel_sm120"
 DEVICE_PYTHON = "3.12"
@@ -82,7 +89,7 @@ def _run(command: list, **kwargs) -> None:
     subprocess.run(command, check=True, **kwargs)
 
 
-def build(archs: str, borrow: Path = BORROW_STACK) -> None:
+def build(archs: str, borrow: Path = BORROW_STACK, negative: bool = False) -> None:
     borrowed = sorted(borrow.glob("lib/python3*/site-packages/nvidia"))
     if not borrowed:
         raise SystemExit(f"{borrow} has no nvidia-* libraries: run `STACKS={BORROW_STACK.name} make venv` first "
@@ -127,6 +134,28 @@ def build(archs: str, borrow: Path = BORROW_STACK) -> None:
     size_mib = library.stat().st_size / 2**20
     print(f">>> {CARRY.relative_to(ROOT)}/{library.name} ({size_mib:.1f} MiB) for Python {DEVICE_PYTHON}, torch "
           f"{torch_version}, {archs}: carry \".device-lib\"; gpu_suite's build stage puts it in place")
+    if negative:
+        build_negative(python, env)
+
+
+def build_negative(python: Path, env: dict) -> None:
+    """The negative-control libraries, built by the device venv's Python from the same sources as the library,
+    under the library's record (its checks hold for them too)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.gpu.negative_builds import ALL_FLAGS, build_broken
+
+    work = ROOT / "build" / "device-negative"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(NEGATIVE_CARRY, ignore_errors=True)
+    for flag in ALL_FLAGS:
+        print(f"+ the negative-control build {flag}", flush=True)
+        library = Path(build_broken(flag, str(work), python=str(python), env=env))
+        (NEGATIVE_CARRY / library.parent.name).mkdir(parents=True)
+        shutil.copy2(library, NEGATIVE_CARRY / library.parent.name / library.name)
+    shutil.copy2(CARRY / RECORD, NEGATIVE_CARRY / RECORD)
+    size_mib = sum(p.stat().st_size for p in NEGATIVE_CARRY.rglob("*.so")) / 2**20
+    print(f">>> {NEGATIVE_CARRY.relative_to(ROOT)}: {len(ALL_FLAGS)} negative-control builds ({size_mib:.0f} MiB): "
+          f"carry \"{NEGATIVE_CARRY.name}\" with \"{CARRY.name}\"")
 
 
 def install(archs: str, root: Path = ROOT) -> int:
@@ -167,17 +196,42 @@ def install(archs: str, root: Path = ROOT) -> int:
     return 0
 
 
+def install_negative(archs: str, into: Path, root: Path = ROOT) -> int:
+    """Copies the carried negative-control builds into `into` when their record matches this checkout, Python,
+    torch and archs; 0 when they are there, else 1 with the reason printed (nothing copied)."""
+    carry = root / NEGATIVE_CARRY.name
+    if not (carry / RECORD).exists():
+        print(f">>> no carried negative-control builds ({carry.name}/{RECORD} missing): they are compiled here")
+        return 1
+    import torch
+
+    why = mismatch(json.loads((carry / RECORD).read_text()), digest=sources_digest(root),
+                   ext_suffix=sysconfig.get_config_var("EXT_SUFFIX"), torch_version=torch.__version__,
+                   archs=requested_archs(archs))
+    if why:
+        print(f">>> the carried negative-control builds are not used: {why}; they are compiled here")
+        return 1
+    shutil.copytree(carry, into, ignore=shutil.ignore_patterns(RECORD), dirs_exist_ok=True)
+    print(f">>> the carried negative-control builds are in {into}")
+    return 0
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=["build", "install"])
+    parser.add_argument("action", choices=["build", "install", "install-negative"])
+    parser.add_argument("into", nargs="?", type=Path, help="install-negative: the folder the tests look in")
+    parser.add_argument("--negative", action="store_true", help="build: the negative-control builds too")
     parser.add_argument("--archs", default=os.environ.get("TORCH_CUDA_ARCH_LIST") or DEVICE_ARCHS,
                         help="TORCH_CUDA_ARCH_LIST to build for, or to require (default: %(default)s)")
     parser.add_argument("--borrow", type=Path, default=BORROW_STACK,
                         help="build: a venv with torch %s's nvidia-* libraries (default: %%(default)s)" % DEVICE_TORCH)
     args = parser.parse_args(argv)
     if args.action == "build":
-        build(args.archs, args.borrow)
+        build(args.archs, args.borrow, args.negative)
         return 0
+    if args.action == "install-negative":
+        if args.into is None:
+            parser.error("install-negative needs the folder to put them in")
+        return install_negative(args.archs, args.into)
     return install(args.archs)
 
 

@@ -18,8 +18,9 @@
 #   trapdiag: scripts/diagnose_trap_delivery.py at 8 ranks (does a kernel trap reach every process sharing a GPU?)
 #   junit: merge the stages' junit XML into $OUT/gpu_tests_<gpu>_tp<N>.xml (N: GPUs the ranks ran on)
 #   build compiles the kernels in place, or puts in place the library carried in .device-lib (made on the dev
-#   machine by scripts/device_lib.py build) when it matches these sources, Python, torch and archs and loads;
-#   build also starts the negative-control builds in the background (tests/gpu/test_negative_controls.py), which
+#   machine by scripts/device_lib.py build) when it matches these sources, Python, torch and archs and loads, and
+#   the negative-control builds carried in .device-lib-negative (device_lib.py build --negative) likewise;
+#   build also starts the negative-control builds in the background (tests/gpu/negative_builds.py), which
 #   the negative stage then uses (NEGATIVE_BUILDS=0: not started)
 #   sglang-server: a real `sglang.launch_server` per release in SGL_RELEASES (default "0.5.23 0.5.13.post1"; TP=2
 #   on one GPU, a random Kimi-K2.5 with EAGLE-3, on against off; tests/gpu/test_sglang_server.py) from the
@@ -161,10 +162,14 @@ for stage in $stages; do
            if ! $PY scripts/device_lib.py install 2>&1 | tee -a "$OUT/summary.log"; then
              step build $PY setup.py build_ext --inplace || { echo "build failed"; exit 1; }
            fi
+           # the negative-control builds carried in .device-lib-negative (device_lib.py build --negative), when
+           # they match as the library must; the background builds below then find them and compile nothing
+           [ -d .device-lib-negative ] && $PY scripts/device_lib.py install-negative "$SGL_SM120_NEGATIVE_BUILDS" 2>&1 \
+             | tee -a "$OUT/summary.log"
            # NEGATIVE_BUILDS=0 skips them: they compete for the CPUs with what runs next (the server stage's
            # JIT and Triton compiles took 30% longer beside them on an H200)
            if [ "${NEGATIVE_BUILDS:-1}" != 0 ]; then
-             $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" > "$WORK/logs/negative-builds.log" 2>&1 &
+             $PY -m tests.gpu.negative_builds "$SGL_SM120_NEGATIVE_BUILDS" > "$WORK/logs/negative-builds.log" 2>&1 &
              echo ">>> negative-control builds started in the background (pid $!)" | tee -a "$OUT/summary.log"
            fi ;;
     probe) step probe torchrun --nproc-per-node "$NGPU" scripts/probe_latency.py ;;
@@ -191,9 +196,9 @@ for stage in $stages; do
             --junitxml="$WORK/results/junit-tune.xml" ;;
     oversubscribed) step kernel-tests-oversubscribed $PY -m pytest -m gpu -v tests/gpu/test_ipc_allreduce.py \
               -k "$(kexpr oversubscribed)" --junitxml="$WORK/results/junit-kernel-oversubscribed.xml" ;;
-    negative) [ -d "$SGL_SM120_NEGATIVE_BUILDS" ] || $PY -m tests.gpu.test_negative_controls "$SGL_SM120_NEGATIVE_BUILDS" \
+    negative) [ -d "$SGL_SM120_NEGATIVE_BUILDS" ] || $PY -m tests.gpu.negative_builds "$SGL_SM120_NEGATIVE_BUILDS" \
                 > "$WORK/logs/negative-builds.log" 2>&1
-              while pgrep -f "tests.gpu.test_negative_controls" > /dev/null; do sleep 2; done  # the background builds
+              while pgrep -f "tests.gpu.negative_builds" > /dev/null; do sleep 2; done  # the background builds
               step negative-controls $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_negative_controls.py \
               --junitxml="$WORK/results/junit-negative.xml" ;;
     transports) step transport-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_transports.py \

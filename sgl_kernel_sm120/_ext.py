@@ -40,7 +40,7 @@ def missing_reason(package_dir: str = os.path.dirname(os.path.abspath(__file__))
 @functools.lru_cache(maxsize=1)
 def _load() -> tuple[object | None, str, str]:
     """(the ops namespace or None, why not, the library's file)."""
-    override = settings.read().library  # a negative-control build (tests/gpu/test_negative_controls.py)
+    override = settings.read().library  # a negative-control build (tests/gpu/negative_builds.py)
     if override:
         try:
             torch.ops.load_library(override)

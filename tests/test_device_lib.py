@@ -102,3 +102,39 @@ def test_a_library_that_does_not_load_is_taken_away_again(tmp_path, capsys):
 def test_without_a_carried_library_the_suite_builds(tmp_path, capsys):
     assert device_lib.install("9.0a", _tree(tmp_path)) == 1
     assert "building here" in capsys.readouterr().out
+
+
+def _carry_negative(root: Path, **record_changes) -> None:
+    import torch
+
+    carry = root / ".device-lib-negative"
+    for name in ("sgl_sm120_sgl_sm120_debug_no_clear", "sgl_sm120_sgl_sm120_debug_single_buffer"):
+        (carry / name).mkdir(parents=True)
+        (carry / name / f"{name}.so").write_bytes(b"a broken build")
+    record = {"sources": device_lib.sources_digest(root), "library": "_C_torch" + SUFFIX, "torch": torch.__version__,
+              "archs": ["9.0a"], **record_changes}
+    (carry / "record.json").write_text(json.dumps(record))
+
+
+def test_matching_negative_control_builds_go_where_the_tests_look_for_them(tmp_path, capsys):
+    root, into = _tree(tmp_path), tmp_path / "negative-builds"
+    _carry_negative(root)
+    assert device_lib.install_negative("9.0a", into, root) == 0, capsys.readouterr().out
+    found = sorted(p.relative_to(into).as_posix() for p in into.rglob("*") if p.is_file())
+    assert found == ["sgl_sm120_sgl_sm120_debug_no_clear/sgl_sm120_sgl_sm120_debug_no_clear.so",
+                     "sgl_sm120_sgl_sm120_debug_single_buffer/sgl_sm120_sgl_sm120_debug_single_buffer.so"]
+
+
+@pytest.mark.parametrize(("change", "said"), [({"sources": "0123456789abcdef"}, "other kernel sources"),
+                                              ({"torch": "2.0.0"}, "built against torch 2.0.0")])
+def test_negative_control_builds_of_other_sources_or_torch_are_not_used(tmp_path, capsys, change, said):
+    root, into = _tree(tmp_path), tmp_path / "negative-builds"
+    _carry_negative(root, **change)
+    assert device_lib.install_negative("9.0a", into, root) == 1
+    assert said in capsys.readouterr().out
+    assert not into.exists()
+
+
+def test_without_carried_negative_control_builds_they_are_compiled_there(tmp_path, capsys):
+    assert device_lib.install_negative("9.0a", tmp_path / "negative-builds", _tree(tmp_path)) == 1
+    assert "compiled here" in capsys.readouterr().out

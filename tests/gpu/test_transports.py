@@ -405,10 +405,10 @@ sys.exit(1 if failures else 0)
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_FLAG_BEFORE_DATA", "SGL_SM120_DEBUG_STAGED_SKIP_PASS"])
 def test_broken_transport_protocol_is_caught_with_the_ranks_running_concurrently(flag):
-    from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
+    from tests.gpu.negative_builds import PREBUILT_ENV, build_broken
 
     with tempfile.TemporaryDirectory() as scratch:
-        library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
+        library = build_broken(flag, os.environ.get(PREBUILT_ENV) or scratch)
         env = dict(os.environ, **spelled_out(VARIABLES["library"], library), PYTHONPATH=ROOT)
         done = subprocess.run([sys.executable, "-c", CHILD, "4"], env=env, capture_output=True, text=True,
                               timeout=600, cwd=ROOT)

@@ -266,7 +266,7 @@ def test_the_one_process_tune_runs_the_ranks_concurrently_and_writes_only_its_ou
 @pytest.mark.parametrize("flag", ["SGL_SM120_DEBUG_NO_CLEAR"])
 def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verification(tmp_path, flag):
     """The one-process tune (the ranks' kernels really run at once) on a build with one protocol invariant
-    broken (tests/gpu/test_negative_controls.py): consumers that leave their packs in place (I4), so a later call
+    broken (tests/gpu/negative_builds.py): consumers that leave their packs in place (I4), so a later call
     finds the earlier call's packs already there. Every call gets inputs of its own and a burst of graph replays is
     checked, so a candidate of it fails its verification and is never routed to.
 
@@ -275,10 +275,10 @@ def test_a_debug_build_that_breaks_buffer_reuse_is_rejected_by_the_tuners_verifi
     ranks of one process did not: on an H200 its one-process tune rejected no candidate."""
     from sgl_kernel_sm120.settings import VARIABLES
     from sglang_sm120.routing.table import RoutingTable, route_id
-    from tests.gpu.test_negative_controls import PREBUILT_ENV, _build_broken
+    from tests.gpu.negative_builds import PREBUILT_ENV, build_broken
     from tests.support.env import spelled_out
 
-    library = _build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
+    library = build_broken(flag, os.environ.get(PREBUILT_ENV) or str(tmp_path / "builds"))
     out = tmp_path / "broken.json"
     env = dict(os.environ, SGLANG_SM120_CACHE=str(tmp_path / "cache"), **spelled_out(VARIABLES["library"], library),
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]))
