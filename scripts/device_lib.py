@@ -8,8 +8,9 @@ compiled there (the in-place build takes one to two minutes of GPU-machine time 
                                            torch and the archs asked for, and loads; else exit 1 saying why, and
                                            the stage compiles as before
   python3 scripts/device_lib.py build --negative   also the negative-control builds (tests/gpu/negative_builds.py,
-                                           about a minute each here) into .device-lib-negative/; carry it beside
-                                           ".device-lib" (43 MiB) for the negative, transports and tune stages
+                                           about a minute each here) into .device-lib-negative/ (five libraries of
+                                           about 8.5 MiB); carry it beside ".device-lib" for the negative,
+                                           transports and tune stages
   python3 scripts/device_lib.py install-negative DIR   (gpu_suite's build stage) those libraries put in DIR when
                                            their record matches as the library's must; else exit 1 saying why, and
                                            the stages compile them there as before
@@ -71,6 +72,13 @@ def mismatch(record: dict, *, digest: str, ext_suffix: str, torch_version: str, 
         return f"it holds code for {record.get('archs')}, not for {missing}"
     return None
 
+
+def mismatch_here(record: dict, archs: str, root: Path = ROOT) -> str | None:
+    """Why a carried record's builds must not be used by this checkout, Python and torch for `archs`, or None."""
+    import torch
+
+    return mismatch(record, digest=sources_digest(root), ext_suffix=sysconfig.get_config_var("EXT_SUFFIX"),
+                    torch_version=torch.__version__, archs=requested_archs(archs))
 
 def _python312() -> str:
     found = os.environ.get("DEVICE_PYTHON_BIN") or shutil.which(f"python{DEVICE_PYTHON}")
@@ -167,10 +175,7 @@ def install(archs: str, root: Path = ROOT) -> int:
         print(f">>> no carried library ({CARRY.name}/{RECORD} missing): building here")
         return 1
     record = json.loads(record_path.read_text())
-    import torch
-
-    why = mismatch(record, digest=sources_digest(root), ext_suffix=sysconfig.get_config_var("EXT_SUFFIX"),
-                   torch_version=torch.__version__, archs=requested_archs(archs))
+    why = mismatch_here(record, archs, root)
     if why:
         print(f">>> the carried library is not used: {why}; building here")
         return 1
@@ -203,17 +208,14 @@ def install_negative(archs: str, into: Path, root: Path = ROOT) -> int:
     if not (carry / RECORD).exists():
         print(f">>> no carried negative-control builds ({carry.name}/{RECORD} missing): they are compiled here")
         return 1
-    import torch
-
-    why = mismatch(json.loads((carry / RECORD).read_text()), digest=sources_digest(root),
-                   ext_suffix=sysconfig.get_config_var("EXT_SUFFIX"), torch_version=torch.__version__,
-                   archs=requested_archs(archs))
+    why = mismatch_here(json.loads((carry / RECORD).read_text()), archs, root)
     if why:
         print(f">>> the carried negative-control builds are not used: {why}; they are compiled here")
         return 1
     shutil.copytree(carry, into, ignore=shutil.ignore_patterns(RECORD), dirs_exist_ok=True)
     print(f">>> the carried negative-control builds are in {into}")
     return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

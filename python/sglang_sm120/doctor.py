@@ -292,7 +292,7 @@ def diagnose(args, settings: config.OverlaySettings) -> list[str]:
           f"tune at launch: {settings.tune}; host-memory workspace where P2P is missing: {settings.hostmem}")
     release, unset = seams.set_server_nccl()  # NCCL's check and the table key below, as a server's
     if unset:
-        print(f"NCCL as an SGLang {release} server runs it: {' '.join(f'{k}={v}' for k, v in unset.items())}")
+        print(f"NCCL as an SGLang {release} server runs it: {unset}")
     report_versions()
     section("GPUs")
     found = gpus()

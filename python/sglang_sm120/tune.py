@@ -173,9 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.server_env:  # run by hand: NCCL as the server will run it, the key the server will compute
         release, unset = seams.set_server_nccl()
         if unset:
-            print(f"NCCL measured as an SGLang {release} server runs it: "
-                  f"{' '.join(f'{k}={v}' for k, v in unset.items())} (its launcher sets them; set them to measure "
-                  "another setting)", flush=True)
+            print(f"NCCL measured as an SGLang {release} server runs it: {unset} (its launcher sets them; set them "
+                  "to measure another setting)", flush=True)
     hostmem = config.settings_from_environment().hostmem
     try:
         planned_digest, box = processes.planned(devices, hostmem)

@@ -46,13 +46,13 @@ def load_table(version: str | None = None) -> ModuleType:
     return table
 
 
-def set_server_nccl() -> tuple[str, dict[str, str]]:
+def set_server_nccl() -> tuple[str, str]:
     """Set the NCCL_* variables the installed SGLang's launcher sets for a server (a table's key holds them) where
-    this process has none: (SGLang's version, those set); ("", {}) without a supported SGLang."""
+    this process has none: (SGLang's version, those set as "NAME=value ..."); ("", "") without a supported SGLang."""
     try:
         table = load_table()
     except (UnsupportedSGLangVersion, ImportError, AttributeError):
-        return "", {}
+        return "", ""
     unset = {k: v for k, v in table.SERVER_NCCL.items() if k not in os.environ}
     os.environ.update(unset)
-    return table.SGLANG_VERSION, unset
+    return table.SGLANG_VERSION, " ".join(f"{k}={v}" for k, v in unset.items())
