@@ -116,12 +116,6 @@ std::string mebibytes(long long bytes) {
   return text;
 }
 
-// What to do when the shared folder is too small (sgl_kernel_sm120/construction.py SHM_ADVICE says the same: its
-// size check runs first, this is the allocation's own error).
-constexpr const char* kShmAdvice =
-    "enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) or "
-    "point SGL_SM120_SHM_DIR at a larger tmpfs";
-
 // The NUMA node of the device's PCI function, from sysfs; -1 when unknown. Plain read(2) and strtol, no iostreams:
 // `std::ifstream >> int` here was seen to die of SIGSEGV inside the library's locale code (std::codecvt).
 int numa_node_of(int device) {
@@ -207,7 +201,7 @@ std::string map_shared_scratch(const WorkspaceConfig& cfg, Workspace* ws, bool* 
         statvfs(dir.c_str(), &fs) == 0 ? static_cast<long long>(fs.f_bavail) * static_cast<long long>(fs.f_frsize) : -1;
     return "host memory: allocating this rank's slab in " + dir + " failed (" + std::strerror(rc) + "): " + dir +
            " has " + (free_bytes >= 0 ? mebibytes(free_bytes) : std::string("an unknown amount")) +
-           " free, the workspace needs " + need + "; " + kShmAdvice;
+           " free, the workspace needs " + need;  // construction.py adds the remedy (SHM_ADVICE)
   }
   // I1 for this rank's slab, before any rank can use the workspace (the host agrees every rank's outcome first);
   // its flags start at 0 (transports/pull.cuh P3).

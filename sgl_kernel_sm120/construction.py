@@ -69,6 +69,8 @@ class Config:
                 self.shm_dir if self.memory is Memory.HOST else "", shared_name, shared_create)
 
 
+# The remedy for a tmpfs too small, both where the size check refuses and where the allocation itself ran out of space
+# (csrc/workspace.cu's message names the folder and the sizes, this adds what to do).
 SHM_ADVICE = ("enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
               f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
 
@@ -132,7 +134,7 @@ def build(ops, exchange, config: Config, settings: KernelSettings, shared_name: 
             handle = int(ops.ws_create(*config.create_args(shared_name, shared_create)))
         except torch.cuda.OutOfMemoryError as exc:  # the library's type for a tmpfs that filled up since the check
             sentence = str(exc).splitlines()[0].removeprefix("sgl_kernel_sm120: ")
-            raise IpcAllReduceHostMemoryError(sentence) from exc
+            raise IpcAllReduceHostMemoryError(f"{sentence}; {SHM_ADVICE}") from exc
         limits = local_launch_limits(ops, handle, config.device_index, settings)
         if config.memory is Memory.DEVICE:
             limits["ipc"] = bytes(ops.ws_ipc_handle(handle).tolist()).hex()

@@ -13,12 +13,15 @@ import socket
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.fake_ops import FakeOps
 
 WORLD = 2
 GROUP_TIMEOUT_S = 20
+FULL_TMPFS = ("host memory: allocating this rank's slab in /dev/shm failed (No space left on device): /dev/shm has "
+              "0.5 MiB free, the workspace needs 1.0 MiB")
 
 
 def _rank(rank: int, port: int, scenario: str, failing_rank: int, queue) -> None:
@@ -36,11 +39,17 @@ def _rank(rank: int, port: int, scenario: str, failing_rank: int, queue) -> None
     logging.getLogger("sgl_kernel_sm120").addHandler(Collect(level=logging.WARNING))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    op = {"ipc_handle": "ws_ipc_handle", "unlink": "ws_unlink_shared", "close_peers": "ws_close_peers"}[scenario]
+    op = {"ipc_handle": "ws_ipc_handle", "unlink": "ws_unlink_shared", "close_peers": "ws_close_peers",
+          "full_tmpfs": None}[scenario]
     ops = FakeOps(op if rank == failing_rank else None, probe_outcome=2 if scenario == "close_peers" else 0,
                   world=WORLD)
+    if scenario == "full_tmpfs" and rank == failing_rank:
+        def out_of_space(*args):  # the library's error for a slab that no longer fits its tmpfs
+            raise torch.cuda.OutOfMemoryError(f"sgl_kernel_sm120: {FULL_TMPFS}\nException raised from ws_create")
+
+        ops.ws_create = out_of_space
     exchange = exchange_of(dist.group.WORLD)
-    memory = Memory.HOST if scenario == "unlink" else Memory.DEVICE
+    memory = Memory.HOST if scenario in ("unlink", "full_tmpfs") else Memory.DEVICE
     config = construction.Config(0, rank, WORLD, 1024, 1024, 5.0, 1.0, False, None, memory,
                                  shm_dir=tempfile.gettempdir())
     try:
@@ -100,3 +109,16 @@ def test_a_failed_probe_is_the_probes_error_on_every_rank_also_when_unmapping_fa
     for rank, outcome, _, _ in answers:
         assert outcome.startswith("IpcAllReduceProbeError: CUDA P2P data path probe failed"), (rank, outcome)
     assert any("unmapping the peers after the failed probe" in w for w in answers[failing_rank][2]), answers
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_tmpfs_that_fills_up_at_allocation_is_the_host_memory_error_with_its_remedy_on_every_rank(failing_rank):
+    from sgl_kernel_sm120.construction import SHM_ADVICE
+
+    answers = _run("full_tmpfs", failing_rank)
+    for rank, outcome, _, live in answers:
+        assert outcome.startswith("IpcAllReduceHostMemoryError: IpcAllReduce host-memory workspace"), (rank, outcome)
+        assert f"rank {failing_rank}: IpcAllReduceHostMemoryError: {FULL_TMPFS}; {SHM_ADVICE}" in outcome, \
+            (rank, outcome)
+        assert "SGL_SM120_SHM_DIR" in outcome and "Exception raised from" not in outcome, (rank, outcome)
+        assert live == [], f"rank {rank} left a workspace built: {live}"
