@@ -69,8 +69,7 @@ class Config:
                 self.shm_dir if self.memory is Memory.HOST else "", shared_name, shared_create)
 
 
-# The remedy for a tmpfs too small, both where the size check refuses and where the allocation itself ran out of space
-# (csrc/workspace.cu's message names the folder and the sizes, this adds what to do).
+# Ends both the size check's error and that of an allocation that ran out of space (csrc/workspace.cu names sizes).
 SHM_ADVICE = ("enlarge it (docker run --shm-size=1g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm) "
               f"or point {VARIABLES['shm_dir']} at a larger tmpfs")
 
