@@ -222,8 +222,7 @@ for stage in $stages; do
     overlay) step overlay-tests $PY -m pytest -m gpu -v -k "$(kexpr)" tests/gpu/test_sglang_integration.py \
               --junitxml="$WORK/results/junit-overlay.xml" ;;
     sglang-shared)
-      gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
-print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
+      gpu=$GPU_TAG
       parts=()
       for rel in ${SGL_RELEASES:-0.5.23 0.5.13.post1}; do
         xml="$WORK/results/gpu_tests_${gpu}_sglang_shared_$rel.xml"
@@ -246,8 +245,7 @@ print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
       # A real `sglang.launch_server` per release in SGL_RELEASES (TP=2 on one GPU, EAGLE-3, on/off): the
       # .sgls/<release> carry of scripts/pack_sglang_server.py (SGLang with its JIT sources, sglang-kernel 0.4.3
       # trimmed to sm90, the server's wheels), installed into $WORK/sgls-<release>
-      gpu=$($PY -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '');
-print(re.sub(r'[^a-z0-9]+', '_', n).strip('_'))")
+      gpu=$GPU_TAG
       for rel in ${SGL_RELEASES:-0.5.23 0.5.13.post1}; do
         site=$WORK/sgls-$rel
         if [ ! -f ".sgls/$rel/sglang.tar.xz" ]; then
