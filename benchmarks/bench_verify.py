@@ -25,7 +25,8 @@ Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
   ``RMSNorm.forward_with_allreduce_fusion`` (behind SGLang's fusion gate), overlay off and then on.
 - ``--shared-gpu``: a CORRECTNESS run with the ranks sharing the visible GPUs (one lent GPU): torch's default
   group and SGLang's groups on gloo (NCCL refuses two ranks on one GPU), SGLang's pynccl and own custom
-  all-reduces off (tests/gpu/sglang_harness.py's patches). Only ``sm120`` runs directly; ``nccl`` and
+  all-reduces off (tests/gpu/sglang_harness.py's patches); ``sglang_on`` routes by the seeds (the tune off, a
+  cache of the run's own). Only ``sm120`` runs directly; ``nccl`` and
   ``sglang_off`` (a gloo reduction cannot be captured in a CUDA graph) do not; ``sm120`` is the reference the
   final hidden states of ``sglang_on`` are compared with. The JSON says ``"timings_meaningful": false`` and has
   no end-to-end estimate; output ``verify_<gpu>_tp<N>_shared.json``.
@@ -44,6 +45,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -528,6 +530,12 @@ class Bench(run.Run):
     # ------------------------------------------------------------------ --via-sglang
     def _run_via_sglang(self) -> None:
         d = self.d
+        if self.shared:
+            # sglang_on routes by the seeds, from a cache of this run alone: without a measured table a group sends
+            # every size to NCCL, which is gloo here, and a gloo all-reduce cannot be captured. Set before SGLang
+            # reads its server args.
+            self._cache = tempfile.TemporaryDirectory(prefix="bench_verify_cache_")
+            os.environ.update(SGLANG_SM120_ALLREDUCE_TUNE="off", SGLANG_SM120_CACHE=self._cache.name)
         standin = sglang_compat.install_sglang_standins()
         if standin:
             self.notes["sglang_standins"] = standin
