@@ -7,7 +7,7 @@ differs from a decode graph, and what this test exercises, is: several segments 
 between our captured calls that itself launches work, capture on a side stream with replay on another,
 and interleaving with a plain CUDA graph that uses the same workspace.
 
-Evidence: benchmarks/results/gpu_tests_h200_sglang_shared.xml (1x H200, ranks sharing it). Needs the
+Evidence: benchmarks/results/gpu_tests_h100_sglang_shared.xml (1x H100, ranks sharing it). Needs the
 built sgl_kernel_sm120, sglang 0.5.23 (e.g. from the .sgl carry) and `cuda-bindings` (SGLang's breakable graph
 queries capture status through it; the GPU image has it), and one GPU per rank or ranks sharing one
 (tests/gpu/sglang_harness.py: two processes capture and replay on one GPU; the kernels need only CUDA IPC
