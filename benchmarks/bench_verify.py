@@ -22,7 +22,9 @@ Kimi-K2.5: 123 all-reduces of [T, 7168] bf16):
   routed experts of the expected active count, shared expert, dense MLP), and a third, compute-only graph is
   timed (all-reduces removed); comm_us = step_us - compute-only step_us.
 - ``--via-sglang``: the same pattern through SGLang's ``GroupCoordinator.all_reduce`` and
-  ``RMSNorm.forward_with_allreduce_fusion`` (behind SGLang's fusion gate), overlay off and then on.
+  ``RMSNorm.forward_with_allreduce_fusion`` (behind SGLang's fusion gate), overlay off and then on. ``sglang_on``
+  routes as a server on this box would; without a measured table that is NCCL for every size, which the run
+  warns of and records in its notes (tune first: ``python -m sglang_sm120.tune``).
 - ``--shared-gpu``: a CORRECTNESS run with the ranks sharing the visible GPUs (one lent GPU): torch's default
   group and SGLang's groups on gloo (NCCL refuses two ranks on one GPU), SGLang's pynccl and own custom
   all-reduces off (tests/gpu/sglang_harness.py's patches); ``sglang_on`` routes by the seeds (the tune off, a
@@ -597,6 +599,10 @@ class Bench(run.Run):
                 if overlay_on:
                     ok, desc, why = d.attempt(lambda: _prepare_overlay_backend(self.cfg.hidden_size), "prepare backend")
                     info["overlay"] = desc if ok else why
+                    warning = all_nccl_warning(name, desc) if ok else None
+                    if warning:
+                        self.notes[f"{name}_routes"] = warning
+                        d.log(f"WARNING: {warning}")
                 ok, val, why = d.attempt(lambda: self._sglang_objects(ps), "RMSNorm / fusion gate")
                 if not ok:
                     self.skip(name, why)
@@ -757,6 +763,16 @@ def _prepare_overlay_backend(hidden: int) -> dict:
     hd = importlib.import_module("sglang_sm120.hooks.distributed")
     comm = hd.prepare_tp_backend(hd.runtime_server_args(), hidden, torch.bfloat16)
     return comm.describe() if comm is not None else {"active": False, "reason": "no sm120 communicator on the TP group"}
+
+
+def all_nccl_warning(name: str, overlay: dict) -> str | None:
+    """What to warn of when the overlay's group routes every size to NCCL (an untuned box): the phase's rows then
+    measure NCCL, not our kernels."""
+    routes = overlay.get("routes") or {}
+    if routes.get("source") != "nccl":
+        return None
+    return (f"{name} sends every size to NCCL ({routes.get('why')}): its rows measure NCCL under the overlay, not "
+            "our kernels; tune first (python -m sglang_sm120.tune)")
 
 
 def _describe_overlay() -> dict:

@@ -172,3 +172,14 @@ def test_rows_of_another_machine_or_other_timing_settings_are_not_merged():
     assert merge_refusal({**old, "settings": {"iters": 50, "warmup_replays": 3}}, hw, settings) == \
         "iters 50 there, 20 here"
     assert "gpu" in merge_refusal({"settings": settings}, hw, settings)  # a file without hardware: not merged
+
+
+def test_an_untuned_overlay_is_warned_of():
+    from sglang_sm120.routing import book
+
+    untuned = {"routes": {"source": book.ALL_NCCL, "why": "no measured table for this box"}}
+    warning = bv.all_nccl_warning("sglang_on", untuned)
+    assert warning and "every size to NCCL" in warning and "no measured table for this box" in warning
+    for source in (book.TABLE, book.SEEDS):
+        assert bv.all_nccl_warning("sglang_on", {"routes": {"source": source}}) is None
+    assert bv.all_nccl_warning("sglang_on", {"active": False}) is None
