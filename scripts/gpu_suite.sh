@@ -263,7 +263,7 @@ for stage in $stages; do
           status=1; continue
         fi
         mkdir -p "$WORK/logs/server/$rel"
-        PYTHONPATH="$site:$BASE_PYTHONPATH" SGL_SM120_SERVER_TEST_OUT="$WORK/logs/server/$rel" step "sglang-server-$rel" \
+        PYTHONPATH="$site:$BASE_PYTHONPATH" SGLANG_SM120_SERVER_TEST_OUT="$WORK/logs/server/$rel" step "sglang-server-$rel" \
           $PY -m pytest -m gpu -v -rs -p no:cacheprovider -k "$(kexpr)" tests/gpu/test_sglang_server.py \
           --junitxml="$WORK/results/gpu_tests_${gpu}_server_shared_$rel.xml"
         cp "$WORK/logs/server/$rel/server_test.json" "$WORK/results/server_test_${gpu}_shared_$rel.json" 2>/dev/null

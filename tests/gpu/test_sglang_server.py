@@ -26,7 +26,7 @@ CUDA graphs off for a multimodal model itself, as for the users' Kimi-K2.5.
 Every server is teacher-forced (server_patches.force_rows): each target row's argmax is made a fixed successor of
 its input token, so every server generates the same tokens and each verify forward's first row is computed from
 the same prefix on every server. What is checked (the verdicts and every number are also written to
-$SGL_SM120_SERVER_TEST_OUT/server_test.json):
+$SGLANG_SM120_SERVER_TEST_OUT/server_test.json):
 - on: rank 0's ENABLED line, routing by the table the launcher's tune measured (one server) or found (the
   other), one table file for both, `/get_server_info` reports the backend active; off: no ENABLED line, not
   active; every output token the forced one (the forcing held);
@@ -477,7 +477,7 @@ def workdir():
 
 
 def test_real_server_tp2_eagle3_on_against_off(workdir):
-    out_dir = os.environ.get("SGL_SM120_SERVER_TEST_OUT", workdir)
+    out_dir = os.environ.get("SGLANG_SM120_SERVER_TEST_OUT", workdir)
     os.makedirs(out_dir, exist_ok=True)
     site = write_site(os.path.join(workdir, "site"))
     t0 = time.time()
