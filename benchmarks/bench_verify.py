@@ -779,7 +779,7 @@ def _describe_overlay() -> dict:
     import importlib
 
     hd = importlib.import_module("sglang_sm120.hooks.distributed")
-    comm = hd.tp_communicator()
+    comm = hd.tp_backend()
     return comm.describe() if comm is not None else {"active": False}
 
 

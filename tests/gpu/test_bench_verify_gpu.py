@@ -133,5 +133,6 @@ def test_verify_via_sglang_shared_gpu_is_exactly_ours(tmp_path):
     assert len(checks) == 2 * len(tokens), doc["checks"]
     (info,) = doc["sglang"]
     assert info["backend"] == "sglang_on" and info["overlay"]["active"] is True, info
+    assert info.get("overlay_after"), (info, doc.get("notes"), log)
     stats = info["overlay_after"]["stats"]
     assert stats["sm120_fused"] > 0 and stats["sm120"] > 0 and stats["fused_fallback"] == 0, stats
