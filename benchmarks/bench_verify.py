@@ -768,8 +768,10 @@ def _prepare_overlay_backend(hidden: int) -> dict:
 def all_nccl_warning(name: str, overlay: dict) -> str | None:
     """What to warn of when the overlay's group routes every size to NCCL (an untuned box): the phase's rows then
     measure NCCL, not our kernels."""
+    from sglang_sm120.routing.book import ALL_NCCL
+
     routes = overlay.get("routes") or {}
-    if routes.get("source") != "nccl":
+    if routes.get("source") != ALL_NCCL:
         return None
     return (f"{name} sends every size to NCCL ({routes.get('why')}): its rows measure NCCL under the overlay, not "
             "our kernels; tune first (python -m sglang_sm120.tune)")
