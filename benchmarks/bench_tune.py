@@ -72,8 +72,9 @@ def run(command: list[str], env: dict, timeout_s: float) -> tuple[float, int, st
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         return time.monotonic() - start, done.returncode, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired as exc:
-        return time.monotonic() - start, -1, f"cut at {timeout_s:.0f} s: {str(exc.stdout or '')[-2000:]}"
+    except subprocess.TimeoutExpired as exc:  # its output so far, as bytes whatever `text` says
+        said = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return time.monotonic() - start, -1, f"cut at {timeout_s:.0f} s: {said[-2000:]}"
 
 
 def summary(table_file: str, wall_s: float) -> dict:

@@ -131,6 +131,22 @@ def run_one_process(world: int, device_index: int, spec, *, islands=None, link: 
     return table, key
 
 
+def progress_printer(spec, start: float) -> Callable[[dict], None]:
+    """Prints a line, flushed, at each new size of the tune: a run cut off by its caller still says how far it got."""
+    kinds, rows, seen = list(spec.kinds), list(spec.rows), set()
+
+    def printer(event: dict) -> None:
+        where = (event["dtype"], event["kind"], event["rows"])
+        if where in seen:
+            return
+        seen.add(where)
+        at = rows.index(event["rows"]) + 1 if event["rows"] in rows else "?"
+        print(f"[{time.monotonic() - start:.1f} s] {event['dtype']} {event['kind']} (kind "
+              f"{kinds.index(event['kind']) + 1} of {len(kinds)}): {event['rows']} rows, size {at} of {len(rows)}",
+              flush=True)
+    return printer
+
+
 def main(argv=None) -> int:
     start = time.monotonic()
     import argparse
@@ -158,7 +174,7 @@ def main(argv=None) -> int:
     spec = TuneSpec.make(args.hidden, args.max_rows, quick=not args.full, dtypes=[args.dtype],
                          kinds=[k.strip() for k in args.kinds.split(",") if k.strip()], kernel_timeout_s=5.0,
                          debug_nccl_us=args.debug_nccl_us, graph_rows=[r for r in rows if r <= args.max_rows])
-    table, _ = run_one_process(args.tp, args.device, spec)
+    table, _ = run_one_process(args.tp, args.device, spec, progress=progress_printer(spec, start))
     table.durations["total"] = round(time.monotonic() - start, 3)
     cache.save(table, path=args.out)
     print(render.table_markdown(table, path=args.out))

@@ -31,3 +31,25 @@ def test_a_runs_table_becomes_its_phases_pairs_and_slowest_phase(tmp_path):
     assert summary["phases_s"]["process start and imports"] == 1.5 and summary["slowest_phase"] == "measure"
     assert summary["pairs"] == {"ranked": 40, "profiled": 9, "failed": 1, "skipped": 0, "pruned": 1}
     assert summary["calls_of_ours"] == (40 * 2 + 9 * 12) * 4 and summary["sizes"] == 3
+
+
+def test_a_run_cut_off_keeps_what_it_printed():
+    import sys
+
+    child = [sys.executable, "-c", "import time; print('[0.1 s] bfloat16 plain: size 3 of 9', flush=True); "
+                                   "time.sleep(60)"]
+    wall, code, tail = bench_tune.run(child, {}, 2.0)
+    assert code == -1 and tail.startswith("cut at 2 s: ") and "size 3 of 9" in tail and "b'" not in tail
+
+
+def test_the_one_process_tune_prints_each_new_size_once(capsys):
+    from benchmarks.harness.local_tune import progress_printer
+    from sglang_sm120.tuning.tuner import TuneSpec
+
+    spec = TuneSpec.make(7168, 4, quick=False, dtypes=["bfloat16"], debug_nccl_us=1e6)
+    printer = progress_printer(spec, 0.0)
+    for kind, rows in (("plain", 1), ("plain", 1), ("plain", 2), ("fused", 4)):
+        printer({"event": "begin", "dtype": "bfloat16", "kind": kind, "rows": rows, "candidate": "c"})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[0].endswith(f"plain (kind 1 of 2): 1 rows, size 1 of {len(spec.rows)}")
+    assert lines[2].endswith(f"fused (kind 2 of 2): 4 rows, size {spec.rows.index(4) + 1} of {len(spec.rows)}")
