@@ -13,6 +13,8 @@ On one GPU, in two modes, each in fresh processes and a fresh cache (no cluster 
 NCCL cannot run either way (two ranks on one GPU; a group in one process): its time is injected at --nccl-us, 1 s by
 default, so no candidate is pruned and every pair of the spec is measured: the most work the spec can take.
 The full tune (every candidate profiled at every size of its denser ladder) runs once, one process, at --full-tp.
+A run cut off at --timeout is listed under failures with the end of its output: a one-process run prints each size
+as it starts it ("size i of n"), so the JSON says how far it got.
 """
 
 from __future__ import annotations
